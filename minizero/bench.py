@@ -112,9 +112,9 @@ def worker(comm, candidates=CANDIDATES, steps=30, warmup=3, micro=4, lr=1e-3, se
     """Runs on every rank. Returns this rank's measurements for every candidate that ran.
     model_kwargs: GPTConfig fields that replace BENCH_GPT's (the test uses a smaller model)."""
     cfg = {**BENCH_GPT, **(model_kwargs or {})}
-    from minizero.comm import _init_torch_distributed
+    from minizero.comm import init_torch_distributed
     torch.set_num_threads(1)
-    _init_torch_distributed(torch.device("cpu"))  # torch DDP, FSDP2 and DeepSpeed run on gloo
+    init_torch_distributed(torch.device("cpu"))  # torch DDP, FSDP2 and DeepSpeed run on gloo
     count_torch_collectives()
     out = {"rank": comm.rank, "N": comm.size, "backend": comm.backend, "model": cfg, "skipped": {}, "results": {},
            "load_average": {}}

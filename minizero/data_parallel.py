@@ -15,7 +15,7 @@ Why it is slow, and why torch deprecated nn.DataParallel in favour of DDP:
     and even with threads they would queue on the GIL;
   * replica 0 is a hub: every gradient flows into it and every weight out of it, every
     step, so its link and memory carry n times the traffic of the others (a ring
-    all-reduce spreads that evenly, see comm.py);
+    all-reduce spreads that evenly, see minizero/comm/stats.py);
   * the weights are re-sent every step (sync_replicas), where DDP sends only gradients.
 It is still exactly right: the gathered loss is the mean of the replica losses, which on
 equal slices is the mean over the whole batch, so the summed gradient is the full-batch

@@ -35,7 +35,6 @@ tensor parallelism (10).
 """
 from __future__ import annotations
 
-import os
 import time
 from contextlib import nullcontext
 
@@ -57,7 +56,7 @@ def _world_size(comm) -> int:
         return comm.size
     if comm_mod.is_initialized():
         return comm_mod.get().size
-    return max(int(os.environ.get(v, "1")) for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"))
+    return comm_mod.launched_world_size()
 
 
 def check_available(cfg: dict):

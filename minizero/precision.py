@@ -19,7 +19,6 @@ reported to memory.transient, the way DeepSpeed's stage-0 fp16 optimizer frees i
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +41,7 @@ def _agreeing_comm(comm):
         return comm
     if comm_mod.is_initialized():
         return comm_mod.get()
-    launched = max(int(os.environ.get(v, "1")) for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"))
-    return comm_mod.get() if launched > 1 else None
+    return comm_mod.get() if comm_mod.launched_world_size() > 1 else None
 
 
 class LossScaler:

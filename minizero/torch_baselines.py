@@ -53,9 +53,9 @@ def train_torch_ddp(comm, model_name: str = "tiny-gpt", steps: int = 5, global_b
     """
     import torch.distributed as dist
 
-    from minizero.comm import _init_torch_distributed
+    from minizero.comm import init_torch_distributed
     if comm.backend != "torch":  # the mpi backend leaves torch.distributed alone: start it
-        _init_torch_distributed(torch.device("cpu"))
+        init_torch_distributed(torch.device("cpu"))
     if dist.get_world_size() != comm.size:
         raise RuntimeError("train_torch_ddp needs the world communicator (torch DDP runs on the "
                            f"default group of {dist.get_world_size()} ranks, comm has {comm.size})")

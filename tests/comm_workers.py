@@ -157,3 +157,29 @@ def differing_params_under_zero(comm, which):
         Zero2(model, torch.optim.SGD, comm=comm, debug=True, lr=0.1)
     else:
         FSDP(model, comm=comm, debug=True)
+
+
+def mesh_groups(comm, layouts):
+    """For each (dp, pp, tp, node_size): the world ranks each of this rank's groups really holds
+    (an all-gather of world ranks over the group), its pipeline neighbours, and the bytes a
+    sub-group all-reduce adds to the sub-group's and the world's stats."""
+    from minizero.comm import Mesh
+    out = []
+    for dp, pp, tp, node_size in layouts:
+        mesh = Mesh(comm, dp=dp, pp=pp, tp=tp, node_size=node_size)
+        members = {}
+        for axis in ("dp", "pp", "tp", "node", "cross_node"):
+            group = getattr(mesh, axis)
+            got = torch.zeros(group.size, dtype=torch.int64)
+            group.all_gather(got, torch.tensor([comm.rank], dtype=torch.int64))
+            members[axis] = got.tolist()
+        comm.stats.reset()
+        mesh.dp.stats.reset()
+        payload = torch.ones(1000, dtype=torch.float32)
+        mesh.dp.all_reduce(payload)
+        out.append({"coords": [mesh.dp_rank, mesh.pp_rank, mesh.tp_rank], "members": members,
+                    "pp_prev": mesh.pp_prev, "pp_next": mesh.pp_next,
+                    "first": mesh.is_first_stage, "last": mesh.is_last_stage,
+                    "groups": {a: mesh.groups(a) for a in members},
+                    "sum": payload[0].item(), "dp_sent": mesh.dp.stats.sent(), "world_sent": comm.stats.sent()})
+    return out

@@ -6,7 +6,7 @@ import torch
 from minizero.autograde import Check, CheckFailed, Lab
 from minizero.comm import ring_bytes_sent
 
-LAB = Lab(1, "ring_allreduce", "Ring all-reduce from send/recv", "minizero/ring.py")
+LAB = Lab(1, "ring_allreduce", "Ring all-reduce from send/recv", "minizero/comm/ring.py")
 
 SIZES = (1, 5, 12, 1001, 4099)  # odd sizes: chunks of unequal length
 

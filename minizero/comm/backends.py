@@ -1,0 +1,238 @@
+"""The two ways minizero moves bytes, behind one small interface, and the async handle.
+
+  * MPIBackend   : mpi4py on CPU tensors through zero-copy numpy views. Default on CPU under
+                   mpirun: at 2 ranks, 16 MB it all-reduces ~3x faster than gloo, and gloo
+                   emulates reduce-scatter with an all-reduce.
+  * TorchBackend : torch.distributed. NCCL on CUDA (one rank per GPU), gloo on CPU.
+                   Bootstrapped from MPI's rank/size under mpirun (init_torch_distributed), or
+                   wrapping an already-initialized default group (torchrun, mp.spawn).
+
+A backend knows nothing of accounting or checks: `Communicator` does those once, for both.
+Every op returns a `Work` handle; the heartbeat records which op each rank is in, so a
+launcher can say "timed out: rank 2 in all_gather" instead of just "timed out".
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+class _Heartbeat:
+    """Writes 'which collective am I in' to a per-rank file set up by minizero.launch.
+
+    Two pwrite syscalls per collective: cheap, and it lets the launcher say
+    "timed out: rank 2 in all_gather" instead of just "timed out"."""
+
+    def __init__(self):
+        self.fd = None
+
+    def open(self, rank: int):
+        d = os.environ.get("MINIZERO_HEARTBEAT_DIR")
+        if d and self.fd is None:
+            self.fd = os.open(os.path.join(d, f"rank{rank}.op"), os.O_WRONLY | os.O_CREAT, 0o644)
+
+    def beat(self, text: str):
+        if self.fd is not None:
+            data = text.encode()[:200].ljust(200)
+            os.pwrite(self.fd, data, 0)
+
+
+heartbeat = _Heartbeat()
+
+
+class Work:
+    """An async handle: `wait()` blocks until the op is done (and copies back, if needed)."""
+
+    def __init__(self, waiter, op: str, on_done=None):
+        self._waiter, self._op, self._on_done, self._done = waiter, op, on_done, False
+
+    def wait(self):
+        if not self._done:
+            heartbeat.beat(self._op)
+            self._waiter()
+            if self._on_done:
+                self._on_done()
+            self._done = True
+            heartbeat.beat(f"idle (last: wait {self._op})")
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+
+# ----------------------------------------------------------------------------- mpi backend
+def mpi_module():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - install problem
+        raise RuntimeError("mpi4py is not installed: run `make setup` (or pip install mpi4py mpich)") from e
+    return MPI
+
+
+class MPIBackend:
+    """mpi4py on numpy views of CPU tensors (zero-copy). MPI has no fp16/bf16 arithmetic,
+    so reductions of 16-bit tensors go through an fp32 scratch copy (counted bytes stay
+    those of the 16-bit payload: the accounting is the model's, not this emulation's)."""
+
+    def __init__(self, mpi_comm):
+        self.MPI = mpi_module()
+        self.c = mpi_comm
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self._ops = {"sum": self.MPI.SUM, "avg": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}
+
+    @staticmethod
+    def _view(t):
+        """Raw numpy view for data movement (bit-exact, any dtype)."""
+        t = t.detach()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.view(torch.int16)
+        elif t.dtype == torch.bool:
+            t = t.view(torch.uint8)
+        return t.numpy()
+
+    def _reduction(self, tensors, start, op):
+        """Run a reduction; for 16-bit floats reduce an fp32 copy and write it back."""
+        half = tensors[0].dtype in (torch.bfloat16, torch.float16)
+        work = [t.detach().float() for t in tensors] if half else [t.detach() for t in tensors]
+        req = start(*[w.numpy() for w in work], self._ops[op])
+
+        def done():
+            out = work[0]
+            if op == "avg":
+                out.div_(self.size)
+            if half:
+                tensors[0].detach().copy_(out)
+        return Work(req.Wait, "reduction", done)
+
+    def all_reduce(self, t, op):
+        return self._reduction([t], lambda b, mop: self.c.Iallreduce(self.MPI.IN_PLACE, b, mop), op)
+
+    def reduce_scatter(self, out, inp, op):
+        return self._reduction([out, inp], lambda o, i, mop: self.c.Ireduce_scatter_block(i, o, mop), op)
+
+    def reduce(self, t, dst, op):
+        if self.rank == dst:
+            return self._reduction([t], lambda b, mop: self.c.Ireduce(self.MPI.IN_PLACE, b, mop, root=dst), op)
+        # non-roots only send; their tensor is left as it was
+        half = t.dtype in (torch.bfloat16, torch.float16)
+        buf = t.detach().float().numpy() if half else t.detach().numpy()
+        return Work(self.c.Ireduce(buf, None, self._ops[op], root=dst).Wait, "reduce")
+
+    def all_gather(self, out, inp):
+        return Work(self.c.Iallgather(self._view(inp), self._view(out)).Wait, "all_gather")
+
+    def broadcast(self, t, src):
+        return Work(self.c.Ibcast(self._view(t), root=src).Wait, "broadcast")
+
+    def all_to_all(self, out, inp):
+        return Work(self.c.Ialltoall(self._view(inp), self._view(out)).Wait, "all_to_all")
+
+    def isend(self, t, dst, tag):
+        return Work(self.c.Isend(self._view(t), dest=dst, tag=tag).Wait, "send")
+
+    def irecv(self, t, src, tag):
+        return Work(self.c.Irecv(self._view(t), source=src, tag=tag).Wait, "recv")
+
+    def barrier(self):
+        self.c.Barrier()
+
+    def allgather_obj(self, obj):
+        return self.c.allgather(obj)
+
+    def split(self, color, key):
+        return MPIBackend(self.c.Split(color, key))
+
+
+
+# ----------------------------------------------------------------------------- torch backend
+class TorchBackend:
+    """torch.distributed: NCCL on CUDA, gloo on CPU. Groups map group ranks to global ones."""
+
+    def __init__(self, group=None, ranks=None):
+        import torch.distributed as dist
+        self.dist, self.group = dist, group
+        self.ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
+        self.rank, self.size = self.ranks.index(dist.get_rank()), len(self.ranks)
+        rop = dist.ReduceOp
+        self._ops = {"sum": rop.SUM, "avg": rop.SUM, "max": rop.MAX, "min": rop.MIN}
+
+    def _maybe_avg(self, t, op, work):
+        def done():
+            if op == "avg":
+                t.detach().div_(self.size)
+        return Work(work.wait if work is not None else (lambda: None), op, done)
+
+    def all_reduce(self, t, op):
+        w = self.dist.all_reduce(t.detach(), self._ops[op], group=self.group, async_op=True)
+        return self._maybe_avg(t, op, w)
+
+    def reduce_scatter(self, out, inp, op):
+        # *_single: the forms that do not emit FutureWarnings in torch 2.13
+        w = self.dist.reduce_scatter_single(out.detach(), inp.detach(), self._ops[op], group=self.group, async_op=True)
+        return self._maybe_avg(out, op, w)
+
+    def reduce(self, t, dst, op):
+        w = self.dist.reduce(t.detach(), self.ranks[dst], self._ops[op], group=self.group, async_op=True)
+        return self._maybe_avg(t, op if self.rank == dst else "sum", w)
+
+    def all_gather(self, out, inp):
+        return Work(self.dist.all_gather_single(out.detach(), inp.detach(), group=self.group, async_op=True).wait, "all_gather")
+
+    def broadcast(self, t, src):
+        return Work(self.dist.broadcast(t.detach(), self.ranks[src], group=self.group, async_op=True).wait, "broadcast")
+
+    def all_to_all(self, out, inp):
+        return Work(self.dist.all_to_all_single(out.detach(), inp.detach(), group=self.group, async_op=True).wait, "all_to_all")
+
+    def isend(self, t, dst, tag):
+        return Work(self.dist.isend(t.detach(), self.ranks[dst], group=self.group, tag=tag).wait, "send")
+
+    def irecv(self, t, src, tag):
+        return Work(self.dist.irecv(t.detach(), self.ranks[src], group=self.group, tag=tag).wait, "recv")
+
+    def barrier(self):
+        self.dist.barrier(group=self.group)
+
+    def allgather_obj(self, obj):
+        out = [None] * self.size
+        self.dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def split(self, color, key):
+        # torch.distributed.new_group must be called by every rank for every group, in the
+        # same order: exchange (color, key) first, then build all groups deterministically.
+        info = self.allgather_obj((color, key, self.ranks[self.rank]))
+        mine = None
+        for c in sorted({c for c, _, _ in info}):
+            members = [g for cc, _, g in sorted(info, key=lambda x: (x[1], x[2])) if cc == c]
+            grp = self.dist.new_group(members)
+            if c == color:
+                mine = TorchBackend(grp, members)
+        return mine
+
+
+def init_torch_distributed(device: torch.device):
+    """Bootstrap torch.distributed from MPI's rank/size: rank 0 picks a free port and
+    broadcasts it, so no MASTER_ADDR/PORT needs setting by hand under mpirun."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        rank, size, url = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://"
+    else:
+        c = mpi_module().COMM_WORLD
+        rank, size = c.Get_rank(), c.Get_size()
+        addr_port = None
+        if rank == 0:
+            s = socket.socket()
+            s.bind(("127.0.0.1" if size == 1 else "", 0))
+            port = s.getsockname()[1]
+            s.close()
+            addr_port = (socket.gethostbyname(socket.gethostname()) if "MINIZERO_MULTINODE" in os.environ
+                         else "127.0.0.1", port)
+        addr, port = c.bcast(addr_port, root=0)
+        url = f"tcp://{addr}:{port}"
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=url,
+                            rank=rank, world_size=size)

@@ -1,0 +1,279 @@
+"""minizero.comm: one Communicator, two backends, every byte counted.
+
+Every parallelism in this repo talks through a `Communicator`. It has the collectives a
+trainer needs (all_reduce, reduce_scatter, all_gather, broadcast, reduce, all_to_all,
+send/recv, barrier), `async_op=True` handles so communication can overlap compute, and
+`split`/`new_group` for the DP/TP/PP/"node" sub-groups.
+
+Backends (comm/backends.py), chosen in ONE place, `select_backend_and_device`:
+  * "mpi"   : mpi4py on CPU tensors (the default on CPU under mpirun);
+  * "torch" : torch.distributed, NCCL on CUDA and gloo on CPU.
+
+Accounting (comm/stats.py): every call adds to `comm.stats` the bytes THIS rank sends under
+the ring model of that op (all-reduce 2(N-1)/N·S, reduce-scatter and all-gather (N-1)/N·S,
+...). Sub-communicators count into their own stats AND their parent's, so `world.stats` is
+everything this rank sent. `comm/mesh.py` builds the DP/PP/TP/node sub-communicators.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from minizero.comm.backends import MPIBackend, TorchBackend, Work, heartbeat, init_torch_distributed, mpi_module
+from minizero.comm.stats import CommStats
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+# ----------------------------------------------------------------------------- device choice
+def local_rank() -> int:
+    for var in ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def launched_world_size() -> int:
+    """The world size a launcher (mpirun: PMI_SIZE / OMPI_COMM_WORLD_SIZE; torchrun: WORLD_SIZE)
+    announced, read from the environment WITHOUT creating a communicator: 1 outside a launcher.
+    Lets a caller fail on bad input before any collective (the engine's config checks)."""
+    return max(int(os.environ.get(v, "1")) for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"))
+
+
+def select_backend_and_device(backend: str | None = None) -> tuple[str, torch.device]:
+    """The single place that decides backend and device.
+
+    CUDA present -> torch.distributed + NCCL, one rank per GPU (by local rank).
+    CPU          -> mpi (faster than gloo here), unless torch.distributed is already
+                    initialized (torchrun / mp.spawn), or MINIZERO_BACKEND says otherwise."""
+    import torch.distributed as dist
+    backend = backend or os.environ.get("MINIZERO_BACKEND")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return backend or "torch", device
+    if backend is None:
+        backend = "torch" if dist.is_available() and dist.is_initialized() else "mpi"
+    if backend not in ("mpi", "torch"):
+        raise ValueError(f"unknown backend {backend!r}: use 'mpi' or 'torch'")
+    return backend, torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- communicator
+class Communicator:
+    """rank/size/device plus counted collectives. Build one with `minizero.comm.init()`."""
+
+    def __init__(self, backend: str, impl, device: torch.device, name="world", parent=None,
+                 debug: bool | None = None):
+        self.backend, self._impl, self.device, self.name, self.parent = backend, impl, device, name, parent
+        self.rank, self.size = impl.rank, impl.size
+        self.stats = CommStats()
+        # debug: compare shapes/dtypes across ranks before every collective (one extra
+        # small all-gather each time): turns a silent hang or garbage into a clear error.
+        self.debug = bool(int(os.environ.get("MINIZERO_DEBUG", "0"))) if debug is None else debug
+        if parent is None:
+            heartbeat.open(self.rank)
+
+    def __repr__(self):
+        return f"Communicator({self.name}: rank {self.rank}/{self.size}, {self.backend}, {self.device})"
+
+    # -- bookkeeping shared by every op
+    def _count(self, op, payload_bytes):
+        c = self
+        while c is not None:
+            c.stats.add(op, payload_bytes, self.size)
+            c = c.parent
+
+    def _enter(self, op, *tensors, check=True):
+        for t in tensors:
+            if t.device != self.device and not (self.backend == "mpi" and t.device.type == "cpu"):
+                raise ValueError(f"{op}: tensor on {t.device}, communicator {self.name} is on {self.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: tensor of shape {tuple(t.shape)} is not contiguous; call .contiguous()")
+        if self.debug and check and self.size > 1:
+            sig = [(op, tuple(t.shape), str(t.dtype)) for t in tensors]
+            sigs = self._impl.allgather_obj(sig)
+            if any(s != sigs[0] for s in sigs):
+                desc = "; ".join(f"rank {r}: {s}" for r, s in enumerate(sigs))
+                raise ValueError(f"{op} on {self.name}: ranks disagree on shapes/dtypes: {desc}")
+        self._where = f"{op} ({sum(t.numel() * t.element_size() for t in tensors)} B) on {self.name}"
+        heartbeat.beat(self._where)
+
+    def _run(self, op, payload, launch, async_op):
+        self._count(op, payload)
+        work = launch()
+        work._op = self._where  # so a stuck wait() reports the op, its size and group
+        if async_op:
+            return work
+        work.wait()
+        heartbeat.beat(f"idle (last: {op})")
+        return None
+
+    @staticmethod
+    def _nbytes(t):
+        return t.numel() * t.element_size()
+
+    def _check_op(self, op, reduce_op):
+        if reduce_op not in REDUCE_OPS:
+            raise ValueError(f"{op}: unknown reduce op {reduce_op!r}; use one of {REDUCE_OPS}")
+
+    # -- collectives. All work in place on `tensor` / write into `output`.
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        self._check_op("all_reduce", op)
+        self._enter("all_reduce", tensor)
+        return self._run("all_reduce", self._nbytes(tensor),
+                         lambda: self._impl.all_reduce(tensor, op), async_op)
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        """output[i] = reduce over ranks of input[rank*k:(rank+1)*k], k = output.numel()."""
+        self._check_op("reduce_scatter", op)
+        if input.numel() != output.numel() * self.size or input.dtype != output.dtype:
+            raise ValueError(f"reduce_scatter: input {tuple(input.shape)} {input.dtype} must hold "
+                             f"{self.size} x output {tuple(output.shape)} {output.dtype}")
+        self._enter("reduce_scatter", output, input)
+        return self._run("reduce_scatter", self._nbytes(input),
+                         lambda: self._impl.reduce_scatter(output, input, op), async_op)
+
+    def all_gather(self, output, input, async_op=False):
+        """output = concat over ranks of input (flat, rank order)."""
+        if output.numel() != input.numel() * self.size or input.dtype != output.dtype:
+            raise ValueError(f"all_gather: output {tuple(output.shape)} {output.dtype} must hold "
+                             f"{self.size} x input {tuple(input.shape)} {input.dtype}")
+        self._enter("all_gather", output, input)
+        return self._run("all_gather", self._nbytes(output),
+                         lambda: self._impl.all_gather(output, input), async_op)
+
+    def broadcast(self, tensor, src=0, async_op=False):
+        self._check_rank("broadcast", src)
+        self._enter("broadcast", tensor)
+        return self._run("broadcast", self._nbytes(tensor),
+                         lambda: self._impl.broadcast(tensor, src), async_op)
+
+    def reduce(self, tensor, dst=0, op="sum", async_op=False):
+        self._check_op("reduce", op)
+        self._check_rank("reduce", dst)
+        self._enter("reduce", tensor)
+        return self._run("reduce", self._nbytes(tensor),
+                         lambda: self._impl.reduce(tensor, dst, op), async_op)
+
+    def all_to_all(self, output, input, async_op=False):
+        """Chunk j of `input` goes to rank j; chunk j of `output` came from rank j."""
+        if input.numel() != output.numel() or input.numel() % self.size or input.dtype != output.dtype:
+            raise ValueError(f"all_to_all: input {tuple(input.shape)} and output {tuple(output.shape)} "
+                             f"must have equal size divisible by {self.size} and one dtype")
+        self._enter("all_to_all", output, input)
+        return self._run("all_to_all", self._nbytes(input),
+                         lambda: self._impl.all_to_all(output, input), async_op)
+
+    def send(self, tensor, dst, tag=0):
+        self.isend(tensor, dst, tag).wait()
+
+    def recv(self, tensor, src, tag=0):
+        self.irecv(tensor, src, tag).wait()
+
+    def isend(self, tensor, dst, tag=0):
+        self._check_rank("send", dst)
+        self._enter("send", tensor, check=False)
+        self._count("send", self._nbytes(tensor))
+        work = self._impl.isend(tensor, dst, tag)
+        work._op = f"send to rank {dst} of {self.name} ({self._nbytes(tensor)} B)"
+        return work
+
+    def irecv(self, tensor, src, tag=0):
+        self._check_rank("recv", src)
+        self._enter("recv", tensor, check=False)
+        self._count("recv", self._nbytes(tensor))
+        work = self._impl.irecv(tensor, src, tag)
+        work._op = f"recv from rank {src} of {self.name} ({self._nbytes(tensor)} B)"
+        return work
+
+    def barrier(self):
+        heartbeat.beat(f"barrier on {self.name}")
+        self._count("barrier", 0)
+        self._impl.barrier()
+        heartbeat.beat("idle (last: barrier)")
+
+    def allgather_object(self, obj):
+        """Small Python objects (pickled); not counted: metadata, not training traffic."""
+        return self._impl.allgather_obj(obj)
+
+    def check_replicated(self, named_tensors, who: str):
+        """Raise if any tensor differs between ranks. A debug aid for wrappers that assume every
+        rank built the same model (one small all-gather of hashes, not of the tensors)."""
+        import hashlib
+        mine = [(n, tuple(t.shape), hashlib.sha1(t.detach().float().cpu().numpy().tobytes()).hexdigest())
+                for n, t in named_tensors]
+        for r, theirs in enumerate(self.allgather_object(mine)):
+            bad = [a[0] for a, b in zip(theirs, mine) if a != b] + ([] if len(theirs) == len(mine) else ["(count)"])
+            if bad:
+                raise ValueError(f"{who}(debug=True): parameter {bad[0]!r} differs between rank {self.rank} and "
+                                 f"rank {r} at construction. Each rank wraps its OWN copy, so the ranks would train "
+                                 "different (or mixed) models: build it with the same seed everywhere.")
+
+    def _check_rank(self, op, r):
+        if not 0 <= r < self.size:
+            raise ValueError(f"{op}: rank {r} out of range for {self.name} of size {self.size}")
+
+    # -- groups
+    def split(self, color: int, key: int | None = None, name: str | None = None) -> "Communicator":
+        """Ranks with the same `color` form a sub-communicator, ordered by `key` (default: rank).
+        Every rank must call it (like MPI_Comm_split)."""
+        key = self.rank if key is None else key
+        impl = self._impl.split(color, key)
+        return Communicator(self.backend, impl, self.device, name or f"{self.name}/{color}",
+                            parent=self, debug=self.debug)
+
+    def new_group(self, ranks, name: str | None = None) -> "Communicator | None":
+        """A sub-communicator of `ranks` (ranks of this communicator). All ranks call it;
+        non-members get None."""
+        ranks = sorted(ranks)
+        for r in ranks:
+            self._check_rank("new_group", r)
+        inside = self.rank in ranks
+        sub = self.split(0 if inside else 1, name=name or f"{self.name}/{ranks}")
+        return sub if inside else None
+
+    def require_size(self, n: int, why: str = ""):
+        if self.size != n:
+            raise RuntimeError(f"this needs {n} ranks{' (' + why + ')' if why else ''} but runs on "
+                               f"{self.size}: launch with `mpirun -n {n} ...` or launch.run(..., nprocs={n})")
+
+
+_WORLD: Communicator | None = None
+
+
+def init(backend: str | None = None, debug: bool | None = None) -> Communicator:
+    """The global communicator (created on first call). Under mpirun on CPU: mpi backend."""
+    global _WORLD
+    if _WORLD is not None:
+        if backend is not None and backend != _WORLD.backend:
+            raise RuntimeError(f"communicator already initialized with backend {_WORLD.backend!r}")
+        return _WORLD
+    backend, device = select_backend_and_device(backend)
+    if backend == "mpi":
+        impl = MPIBackend(mpi_module().COMM_WORLD)
+    else:
+        init_torch_distributed(device)
+        impl = TorchBackend()
+    _WORLD = Communicator(backend, impl, device, debug=debug)
+    return _WORLD
+
+
+def is_initialized() -> bool:
+    """Whether the global communicator exists (without creating it)."""
+    return _WORLD is not None
+
+
+def get() -> Communicator:
+    """The global communicator; initializes it with defaults if needed."""
+    return _WORLD if _WORLD is not None else init()
+
+
+def shutdown():
+    """Tear down the global communicator (and torch.distributed, if we started it)."""
+    global _WORLD
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _WORLD = None

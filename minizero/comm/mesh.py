@@ -1,0 +1,115 @@
+"""Mesh: one grid of ranks, the single source of truth for every parallel group.
+
+3D parallelism puts each rank at a coordinate (d, p, t) of a dp x pp x tp grid:
+
+    grid = arange(world).view(dp, pp, tp)        world rank = (d * pp + p) * tp + t
+
+and every group is a line through that grid: the tp group of a rank varies t with (d, p) fixed,
+its pp group varies p, its dp group varies d. TP varies fastest, so a tp group is made of
+neighbouring ranks (one server: TP needs the fastest links), PP next, DP outermost. This is
+the order of Megatron-LM's default and of picotron's `ProcessGroupManager`.
+
+"Nodes" simulate servers on one machine: `node_size` consecutive world ranks form a node.
+ZeRO++ (Wang et al. 2023) needs two more groups from that: the `node` group (the ranks of one
+server) and the `cross_node` group (the ranks with the same local index on every server).
+A tp group must fit inside a node, so `node_size` must be a multiple of `tp`.
+
+    mesh = Mesh(comm, dp=2, pp=2, tp=2)            # on 8 ranks
+    mesh.tp.all_reduce(x)                          # the 2 ranks of this rank's tp group
+    mesh.pp.send(act, mesh.pp_next)                # pipeline neighbour, a rank of mesh.pp
+
+The sub-communicators are built once, here, with `Communicator.split` (every rank calls every
+split, in the same order), and count their bytes into the world's stats as well as their own.
+The mesh is passed explicitly to whatever needs it, as `comm=` is: there is no global mesh.
+"""
+from __future__ import annotations
+
+import torch
+
+from minizero.comm.communicator import Communicator
+
+AXES = ("dp", "pp", "tp")
+
+
+class MeshError(ValueError):
+    """Sizes that do not describe the world: the message names them."""
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MeshError(f"Mesh: {name} must be a positive int, got {value!r}")
+    return value
+
+
+class Mesh:
+    """A dp x pp x tp grid over `comm`'s ranks, plus nodes of `node_size` consecutive ranks."""
+
+    def __init__(self, comm: Communicator, dp: int | None = None, pp: int = 1, tp: int = 1,
+                 node_size: int | None = None):
+        world = comm.size
+        pp, tp = _positive_int("pp", pp), _positive_int("tp", tp)
+        if dp is None:  # the usual way to ask: "the rest is data parallel"
+            if world % (pp * tp):
+                raise MeshError(f"Mesh: pp={pp} x tp={tp} = {pp * tp} does not divide the world size "
+                                f"{world}: launch a multiple of {pp * tp} ranks")
+            dp = world // (pp * tp)
+        dp = _positive_int("dp", dp)
+        if dp * pp * tp != world:
+            raise MeshError(f"Mesh: dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but the world has "
+                            f"{world}: the sizes' product must equal the number of ranks")
+        node_size = world if node_size is None else _positive_int("node_size", node_size)
+        if world % node_size:
+            raise MeshError(f"Mesh: node_size={node_size} does not divide the world size {world}")
+        if node_size % tp:
+            raise MeshError(f"Mesh: tp={tp} does not fit in nodes of {node_size} ranks: a tp group would span "
+                            "two nodes, and TP's per-layer all-reduces need the fast intra-node links. Use a "
+                            "node_size that is a multiple of tp")
+        self.world = comm                  # every group below is a split of it
+        self.dp_size = dp                  # data-parallel replicas (ZeRO shards over this axis)
+        self.pp_size = pp                  # pipeline stages
+        self.tp_size = tp                  # tensor-parallel ranks per layer
+        self.node_size = node_size         # ranks per simulated server
+        self.num_nodes = world // node_size
+        self.grid = torch.arange(world).view(dp, pp, tp)  # grid[d, p, t] = world rank
+        coords = (self.grid == comm.rank).nonzero()[0].tolist()
+        self.dp_rank, self.pp_rank, self.tp_rank = coords
+        self.node_index = comm.rank // node_size   # which server this rank is on
+        self.local_rank = comm.rank % node_size    # its index inside that server
+        d, p, t = coords
+        # color = which line through the grid; key = position on it (becomes the sub-rank)
+        self.dp = comm.split(p * tp + t, d, name=f"dp{self.grid[:, p, t].tolist()}")
+        self.pp = comm.split(d * tp + t, p, name=f"pp{self.grid[d, :, t].tolist()}")
+        self.tp = comm.split(d * pp + p, t, name=f"tp{self.grid[d, p, :].tolist()}")
+        self.node = comm.split(self.node_index, self.local_rank, name=f"node{self.node_index}")
+        self.cross_node = comm.split(self.local_rank, self.node_index, name=f"cross_node{self.local_rank}")
+        # pipeline neighbours, as ranks of self.pp (None at the ends: no wrap-around)
+        self.pp_prev = p - 1 if p > 0 else None
+        self.pp_next = p + 1 if p < pp - 1 else None
+        self.is_first_stage = p == 0
+        self.is_last_stage = p == pp - 1
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group along `axis` ('dp', 'pp', 'tp', 'node', 'cross_node') as lists of world ranks."""
+        if axis in AXES:
+            dim = AXES.index(axis)
+            lines = self.grid.movedim(dim, -1).reshape(-1, self.grid.shape[dim])
+            return sorted(line.tolist() for line in lines)
+        nodes = torch.arange(self.world.size).view(self.num_nodes, self.node_size)
+        if axis == "node":
+            return nodes.tolist()
+        if axis == "cross_node":
+            return nodes.t().tolist()
+        raise ValueError(f"unknown axis {axis!r}; use one of {AXES + ('node', 'cross_node')}")
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(d, p, t) of a world rank."""
+        return tuple((self.grid == rank).nonzero()[0].tolist())
+
+    def same_node(self, rank_a: int, rank_b: int) -> bool:
+        """Whether two world ranks are on the same simulated server."""
+        return rank_a // self.node_size == rank_b // self.node_size
+
+    def __repr__(self):
+        return (f"Mesh(dp={self.dp_size}, pp={self.pp_size}, tp={self.tp_size}, node_size={self.node_size}; "
+                f"rank {self.world.rank} at (d={self.dp_rank}, p={self.pp_rank}, t={self.tp_rank}), "
+                f"node {self.node_index})")
