@@ -30,10 +30,10 @@ grade: setup
 	$(PY) -m minizero grade --json results.json || true  # a score below full marks is a result, not a build failure
 
 labs: setup
-	$(PY) -m minizero.labgen
+	$(PY) -m minizero.cli.labgen
 
 lint: setup
-	$(PY) -m minizero.labgen --check
+	$(PY) -m minizero.cli.labgen --check
 
 clean:
 	rm -rf $(VENV) results.json demo.png runs

@@ -1,5 +1,5 @@
 # Lab 01: Ring all-reduce from send/recv
-# GENERATED from minizero/ring.py by `make labs`. Edit the TODO regions (everything else is the reference code).
+# GENERATED from minizero/comm/ring.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab01_ring_allreduce.py
 #   check: python -m minizero grade --lab 1 --impl labs    (or: pytest -m lab1 --impl labs)
 """Ring all-reduce built from point-to-point send/recv: what NCCL and MPI run for big messages.
@@ -33,10 +33,18 @@ def ring_all_reduce(comm, tensor: torch.Tensor) -> torch.Tensor:
     right, left = (rank + 1) % n, (rank - 1) % n
     scratch = torch.empty(chunks[0].numel(), dtype=tensor.dtype, device=tensor.device)
 
-    # TODO(lab 1): phase 1, reduce-scatter. For s in range(n - 1): isend chunk (rank - s) % n to `right`, recv chunk (rank - s - 1) % n from `left` into scratch[:size], add it into that chunk, then wait for the send.
+    # TODO(lab 1): phase 1, reduce-scatter: after it, this rank holds one chunk's full sum.
+    #   For s in range(n - 1):
+    #     isend chunk (rank - s) % n to `right`;
+    #     recv chunk (rank - s - 1) % n from `left` into scratch[:size of that chunk];
+    #     add it into that chunk, then wait for the send.
     raise NotImplementedError('lab 1: not implemented yet: phase 1, reduce-scatter')
 
-    # TODO(lab 1): phase 2, all-gather. For s in range(n - 1): isend chunk (rank + 1 - s) % n to `right`, recv chunk (rank - s) % n from `left` straight into that chunk, then wait for the send.
+    # TODO(lab 1): phase 2, all-gather: pass the summed chunks around the ring.
+    #   For s in range(n - 1):
+    #     isend chunk (rank + 1 - s) % n to `right`;
+    #     recv chunk (rank - s) % n from `left` straight into that chunk;
+    #     then wait for the send.
     raise NotImplementedError('lab 1: not implemented yet: phase 2, all-gather')
     return tensor
 

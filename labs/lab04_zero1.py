@@ -1,5 +1,5 @@
 # Lab 04: ZeRO-1: the sharded optimizer step
-# GENERATED from minizero/zero1.py by `make labs`. Edit the TODO regions (everything else is the reference code).
+# GENERATED from minizero/zero/sharded_optimizer.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab04_zero1.py
 #   check: python -m minizero grade --lab 4 --impl labs    (or: pytest -m lab4 --impl labs)
 """ZeRO stage 1 (P_os): every rank keeps the optimizer state of 1/N of the parameters only.
@@ -20,7 +20,7 @@ reduce's volume. minizero.comm counts exactly this (see tests/test_zero12.py).
     opt.clip_grad_norm_(1.0)         # optional: the GLOBAL norm, across shards
     opt.step(); opt.zero_grad()
 
-Layout (minizero.flat.FlatLayout): the trainable parameters (a tied weight once, frozen ones
+Layout (minizero.zero.flat_layout.FlatLayout): the trainable parameters (a tied weight once, frozen ones
 not at all) become views into ONE flat buffer padded to a multiple of N; rank r owns
 [r·S, (r+1)·S), S = ceil(Ψ/N), cut wherever it falls, even through a tensor. That is fine
 because the optimizers we wrap are ELEMENTWISE: SGD, Adam, AdamW, ... update each element
@@ -38,7 +38,7 @@ Decisions, and why:
     accumulation is plain autograd adding in place, and the flat buffer is the gradient
     memory: ZeRO-1 keeps full gradients, 4Ψ fp32 bytes (ZeRO-2 is what shards them). After
     step() p.grad holds this rank's LOCAL gradient; the average exists only as the shard.
-  * gradients_reduced=True: the gradients were already averaged (e.g. by minizero.ddp.DDP);
+  * gradients_reduced=True: the gradients were already averaged (e.g. by minizero.dp.ddp.DDP);
     step() just slices its shard out of p.grad. Comm is then all-reduce + all-gather.
   * A flat shard cannot skip a parameter whose grad is None the way torch does: it steps it
     with a zero gradient. Identical for a parameter never used (Adam/SGD move nothing from
@@ -54,7 +54,7 @@ import torch
 
 from minizero import comm as comm_mod
 from minizero import memory, precision
-from minizero.flat import FlatLayout
+from minizero.zero.flat_layout import FlatLayout
 
 # Torch optimizers whose update of one element depends on other elements of its tensor.
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
@@ -195,9 +195,13 @@ class ShardedOptimizer:
         ZeRO-2 calls this too, with the gradient shard it reduced during backward."""
         # mixed precision: the fp32 copy of the gradient shard lives only during the step
         with memory.transient.hold("zero1.fp32_grad_shard", grad_shard.numel() * 4 if self.mixed else 0):
-            # TODO(lab 4): step the shard. Give self.master the gradient `grad_shard` (cast to the master's dtype: fp32), run self.optim.step(), then drop the gradient again (set it to None)
+            # TODO(lab 4): step the shard.
+            #   Give self.master the gradient `grad_shard` (cast to the master's dtype: fp32),
+            #   run self.optim.step(), then drop the gradient again (set it to None).
             raise NotImplementedError('lab 4: not implemented yet: step the shard')
-        # TODO(lab 4): all-gather the updated parameters into self.flat. Copy self.master into a new send buffer of self.flat's dtype (MPI may not send from inside the buffer it receives into), then self.comm.all_gather(self.flat, send)
+        # TODO(lab 4): all-gather the updated parameters into self.flat.
+        #   Copy self.master into a new send buffer of self.flat's dtype (MPI may not send from
+        #   inside the buffer it receives into), then self.comm.all_gather(self.flat, send).
         raise NotImplementedError('lab 4: not implemented yet: all-gather the updated parameters into self.flat')
 
     def zero_grad(self, set_to_none: bool = True):
@@ -247,9 +251,9 @@ class ShardedOptimizer:
                     yield "optimizer_state", v, None
 
     def __repr__(self):
-        L = self.layout
+        layout = self.layout
         return (f"ShardedOptimizer({type(self.optim).__name__}, rank {self.comm.rank}/{self.comm.size}, "
-                f"psi={L.numel}, padded={L.padded_numel}, shard={L.shard_numel}, mixed={self.mixed})")
+                f"psi={layout.numel}, padded={layout.padded_numel}, shard={layout.shard_numel}, mixed={self.mixed})")
 
 
 if __name__ == "__main__":

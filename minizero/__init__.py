@@ -10,6 +10,6 @@ def __getattr__(name):
     # `minizero.initialize(model, config)`, DeepSpeed's entry point. Imported on first use so that
     # `import minizero` (the CLI, the grader) does not pay for torch and the engine.
     if name == "initialize":
-        from minizero.engine import initialize
+        from minizero.runtime.engine import initialize
         return initialize
     raise AttributeError(f"module 'minizero' has no attribute {name!r}")

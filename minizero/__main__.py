@@ -1,30 +1,7 @@
-"""python -m minizero {demo,bench,plan,grade,train,consolidate} ...  (each subcommand has --help)."""
+"""python -m minizero {demo,bench,plan,grade,train,consolidate} ...  (the dispatch is minizero/cli/)."""
 import sys
 
-COMMANDS = {
-    "demo": ("minizero.demo", "4 ranks train a tiny GPT with data parallelism; table + PNG"),
-    "bench": ("minizero.bench", "step time, memory and bytes vs torch DDP, FSDP2 and DeepSpeed (interleaved)"),
-    "plan": ("minizero.plan", "model-state memory per GPU for DDP and ZeRO-1/2/3 (estimator)"),
-    "grade": ("minizero.autograde", "grade the labs; writes a Gradescope results.json"),
-    "train": ("minizero.train", "under mpirun: train with a DeepSpeed JSON config; log, plot, checkpoints"),
-    "consolidate": ("minizero.checkpoint", "a sharded checkpoint -> one fp32 state dict (zero_to_fp32)"),
-}
-
-
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        lines = "\n".join(f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items())
-        msg = f"usage: python -m minizero COMMAND [--help]\n\ncommands:\n{lines}"
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"unknown command {argv[0]!r}\n\n{msg}", file=sys.stderr)
-            return 2
-        print(msg)
-        return 0
-    import importlib
-    module = importlib.import_module(COMMANDS[argv[0]][0])
-    return module.main(argv[1:]) or 0
-
+from minizero.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

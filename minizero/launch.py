@@ -1,6 +1,6 @@
 """minizero.launch: run a function on N MPI ranks from Python, safely.
 
-    results = launch.run("minizero.demo:train_worker", nprocs=4, args={"steps": 20}, timeout=60)
+    results = launch.run("minizero.cli.demo:train_worker", nprocs=4, args={"steps": 20}, timeout=60)
 
 starts `mpirun -n 4 python -m minizero.launch ...` in a subprocess. Each rank builds the
 global Communicator, calls `fn(comm, **args)` and returns a JSON-serializable value;

@@ -1,5 +1,5 @@
 # Lab 01: Ring all-reduce from send/recv
-# GENERATED from minizero/ring.py by `make labs`. Edit nothing: this is the reference solution.
+# GENERATED from minizero/comm/ring.py by `make labs`. Edit nothing: this is the reference solution.
 #   run:   mpirun -n 4 python solutions/lab01_ring_allreduce.py
 #   check: python -m minizero grade --lab 1 --impl solutions    (or: pytest -m lab1 --impl solutions)
 """Ring all-reduce built from point-to-point send/recv: what NCCL and MPI run for big messages.
@@ -33,6 +33,11 @@ def ring_all_reduce(comm, tensor: torch.Tensor) -> torch.Tensor:
     right, left = (rank + 1) % n, (rank - 1) % n
     scratch = torch.empty(chunks[0].numel(), dtype=tensor.dtype, device=tensor.device)
 
+    # phase 1, reduce-scatter: after it, this rank holds one chunk's full sum.
+    #   For s in range(n - 1):
+    #     isend chunk (rank - s) % n to `right`;
+    #     recv chunk (rank - s - 1) % n from `left` into scratch[:size of that chunk];
+    #     add it into that chunk, then wait for the send.
     for s in range(n - 1):
         send_idx, recv_idx = (rank - s) % n, (rank - s - 1) % n
         pending = comm.isend(chunks[send_idx], right)
@@ -41,6 +46,11 @@ def ring_all_reduce(comm, tensor: torch.Tensor) -> torch.Tensor:
         pending.wait()  # the send buffer must not change until it has left
         chunks[recv_idx].add_(incoming)
 
+    # phase 2, all-gather: pass the summed chunks around the ring.
+    #   For s in range(n - 1):
+    #     isend chunk (rank + 1 - s) % n to `right`;
+    #     recv chunk (rank - s) % n from `left` straight into that chunk;
+    #     then wait for the send.
     for s in range(n - 1):
         send_idx, recv_idx = (rank + 1 - s) % n, (rank - s) % n
         pending = comm.isend(chunks[send_idx], right)

@@ -23,7 +23,6 @@ reported to memory.transient, the way DeepSpeed's stage-0 fp16 optimizer frees i
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +45,7 @@ def _agreeing_comm(comm):
         return comm
     if comm_mod.is_initialized():
         return comm_mod.get()
-    launched = max(int(os.environ.get(v, "1")) for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"))
-    return comm_mod.get() if launched > 1 else None
+    return comm_mod.get() if comm_mod.launched_world_size() > 1 else None
 
 
 class LossScaler:
@@ -74,8 +72,11 @@ class LossScaler:
         self.cur_scale = float(2 ** initial_scale_power if self.dynamic else loss_scale)
         if self.dynamic and self.cur_scale < min_loss_scale:  # DeepSpeed accepts it, then RAISES S on overflow
             raise ValueError(f"initial scale 2**{initial_scale_power} is below min_loss_scale={min_loss_scale:g}")
-        self.loss_scale_window, self.hysteresis, self.min_loss_scale = loss_scale_window, hysteresis, min_loss_scale
-        self.consecutive_hysteresis, self.raise_error_at_min_scale = consecutive_hysteresis, raise_error_at_min_scale
+        self.loss_scale_window = loss_scale_window  # good steps between doublings
+        self.hysteresis = hysteresis                # overflows tolerated before the scale halves
+        self.min_loss_scale = min_loss_scale        # the floor; at it an overflow raises (or not, below)
+        self.consecutive_hysteresis = consecutive_hysteresis      # refill the budget on every good step
+        self.raise_error_at_min_scale = raise_error_at_min_scale  # False: stay at the floor and skip
         self.cur_iter = 0             # update() calls so far
         self.last_overflow_iter = -1  # cur_iter of the last overflow (-1: none yet)
         self.cur_hysteresis = hysteresis  # budget: an overflow spends one unit, or halves S when one is left
@@ -98,6 +99,11 @@ class LossScaler:
         grads = [g for g in grads if g is not None]
         comm = _agreeing_comm(comm)
         device = grads[0].device if grads else comm.device if comm is not None else torch.device("cpu")
+        # decide `overflow`: True if any tensor in `grads` holds an inf or a nan on ANY rank.
+        #   Test each tensor with torch.isfinite (a sum could overflow by itself).
+        #   Put the local answer in a one-element float tensor `flag` on `device`;
+        #   all-reduce it over `comm` with op="max" when comm is not None;
+        #   then read it back with flag.item().
         flag = torch.zeros(1, device=device)
         if any(not bool(torch.isfinite(g).all()) for g in grads):
             flag.fill_(1.0)
@@ -114,6 +120,11 @@ class LossScaler:
         if not self.dynamic:
             self.cur_iter += 1
             return
+        # update the scale by DeepSpeed's rule in the class docstring.
+        #   State: cur_scale, cur_hysteresis, last_overflow_iter, cur_iter (state_dict saves these).
+        #   'k good steps in a row' is cur_iter - last_overflow_iter for this good step.
+        #   At the floor raise MinLossScaleError (if raise_error_at_min_scale), naming min_loss_scale.
+        #   End with cur_iter += 1.
         if overflow:
             if self.hysteresis == 1 or self.cur_hysteresis == 1:
                 if self.cur_scale == self.min_loss_scale and self.raise_error_at_min_scale:
@@ -192,8 +203,12 @@ class MixedPrecisionOptimizer:
                             "(model.to(torch.float16)); fp32 parameters need no master copy, use the optimizer as is")
         self.masters = [p.detach().float() for p in self.params]  # fresh fp32 storages: the 4 bytes of 4+4+4
         self.optimizer = optimizer_cls(self.masters, **optimizer_kwargs)
-        self.loss_scaler, self.clip_grad, self.comm = loss_scaler, clip_grad, comm
-        self.overflow, self.skipped_steps, self.grad_norm = False, 0, None
+        self.loss_scaler = loss_scaler  # None: bf16 (no scaling needed); a LossScaler for fp16
+        self.clip_grad = clip_grad      # max global gradient norm; 0: no clipping
+        self.comm = comm                # the ranks that vote on overflow (None: this process alone)
+        self.overflow = False           # the last step() found inf/nan and skipped
+        self.skipped_steps = 0
+        self.grad_norm = None           # the last step's global gradient norm (when clipping)
 
     @property
     def param_groups(self):  # for LR schedulers: they act on the optimizer of the masters
@@ -268,52 +283,6 @@ def fp32_loss(model, x, y) -> torch.Tensor:
 
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def train(comm=None, dtype="fp16", steps=20, lr=3e-3, batch_size=8, seed=0, fp16=None, clip_grad=0.0, inject=()):
-    """The reference loop (a launch target): TinyGPT, Adam, `steps` steps in fp32, fp16 or bf16.
-
-    fp16: LossScaler keywords (DeepSpeed's "fp16" keys). inject: [rank, step] pairs at which that
-    rank's first gradient element is set to inf after backward (a forced overflow). With several
-    ranks it is data parallel: each rank takes its shard of the batch and the 16-bit gradients are
-    averaged. Returns per-step losses (this rank's), scales, skips, the ledger before the last step."""
-    from minizero import data as data_mod
-    from minizero.models import TinyGPT
-    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    model = TinyGPT(seed=seed).to(DTYPES[dtype])
-    if dtype == "fp32":
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
-    else:
-        scaler = LossScaler(**(fp16 or {})) if dtype == "fp16" else None
-        opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, scaler, clip_grad, comm, lr=lr)
-    data, inject = data_mod.SyntheticTokens(seed=seed), {tuple(i) for i in inject}
-    memory.transient.reset()
-    out = {"loss": [], "scale": [], "skipped": [], "num_params": model.num_params()}
-    for step in range(steps):
-        x, y = data_mod.shard(data.batch(step, batch_size), rank, size)
-        loss = fp32_loss(model, x, y)
-        scale = opt.loss_scaler.loss_scale if getattr(opt, "loss_scaler", None) is not None else 1.0
-        opt.backward(loss) if dtype != "fp32" else loss.backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if size > 1:  # plain data parallelism, one flat bucket: average the (scaled) 16-bit gradients
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, op="avg")
-            for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(piece.view_as(g))
-        if (rank, step) in inject:
-            grads[0].view(-1)[0] = float("inf")
-        if step == steps - 1:
-            out["ledger"] = memory.measure(model, opt).by_category
-        if dtype == "fp32" and clip_grad > 0:
-            clip_grad_norm_(grads, clip_grad)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out["loss"].append(loss.item())
-        out["scale"].append(scale)
-        out["skipped"].append(bool(getattr(opt, "overflow", False)))
-    out["transient_peak"] = memory.transient.peak
-    out["sent"] = comm.stats.sent() if comm is not None else 0.0
-    return out
 
 
 if __name__ == "__main__":

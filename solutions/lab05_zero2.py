@@ -1,5 +1,5 @@
 # Lab 05: ZeRO-2: gradients reduced into the shard during backward
-# GENERATED from minizero/zero2.py by `make labs`. Edit nothing: this is the reference solution.
+# GENERATED from minizero/zero/shard_grad_op.py by `make labs`. Edit nothing: this is the reference solution.
 #   run:   mpirun -n 4 python solutions/lab05_zero2.py
 #   check: python -m minizero grade --lab 5 --impl solutions    (or: pytest -m lab5 --impl solutions)
 """ZeRO stage 2 (P_os+g): gradients sharded too, reduced into this rank's shard DURING backward.
@@ -17,13 +17,14 @@ reduction on the entire bucket at once ... a reduction instead of an all-reduce 
 partition boundaries". Communication is unchanged: the reductions add up to one reduce-
 scatter of Ψ, the step's all-gather (ZeRO-1's, reused) another Ψ: 2(N-1)/N·Ψ, as DDP.
 
-    model = Zero2(TinyGPT(), torch.optim.Adam, bucket_mb=25, lr=1e-3)
+    model = ShardGradOp(TinyGPT(), torch.optim.Adam, bucket_numel=6_250_000, lr=1e-3)
     loss = model(x_shard, y_shard)[1]; loss.backward()   # gradients reduced during backward
     model.clip_grad_norm_(1.0); model.step(); model.zero_grad()
 
 How, and why:
   * Same flat layout as ZeRO-1 (the step IS ZeRO-1's: ShardedOptimizer.step_shard). The flat
-    gradient order is cut into buckets of about `bucket_mb` MB (1 MB = 1e6 B), walking the
+    gradient order is cut into buckets of about `bucket_numel` elements (DeepSpeed's
+    reduce_bucket_size; the default 6.25M is 25 MB of fp32 gradients), walking the
     parameters backwards (about the order backward produces them). A post-accumulate-grad
     hook copies p.grad into its bucket and sets p.grad = None: the full gradient lives only
     for the moment between autograd producing it and the copy.
@@ -57,64 +58,77 @@ from torch.autograd.variable import Variable
 
 from minizero import comm as comm_mod
 from minizero import memory
-from minizero.zero1 import ShardedOptimizer, check_optimizer_class, clip_shard_grad_norm_
+from minizero.zero.sharded_optimizer import ShardedOptimizer, check_optimizer_class, clip_shard_grad_norm_
 
 
-class Bucket:
+class ReduceBucket:
     """A contiguous range [lo, hi) of the flat gradient and the parameters inside it."""
 
     def __init__(self, index: int, params: list[int], lo: int, hi: int, shard_numel: int, world: int):
-        self.name, self.params, self.lo, self.hi = f"zero2.bucket{index}", params, lo, hi
+        self.name = f"zero2.bucket{index}"  # its name in memory.transient
+        self.params = params                 # indices (into the flat layout) of its parameters
+        self.lo = lo                         # [lo, hi): its range of the flat gradient
+        self.hi = hi
         # (owner, a, b): the part [a, b) of this bucket that falls in rank owner's shard
         self.parts = [(r, max(lo, r * shard_numel), min(hi, (r + 1) * shard_numel)) for r in range(world)
                       if max(lo, r * shard_numel) < min(hi, (r + 1) * shard_numel)]
-        self.buffer, self.works, self.filled = None, [], set()
+        self.buffer = None                   # allocated by its first gradient, freed after its reduces
+        self.works = []                      # the in-flight reduces, one per owner
+        self.filled = set()                  # parameters copied in during this backward
 
 
-class Zero2(nn.Module):
+class ShardGradOp(nn.Module):
     """ZeRO-2 around `module`; `self.optim` is the ShardedOptimizer that steps this rank's shard."""
 
     def __init__(self, module: nn.Module, optimizer_cls, comm: comm_mod.Communicator | None = None,
-                 bucket_mb: float = 25, overlap: bool = True, debug: bool | None = None, **optimizer_kwargs):
+                 bucket_numel: int = 6_250_000, overlap: bool = True, debug: bool | None = None,
+                 **optimizer_kwargs):
         super().__init__()
         check_optimizer_class(optimizer_cls)
-        comm_ = comm or comm_mod.get()
-        if (comm_.debug if debug is None else debug) and comm_.size > 1:
-            comm_.check_replicated(module.named_parameters(), "Zero2")
-        if not bucket_mb or bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
-        self.module, self.comm, self.overlap, self.bucket_mb = module, comm or comm_mod.get(), overlap, bucket_mb
+        if not bucket_numel or bucket_numel <= 0:
+            raise ValueError(f"bucket_numel must be > 0, got {bucket_numel!r}")
+        self.module = module              # the wrapped model (torch's convention: .module)
+        self.comm = comm or comm_mod.get()
+        if (self.comm.debug if debug is None else debug) and self.comm.size > 1:
+            self.comm.check_replicated(module.named_parameters(), "ShardGradOp")
+        self.overlap = overlap            # reduce each bucket during backward (else all at its end)
+        self.bucket_numel = bucket_numel  # gradients per bucket; a bigger parameter gets its own
         with torch.no_grad():  # frozen parameters and buffers: rank 0's (the flat buffer is broadcast below)
             for t in [*(p for p in module.parameters() if not p.requires_grad), *module.buffers()]:
                 self.comm.broadcast(t.data, src=0)
         # The sharded step of ZeRO-1, told that gradients arrive reduced (it allocates none).
         self.optim = ShardedOptimizer(module.parameters(), optimizer_cls, self.comm,
                                       gradients_reduced=True, **optimizer_kwargs)
-        self.params, self.layout = self.optim.params, self.optim.layout
-        L = self.layout
-        self.grad_shard = torch.zeros(L.shard_numel, dtype=self.optim.flat.dtype, device=self.optim.flat.device)
-        self.buckets = self._make_buckets(bucket_mb * 1e6 / self.optim.flat.element_size())
+        self.params = self.optim.params   # unique trainable parameters, in flat-buffer order
+        self.layout = self.optim.layout   # where each parameter sits in the flat buffer
+        # this rank's averaged gradient: the only gradient memory that outlives backward
+        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.optim.flat.dtype,
+                                      device=self.optim.flat.device)
+        self.buckets = self._make_buckets(bucket_numel)
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.params}
-        self._sync, self._in_backward, self._has_grad = True, False, False
-        self._next, self._in_flight = 0, None  # first bucket not launched; the one launched last
-        self.launched_in_hooks = 0  # buckets launched during backward (vs at its end): overlap
+        self._sync = True                 # False inside no_sync(): keep full gradients, reduce later
+        self._in_backward = False         # a backward's hooks have fired and its end is queued
+        self._has_grad = False            # grad_shard holds reduced gradients not stepped yet
+        self._next = 0                    # first bucket not launched yet in this backward
+        self._in_flight = None            # the bucket launched last (at most one in flight)
+        self.launched_in_hooks = 0        # buckets launched during backward (vs at its end): overlap
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad_ready(i))
 
-    def _make_buckets(self, cap_numel: float) -> list[Bucket]:
-        L, groups, current, size = self.layout, [], [], 0
+    def _make_buckets(self, bucket_numel: int) -> list[ReduceBucket]:
+        layout, groups, current, numel = self.layout, [], [], 0
         for i in reversed(range(len(self.params))):
-            n = L.numels[i]
-            if current and size + n > cap_numel:  # a parameter bigger than the cap: a bucket of its own
+            if current and numel + layout.numels[i] > bucket_numel:  # a bigger parameter: a bucket of its own
                 groups.append(current)
-                current, size = [], 0
+                current, numel = [], 0
             current.append(i)
-            size += n
+            numel += layout.numels[i]
         groups.append(current)
         # the first bucket (the last parameters) also covers the padding, so the buckets
         # tile the whole padded buffer and the reduces add up to a reduce-scatter of it
-        return [Bucket(b, g, L.offsets[g[-1]], L.padded_numel if b == 0 else L.offsets[g[0] + 1],
-                       L.shard_numel, self.comm.size) for b, g in enumerate(groups)]
+        return [ReduceBucket(b, group, layout.offsets[group[-1]],
+                             layout.padded_numel if b == 0 else layout.offsets[group[0] + 1],
+                             layout.shard_numel, self.comm.size) for b, group in enumerate(groups)]
 
     # ------------------------------------------------------------------ torch conventions
     def forward(self, *args, **kwargs):
@@ -149,18 +163,24 @@ class Zero2(nn.Module):
             Variable._execution_engine.queue_callback(self._end_of_backward)
         bucket = self.buckets[self._bucket_of[i]]
         if i in bucket.filled:
-            raise RuntimeError(f"Zero2: parameter {i} {tuple(self.params[i].shape)} got two gradients in "
+            raise RuntimeError(f"ShardGradOp: parameter {i} {tuple(self.params[i].shape)} got two gradients in "
                                "one backward")
         self._fill(bucket, i)
         while self.overlap and self._next < len(self.buckets) and self._full(self.buckets[self._next]):
             self._launch(self.buckets[self._next])
             self.launched_in_hooks += 1
 
-    def _full(self, bucket: Bucket) -> bool:
+    def _full(self, bucket: ReduceBucket) -> bool:
         return len(bucket.filled) == len(bucket.params)
 
-    def _fill(self, bucket: Bucket, i: int):
+    def _fill(self, bucket: ReduceBucket, i: int):
         """Copy params[i].grad (if any; else its slot stays zero) into the bucket, free it."""
+        # copy parameter i's gradient into its bucket, then free it.
+        #   If bucket.buffer is None: allocate it (torch.zeros, bucket.hi - bucket.lo elements,
+        #     self.grad_shard's dtype and device) and memory.transient.alloc(bucket.name, bucket.buffer).
+        #   If p.grad is not None: copy it, flattened, into bucket.buffer[a:a + p.numel()] with
+        #     a = self.layout.offsets[i] - bucket.lo, then p.grad = None (frees the full gradient).
+        #   Finally add i to bucket.filled.
         p = self.params[i]
         if bucket.buffer is None:
             bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
@@ -171,10 +191,14 @@ class Zero2(nn.Module):
             p.grad = None
         bucket.filled.add(i)
 
-    def _launch(self, bucket: Bucket):
+    def _launch(self, bucket: ReduceBucket):
         """Reduce (sum) each part of the bucket to the rank that owns it, asynchronously."""
         if self._in_flight is not None:  # at most one in flight: bounded bucket memory
             self._complete(self._in_flight)
+        # one async reduce per owner.
+        #   For (owner, a, b) in bucket.parts:
+        #     part = bucket.buffer[a - bucket.lo:b - bucket.lo]
+        #     append self.comm.reduce(part, dst=owner, op="sum", async_op=True) to bucket.works.
         for owner, a, b in bucket.parts:
             part = bucket.buffer[a - bucket.lo:b - bucket.lo]
             bucket.works.append(self.comm.reduce(part, dst=owner, op="sum", async_op=True))
@@ -182,8 +206,12 @@ class Zero2(nn.Module):
         self._next += 1
 
     @torch.no_grad()
-    def _complete(self, bucket: Bucket):
+    def _complete(self, bucket: ReduceBucket):
         """Wait for the bucket's reduces; the owner ADDS the mean into its gradient shard."""
+        # wait for every work in bucket.works, then keep this rank's part.
+        #   For the part this rank owns (owner == self.comm.rank): divide it by N (sum -> mean
+        #   over the global batch) and ADD it (micro-batches accumulate) into
+        #   self.grad_shard[a - start:b - start], start = rank * self.layout.shard_numel.
         for work in bucket.works:
             work.wait()
         start = self.comm.rank * self.layout.shard_numel
@@ -226,7 +254,7 @@ class Zero2(nn.Module):
 
     def _check_grad(self, what):
         if not self._has_grad:
-            raise RuntimeError(f"Zero2.{what}(): no gradient yet: call loss.backward() first (a backward "
+            raise RuntimeError(f"ShardGradOp.{what}(): no gradient yet: call loss.backward() first (a backward "
                                "inside no_sync() only accumulates; the next one outside it reduces)")
 
     def zero_grad(self, set_to_none: bool = True):
@@ -253,8 +281,8 @@ class Zero2(nn.Module):
         yield from self.optim.memory_tensors()
 
     def extra_repr(self) -> str:
-        sizes = [round((b.hi - b.lo) * self.grad_shard.element_size() / 1e6, 4) for b in self.buckets]
-        return f"world={self.comm.size}, overlap={self.overlap}, buckets_mb={sizes}"
+        sizes = [b.hi - b.lo for b in self.buckets]
+        return f"world={self.comm.size}, overlap={self.overlap}, bucket_numels={sizes}"
 
 
 if __name__ == "__main__":

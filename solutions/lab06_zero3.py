@@ -1,8 +1,8 @@
 # Lab 06: ZeRO-3 / FSDP: gather and free hooks
-# GENERATED from minizero/zero3.py by `make labs`. Edit nothing: this is the reference solution.
+# GENERATED from minizero/zero/fsdp.py by `make labs`. Edit nothing: this is the reference solution.
 #   run:   mpirun -n 4 python solutions/lab06_zero3.py
 #   check: python -m minizero grade --lab 6 --impl solutions    (or: pytest -m lab6 --impl solutions)
-"""minizero.zero3: ZeRO stage 3 / FSDP. Parameters are sharded too, gathered a unit at a time.
+"""minizero.zero.fsdp: ZeRO stage 3 / FSDP. Parameters are sharded too, gathered a unit at a time.
 
 ZeRO (Rajbhandari et al. 2020, Sec. 5.3, P_os+g+p): each of N ranks keeps 1/N of the parameters,
 gradients AND optimizer state, (2 + 2 + K)Ψ/N bytes instead of DDP's (2 + 2 + K)Ψ; a layer's full
@@ -26,18 +26,18 @@ in the module, never sharded or reduced (parameters() yields them; optimizers sk
 stage3_param_persistence_threshold) stay whole on every rank (`unit.whole`), are not gathered,
 and have their gradients all-reduced: a collective per tiny bias would be all latency.
 
-A step, for unit u: the forward pre-hook all-gathers u's shards into a fresh flat buffer (or
+A step, for unit unit: the forward pre-hook all-gathers unit's shards into a fresh flat buffer (or
 waits for its prefetch) and points the module's parameter attributes at views of it; the
-post-hook frees it; backward gathers u again when it first needs one of u's weights; when u's
-gradient is complete it is reduce-scattered (avg) into unit.shard.grad and u is freed. How, with
+post-hook frees it; backward gathers unit again when it first needs one of unit's weights; when unit's
+gradient is complete it is reduce-scattered (avg) into unit.shard.grad and unit is freed. How, with
 public torch 2.13 API, the same on CPU and CUDA:
   * the buffer enters autograd through _Gather, a Function of the shard whose backward is the
-    transpose of an all-gather, a reduce-scatter. The views are split()s of its output, so u's
+    transpose of an all-gather, a reduce-scatter. The views are split()s of its output, so unit's
     gradients meet in ONE node, run once when complete (unused parameters and padding get
     zeros from SplitBackward), and autograd accumulates its result into unit.shard.grad;
   * saved_tensors_hooks see every tensor autograd saves: a view of a gathered buffer is saved as
     a _ParamRef (unit + strides), so after forward nothing holds the buffer, and unpacking one
-    gathers u again. (Hooks on module outputs fire too early or never; resizing storage to 0,
+    gathers unit again. (Hooks on module outputs fire too early or never; resizing storage to 0,
     FSDP's trick, fails here: mpi4py's numpy views pin the storage.)
 Prefetch: the next unit's all-gather is in flight while this one computes (forward: the last
 forward's order; backward: the next unvisited unit in reverse). counters["prefetch_hits"]
@@ -65,7 +65,7 @@ import torch.nn as nn
 
 from minizero import comm as comm_mod
 from minizero import memory
-from minizero.flat import FlatLayout
+from minizero.zero.flat_layout import FlatLayout
 
 _IDS = itertools.count()
 
@@ -79,16 +79,16 @@ class _ParamRef:
 
 
 class _Gather(torch.autograd.Function):
-    """Identity on the already gathered u.buf in forward; reduce-scatter in backward."""
+    """Identity on the already gathered unit.buf in forward; reduce-scatter in backward."""
 
     @staticmethod
-    def forward(ctx, fsdp, u, shard, whole):
-        ctx.fsdp, ctx.u = fsdp, u
-        return u.buf
+    def forward(ctx, fsdp, unit, shard, whole):
+        ctx.fsdp, ctx.unit = fsdp, unit
+        return unit.buf
 
     @staticmethod
     def backward(ctx, g):
-        return (None, None) + ctx.fsdp._reduce_grads(ctx.u, g.contiguous())
+        return (None, None) + ctx.fsdp._reduce_grads(ctx.unit, g.contiguous())
 
 
 class _Unit:
@@ -96,26 +96,31 @@ class _Unit:
     are sharded, the rest persistent. Its gathered buffer: [sharded | padding | persistent]."""
 
     def __init__(self, name, module, sharded, persistent, comm):
-        self.name, self.module, self.n_sharded = name or "root", module, len(sharded)
+        self.name = name or "root"       # the wrapped module's name
+        self.module = module             # its hooks gather and free this unit
+        self.n_sharded = len(sharded)    # entries[:n_sharded] are sharded, the rest persistent
         # shapes only: holding the original Parameters would keep the full model alive
         self.entries = [(p.shape, slots, names) for p, slots, names in sharded + persistent]
         self.layout = FlatLayout([p.shape for p, _, _ in sharded], comm.size)
-        self.P = self.layout.padded_numel                  # elements all-gathered
-        self.Q = sum(p.numel() for p, _, _ in persistent)  # elements kept whole
+        self.gathered_numel = self.layout.padded_numel  # elements all-gathered (sharded + padding)
+        self.persistent_numel = sum(p.numel() for p, _, _ in persistent)  # elements kept whole on every rank
         self.sizes = self.layout.numels + [self.layout.padding] + [p.numel() for p, _, _ in persistent]
-        self.shard = nn.Parameter(torch.empty(self.layout.shard_numel, device=comm.device)) if self.P else None
-        self.whole = nn.Parameter(torch.empty(self.Q, device=comm.device)) if self.Q else None
+        self.shard = nn.Parameter(torch.empty(self.layout.shard_numel, device=comm.device)) if self.gathered_numel else None
+        self.whole = nn.Parameter(torch.empty(self.persistent_numel, device=comm.device)) if self.persistent_numel else None
         self.load([p for p, _, _ in sharded + persistent], comm.rank)
-        self.buf = self.work = self.src = None  # gathered buffer, in-flight gather, cast shard
-        self.prefetched = self.visited = False  # flags per step
+        self.buf = None          # the gathered buffer, while it exists
+        self.work = None         # the in-flight all-gather into it
+        self.src = None          # the shard cast to compute_dtype, while its gather is in flight
+        self.prefetched = False  # gathered ahead of need in this step
+        self.visited = False     # its backward gather is done in this step
 
     @torch.no_grad()
     def load(self, tensors, rank):
         """Take this rank's slice of the full tensors (in entries order)."""
-        if self.P:
+        if self.gathered_numel:
             self.shard.copy_(self.layout.shard(self.layout.flatten(tensors[:self.n_sharded], torch.float32,
                                                                    self.shard.device), rank))
-        if self.Q:
+        if self.persistent_numel:
             self.whole.copy_(torch.cat([t.reshape(-1).float() for t in tensors[self.n_sharded:]]))
 
     def split(self, flat):
@@ -134,9 +139,11 @@ class FSDP(nn.Module):
                              "now). Wrap the plain module once; use `wrap=` to choose the inner units.")
         if compute_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {compute_dtype}")
-        self.module, self.comm = module, comm or comm_mod.get()
+        self.module = module  # the wrapped model (torch's convention: .module)
+        self.comm = comm or comm_mod.get()
         self.compute_dtype = None if compute_dtype == torch.float32 else compute_dtype  # None: fp32, no cast
-        self.prefetch, self.dtype = prefetch, compute_dtype or torch.float32
+        self.prefetch = prefetch  # gather the next unit while this one computes
+        self.dtype = compute_dtype or torch.float32  # what the units compute and reduce in
         self.debug = self.comm.debug if debug is None else debug
         self._tag = f"zero3#{next(_IDS)}"
         self._empty = torch.empty(0, dtype=self.dtype, device=self.comm.device)  # a freed attribute
@@ -148,19 +155,20 @@ class FSDP(nn.Module):
         # state_dict() order: parameter names (tied ones under every name) and buffers
         self._keys = list(module.state_dict().keys())
         self.units = self._build_units(module, wrap, persistence_threshold)
-        for i, u in enumerate(self.units):
-            for name, p in (("shard", u.shard), ("whole", u.whole)):
+        for i, unit in enumerate(self.units):
+            for name, p in (("shard", unit.shard), ("whole", unit.whole)):
                 if p is not None:
                     self.register_parameter(f"{name}_{i}", p)
-            for _, slots, _ in u.entries:  # the originals leave the module: plain attributes now
+            for _, slots, _ in unit.entries:  # the originals leave the module: plain attributes now
                 for mod, attr in slots:
                     mod._parameters.pop(attr, None)
-            self._install(u, None)
-            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
-            u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u))
+            self._install(unit, None)
+            unit.module.register_forward_pre_hook(lambda m, args, unit=unit: self._pre_forward(unit))
+            unit.module.register_forward_hook(lambda m, args, out, unit=unit: self._post_forward(unit))
         module._zero3_wrapped = True
         self._saved_from = {}           # storage ptr of a gathered forward buffer -> unit
-        self._order, self._record = self.units, []  # forward order: last forward's, this one's
+        self._order = self.units        # forward order of the units: the last forward's
+        self._record = []               # ... and this forward's, as it happens
         self.counters = {"gathers": 0, "prefetch_hits": 0}
         self.events = []                # this step's schedule: (seconds, what, unit)
 
@@ -178,7 +186,7 @@ class FSDP(nn.Module):
         names = [""] + [n for n, m in module.named_modules() if n and wrap(n, m)]
         found = {}  # id(param) -> [param, slots, fqns, enclosing units (outermost first)]
         for mname, m in module.named_modules(remove_duplicate=False):
-            chain = [u for u in names if u == "" or mname == u or mname.startswith(u + ".")]
+            chain = [prefix for prefix in names if prefix == "" or mname == prefix or mname.startswith(prefix + ".")]
             for attr, p in m._parameters.items():
                 if p is None or not p.requires_grad:
                     continue
@@ -192,120 +200,136 @@ class FSDP(nn.Module):
         return [_Unit(n, module.get_submodule(n), *groups[n], self.comm) for n in names if any(groups[n])]
 
     # ------------------------------------------------------------------ gather / free
-    def _start_gather(self, u):
-        """Launch u's all-gather (async) into a new flat buffer; persistent part copied locally."""
+    def _start_gather(self, unit):
+        """Launch unit's all-gather (async) into a new flat buffer; persistent part copied locally."""
         self.counters["gathers"] += 1
-        self._event("gather", u)
-        src = u.shard.detach() if u.P else None
+        self._event("gather", unit)
+        src = unit.shard.detach() if unit.gathered_numel else None
         if src is not None and self.compute_dtype is not None:
             src = src.to(self.dtype)  # cast BEFORE communicating: half the bytes
-            memory.transient.alloc(f"{self._tag}/{u.name}/cast", src)
-        buf = torch.empty(u.P + u.Q, dtype=self.dtype, device=self.comm.device)
-        memory.transient.alloc(f"{self._tag}/{u.name}", buf)
-        if u.P:
-            u.work = self.comm.all_gather(buf[:u.P], src, async_op=True)
-        if u.Q:
-            buf[u.P:].copy_(u.whole.detach())
-        u.buf, u.src = buf, src  # MPI reads src until the gather completes: keep it alive
+            memory.transient.alloc(f"{self._tag}/{unit.name}/cast", src)
+        buf = torch.empty(unit.gathered_numel + unit.persistent_numel, dtype=self.dtype, device=self.comm.device)
+        # pre-forward gather: start the all-gather of this unit.
+        #   Record `buf` with memory.transient.alloc(f"{self._tag}/{unit.name}", buf).
+        #   When unit.gathered_numel > 0: all-gather this rank's shard `src` into
+        #     buf[:unit.gathered_numel] with async_op=True, and keep the handle in unit.work
+        #     (the wait comes later, in _wait).
+        memory.transient.alloc(f"{self._tag}/{unit.name}", buf)
+        if unit.gathered_numel:
+            unit.work = self.comm.all_gather(buf[:unit.gathered_numel], src, async_op=True)
+        if unit.persistent_numel:
+            buf[unit.gathered_numel:].copy_(unit.whole.detach())
+        unit.buf, unit.src = buf, src  # MPI reads src until the gather completes: keep it alive
 
-    def _wait(self, u):
-        if u.work is not None:
-            u.work.wait()
-            u.work = None
-        if u.src is not None and self.compute_dtype is not None:
-            memory.transient.free(f"{self._tag}/{u.name}/cast")
-        u.src = None
+    def _wait(self, unit):
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
+        if unit.src is not None and self.compute_dtype is not None:
+            memory.transient.free(f"{self._tag}/{unit.name}/cast")
+        unit.src = None
 
-    def _free(self, u):
-        self._event("free", u)
-        self._saved_from.pop(u.buf.untyped_storage().data_ptr(), None)
-        memory.transient.free(f"{self._tag}/{u.name}")
-        u.buf = None
+    def _free(self, unit):
+        self._event("free", unit)
+        self._saved_from.pop(unit.buf.untyped_storage().data_ptr(), None)
+        # free the gathered unit.
+        #   Tell memory.transient that f"{self._tag}/{unit.name}" is freed, and drop this unit's
+        #   own reference to the buffer (unit.buf = None). _post_forward then points the module's
+        #   attributes at empty placeholders: the last references.
+        memory.transient.free(f"{self._tag}/{unit.name}")
+        unit.buf = None
 
-    def _need(self, u):
-        """u's full parameters, now: wait for its prefetch, or gather it here."""
-        if u.buf is None:
-            self._start_gather(u)
-        elif u.prefetched:
+    def _need(self, unit):
+        """unit's full parameters, now: wait for its prefetch, or gather it here."""
+        if unit.buf is None:
+            self._start_gather(unit)
+        elif unit.prefetched:
             self.counters["prefetch_hits"] += 1
-        u.prefetched = False
-        self._wait(u)
+        unit.prefetched = False
+        self._wait(unit)
 
-    def _prefetch(self, u):
-        if self.prefetch and u is not None and u.buf is None:
-            self._start_gather(u)
-            u.prefetched = True
+    def _prefetch(self, unit):
+        if self.prefetch and unit is not None and unit.buf is None:
+            self._start_gather(unit)
+            unit.prefetched = True
 
-    def _install(self, u, full):
+    def _install(self, unit, full):
         """Point every owner's attribute at its view of `full` (None: at an empty placeholder)."""
-        views = u.split(full) if full is not None else [self._empty] * len(u.entries)
-        for (_, slots, _), v in zip(u.entries, views):
+        views = unit.split(full) if full is not None else [self._empty] * len(unit.entries)
+        for (_, slots, _), v in zip(unit.entries, views):
             for mod, attr in slots:
                 object.__setattr__(mod, attr, v)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
-        for u in self.units:  # a prefetch nobody consumed (a unit that did not run): drop it
-            if u.buf is not None:
-                self._wait(u)
-                self._free(u)
-                u.prefetched = False
+        for unit in self.units:  # a prefetch nobody consumed (a unit that did not run): drop it
+            if unit.buf is not None:
+                self._wait(unit)
+                self._free(unit)
+                unit.prefetched = False
         self._order, self._record, self.events = self._record or self._order, [], []
         self._t0 = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self.module(*args, **kwargs)
 
-    def _pre_forward(self, u):
-        self._need(u)
-        self._saved_from[u.buf.untyped_storage().data_ptr()] = u
-        self._install(u, _Gather.apply(self, u, u.shard, u.whole))
-        u.visited = False
-        self._record.append(u)
-        i = self._order.index(u) if u in self._order else len(self._order)
+    def _pre_forward(self, unit):
+        self._need(unit)
+        self._saved_from[unit.buf.untyped_storage().data_ptr()] = unit
+        self._install(unit, _Gather.apply(self, unit, unit.shard, unit.whole))
+        unit.visited = False
+        self._record.append(unit)
+        i = self._order.index(unit) if unit in self._order else len(self._order)
         self._prefetch(self._order[i + 1] if i + 1 < len(self._order) else None)
 
-    def _post_forward(self, u):
-        self._free(u)
-        self._install(u, None)
+    def _post_forward(self, unit):
+        # post-forward hook: free the unit as soon as its forward is done.
+        #   Free its gathered buffer with self._free(unit), then point the module's attributes at
+        #   the empty placeholders with self._install(unit, None), or they keep the buffer alive.
+        self._free(unit)
+        self._install(unit, None)
 
     # ------------------------------------------------------------------ backward
     def _pack(self, t):
-        u = self._saved_from.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        return t if u is None or t.dtype != self.dtype else _ParamRef(u, t)
+        unit = self._saved_from.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        return t if unit is None or t.dtype != self.dtype else _ParamRef(unit, t)
 
     def _unpack(self, x):
         if not isinstance(x, _ParamRef):
             return x
-        u = x.unit
-        if u.buf is None or u.work is not None or u.prefetched:
-            self._need(u)
-        if not u.visited:  # u's backward starts: prefetch the next unit backward will need
-            u.visited = True
+        unit = x.unit
+        if unit.buf is None or unit.work is not None or unit.prefetched:
+            self._need(unit)
+        if not unit.visited:  # unit's backward starts: prefetch the next unit backward will need
+            unit.visited = True
             self._prefetch(next((v for v in reversed(self._record) if not v.visited and v.buf is None), None))
-        return u.buf.as_strided(x.size, x.stride, x.offset)
+        return unit.buf.as_strided(x.size, x.stride, x.offset)
 
     @torch.no_grad()
-    def _reduce_grads(self, u, g):
-        """u's whole flat gradient g: its average over ranks, as (shard grad, whole grad)."""
+    def _reduce_grads(self, unit, g):
+        """unit's whole flat gradient g: its average over ranks, as (shard grad, whole grad)."""
         shard_grad = whole_grad = None
-        memory.transient.alloc(f"{self._tag}/{u.name}/grad", g)
-        if u.buf is not None:  # backward is done with u's parameters
-            self._wait(u)
-            self._free(u)
-        self._event("reduce", u)
-        if u.P:
-            shard_grad = torch.empty(u.layout.shard_numel, dtype=g.dtype, device=g.device)
-            self.comm.reduce_scatter(shard_grad, g[:u.P], op="avg")
+        memory.transient.alloc(f"{self._tag}/{unit.name}/grad", g)
+        if unit.buf is not None:  # backward is done with unit's parameters
+            self._wait(unit)
+            self._free(unit)
+        self._event("reduce", unit)
+        # gradient reduce-scatter: each rank keeps the average of its own shard.
+        #   When unit.gathered_numel > 0: shard_grad = a new tensor of unit.layout.shard_numel
+        #     elements in g's dtype; reduce-scatter (op="avg") g[:unit.gathered_numel] into it.
+        #   Return it as fp32 (autograd adds it into unit.shard.grad).
+        if unit.gathered_numel:
+            shard_grad = torch.empty(unit.layout.shard_numel, dtype=g.dtype, device=g.device)
+            self.comm.reduce_scatter(shard_grad, g[:unit.gathered_numel], op="avg")
             shard_grad = shard_grad.float()  # no copy when already fp32
-        if u.Q:  # persistent parameters: whole everywhere, so all-reduce their gradients
-            whole_grad = g[u.P:].clone()
+        if unit.persistent_numel:  # persistent parameters: whole everywhere, so all-reduce their gradients
+            whole_grad = g[unit.gathered_numel:].clone()
             self.comm.all_reduce(whole_grad, op="avg")
             whole_grad = whole_grad.float()
-        memory.transient.free(f"{self._tag}/{u.name}/grad")
+        memory.transient.free(f"{self._tag}/{unit.name}/grad")
         return shard_grad, whole_grad
 
-    def _event(self, what, u):
-        self.events.append((time.perf_counter() - getattr(self, "_t0", 0.0), what, u.name))
+    def _event(self, what, unit):
+        self.events.append((time.perf_counter() - getattr(self, "_t0", 0.0), what, unit.name))
 
     # ------------------------------------------------------------------ state and memory
     @torch.no_grad()
@@ -313,13 +337,13 @@ class FSDP(nn.Module):
         """{original name: full fp32 tensor} on EVERY rank, in state_dict() order, tied weights
         under each name (one tensor). A collective: all ranks must call it."""
         full = {}
-        for u in self.units:
-            flat = torch.zeros(u.P + u.Q, device=self.comm.device)
-            if u.P:
-                self.comm.all_gather(flat[:u.P], u.shard.detach())
-            if u.Q:
-                flat[u.P:] = u.whole.detach()
-            for (_, _, names), v in zip(u.entries, u.split(flat)):
+        for unit in self.units:
+            flat = torch.zeros(unit.gathered_numel + unit.persistent_numel, device=self.comm.device)
+            if unit.gathered_numel:
+                self.comm.all_gather(flat[:unit.gathered_numel], unit.shard.detach())
+            if unit.persistent_numel:
+                flat[unit.gathered_numel:] = unit.whole.detach()
+            for (_, _, names), v in zip(unit.entries, unit.split(flat)):
                 full.update(dict.fromkeys(names, v.clone()))
         full.update((n, p.detach().clone()) for n, p in self.module.named_parameters(remove_duplicate=False))
         return {k: full[k] for k in self._keys if k in full}
@@ -335,8 +359,8 @@ class FSDP(nn.Module):
         if strict and sorted(state_dict) != sorted(self._keys):
             raise KeyError(f"FSDP.load_state_dict: keys differ; missing {sorted(set(self._keys) - set(state_dict))}, "
                            f"unexpected {sorted(set(state_dict) - set(self._keys))}")
-        for u in self.units:
-            u.load([state_dict[names[0]] for _, _, names in u.entries], self.comm.rank)
+        for unit in self.units:
+            unit.load([state_dict[names[0]] for _, _, names in unit.entries], self.comm.rank)
         for name, t in [*self.module.named_parameters(), *self.module.named_buffers()]:
             t.copy_(state_dict[name])
 
@@ -344,14 +368,14 @@ class FSDP(nn.Module):
         """For memory.measure: shards (fp32 master copy when computing in 16 bits), persistent
         and frozen parameters, shard gradients, buffers, and any gathered buffer still held."""
         cat = "parameters" if self.compute_dtype is None else "master_params"
-        for u in self.units:
-            for p in (u.shard, u.whole):
+        for unit in self.units:
+            for p in (unit.shard, unit.whole):
                 if p is not None:
                     yield cat, p, None
                     if p.grad is not None:
                         yield "gradients", p.grad, None
-            if u.buf is not None:  # gathered and not freed: parameter memory this rank holds
-                yield "parameters", u.buf, None
+            if unit.buf is not None:  # gathered and not freed: parameter memory this rank holds
+                yield "parameters", unit.buf, None
         for p in self.module.parameters():  # frozen: whole on every rank
             yield "parameters", p, None
         for b in self.module.buffers():
@@ -359,7 +383,7 @@ class FSDP(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"world={self.comm.size}, compute_dtype={self.compute_dtype}, prefetch={self.prefetch}, units="
-                + ", ".join(f"{u.name}({u.layout.numel}+{u.layout.padding}pad+{u.Q}whole)" for u in self.units))
+                + ", ".join(f"{unit.name}({unit.layout.numel}+{unit.layout.padding}pad+{unit.persistent_numel}whole)" for unit in self.units))
 
 
 ZeRO3 = FSDP

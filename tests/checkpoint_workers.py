@@ -13,10 +13,10 @@ import shutil
 
 import torch
 
-from minizero import checkpoint
-from minizero.checkpoint import CheckpointError
+from minizero.runtime import checkpoint
+from minizero.runtime.checkpoint import CheckpointError
 from minizero.data import SyntheticTokens, shard
-from minizero.engine import initialize
+from minizero.runtime.engine import initialize
 from minizero.models import build_model
 
 torch.set_num_threads(1)

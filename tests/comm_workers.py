@@ -147,14 +147,14 @@ def die_mid_step(comm, rank=1):
 def differing_params_under_zero(comm, which):
     """Each rank builds its model with a different seed: debug=True must refuse it."""
     from minizero.models import build_model
-    from minizero.zero1 import ShardedOptimizer
-    from minizero.zero2 import Zero2
-    from minizero.zero3 import FSDP
+    from minizero.zero.sharded_optimizer import ShardedOptimizer
+    from minizero.zero.shard_grad_op import ShardGradOp
+    from minizero.zero.fsdp import FSDP
     model = build_model("mlp", seed=comm.rank)
     if which == "zero1":
         ShardedOptimizer(model.parameters(), torch.optim.SGD, comm=comm, debug=True, lr=0.1)
     elif which == "zero2":
-        Zero2(model, torch.optim.SGD, comm=comm, debug=True, lr=0.1)
+        ShardGradOp(model, torch.optim.SGD, comm=comm, debug=True, lr=0.1)
     else:
         FSDP(model, comm=comm, debug=True)
 

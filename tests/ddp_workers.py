@@ -8,11 +8,11 @@ import warnings
 import torch
 
 from minizero import memory
-from minizero.baselines import train_single
+from minizero.experiments.references import train_single
 from minizero.data import shard
-from minizero.ddp import DDP
+from minizero.dp.ddp import DDP
 from minizero.models import build_model
-from minizero.torch_baselines import flat_params, global_batches, make_optimizer, train_torch_ddp
+from minizero.experiments.references import flat_params, global_batches, make_optimizer, train_torch_ddp
 
 torch.set_num_threads(1)
 
@@ -24,11 +24,11 @@ LR = {"sgd": 0.1, "adam": 1e-2}
 STEPS, BATCH = 5, 12  # 12 divides over 1, 2, 3 and 4 ranks
 # A small bucket splits each model into several buckets (the GPT's 112 KB of gradients
 # into 7, the edge model's 836 B into 5), so overlap really launches early buckets during
-# backward, and the edge model's unused parameter sits in a middle one. 25 MB (the
+# backward, and the edge model's unused parameter sits in a middle one. 6.25M fp32 gradients (25 MB, the
 # default) makes one bucket.
-SMALL_BUCKET_MB = {"tiny-gpt": 0.02, "edge": 0.0002}
+SMALL_BUCKET_NUMEL = {"tiny-gpt": 5000, "edge": 50}  # fp32 gradients per bucket
 MODES = {"naive": ("naive", None), "bucketed": ("bucketed", "small"),
-         "overlap": ("overlap", "small"), "overlap-1bucket": ("overlap", 25)}
+         "overlap": ("overlap", "small"), "overlap-1bucket": ("overlap", 6_250_000)}
 
 
 def _digest(t):
@@ -41,10 +41,10 @@ def _compare(a, b):
     return {"max_abs": d.max().item(), "atol_needed": (d - 1e-6 * b.abs()).clamp_min(0).max().item()}
 
 
-def _train_ddp(comm, name, opt_name, mode, bucket_mb):
+def _train_ddp(comm, name, opt_name, mode, bucket_numel):
     model = build_model(name, seed=0, **MODELS[name])
-    bucket_mb = SMALL_BUCKET_MB[name] if bucket_mb == "small" else bucket_mb
-    ddp = DDP(model, comm, mode=mode, bucket_mb=bucket_mb)
+    bucket_numel = SMALL_BUCKET_NUMEL[name] if bucket_numel == "small" else bucket_numel
+    ddp = DDP(model, comm, mode=mode, bucket_numel=bucket_numel)
     opt = make_optimizer(opt_name, model.parameters(), LR[opt_name])
     sent, unused_none, launched = [], True, []
     for batch in global_batches(model, STEPS, BATCH):
@@ -112,9 +112,9 @@ def _api_checks(comm):
         out["state_dict_keys_ok"] = list(DDP(model, comm).state_dict()) == list(want)
 
         # 2. no_sync: two micro-batches (each loss halved) == one step on both together.
-        for mode, mb in (("naive", None), ("bucketed", 0.02), ("overlap", 0.02)):
+        for mode, numel in (("naive", None), ("bucketed", 5000), ("overlap", 5000)):
             model = build_model("tiny-gpt", seed=0, **GPT)
-            ddp = DDP(model, comm, mode=mode, bucket_mb=mb)
+            ddp = DDP(model, comm, mode=mode, bucket_numel=numel)
             first, second = global_batches(model, 2, BATCH)
             comm.stats.reset()
             with ddp.no_sync():
@@ -131,16 +131,16 @@ def _api_checks(comm):
 
         # 3. Re-wrapping a model: the dropped wrapper's hooks must not reduce anything.
         model = build_model("tiny-gpt", seed=0, **GPT)
-        DDP(model, comm, mode="overlap", bucket_mb=0.02)  # dropped at once
-        ddp = DDP(model, comm, mode="overlap", bucket_mb=0.02)
+        DDP(model, comm, mode="overlap", bucket_numel=5000)  # dropped at once
+        ddp = DDP(model, comm, mode="overlap", bucket_numel=5000)
         comm.stats.reset()
         ddp(*shard(global_batches(model, 1, BATCH)[0], comm.rank, comm.size))[1].backward()
         ddp.finish_gradient_synchronization()
         out["rewrap_sent"] = comm.stats.sent()
 
         # 4. A parameter only rank 0 uses: every rank gets the average (1/N), none hangs.
-        for mode, mb in (("naive", None), ("bucketed", 0.0002), ("overlap", 0.0002)):
-            ddp = DDP(build_model("edge", seed=0), comm, mode=mode, bucket_mb=mb)
+        for mode, numel in (("naive", None), ("bucketed", 50), ("overlap", 50)):
+            ddp = DDP(build_model("edge", seed=0), comm, mode=mode, bucket_numel=numel)
             x, y = shard(global_batches(ddp.module, 1, BATCH)[0], comm.rank, comm.size)
             loss = ddp(x, y)[1]
             if comm.rank == 0:
@@ -151,7 +151,7 @@ def _api_checks(comm):
             out[f"used_by_rank0/{mode}"] = None if g is None else g.unique().tolist()
 
         # 5. finish twice for one backward, and a backward that was never finished.
-        ddp = DDP(build_model("edge", seed=0), comm, mode="overlap", bucket_mb=0.0001)
+        ddp = DDP(build_model("edge", seed=0), comm, mode="overlap", bucket_numel=25)
         batch = shard(global_batches(ddp.module, 1, BATCH)[0], comm.rank, comm.size)
         ddp(*batch)[1].backward()
         ddp.finish_gradient_synchronization()
@@ -176,8 +176,8 @@ def torch_backend_smoke(comm):
     opt = make_optimizer("sgd", model.parameters(), LR["sgd"])
     train_single(model, opt, global_batches(model, STEPS, BATCH))
     out = {"backend": comm.backend}
-    for mode, mb in (("naive", None), ("overlap", SMALL_BUCKET_MB["edge"])):
-        params, facts = _train_ddp(comm, "edge", "sgd", mode, mb)
+    for mode, numel in (("naive", None), ("overlap", SMALL_BUCKET_NUMEL["edge"])):
+        params, facts = _train_ddp(comm, "edge", "sgd", mode, numel)
         out[mode] = _compare(params, flat_params(model))
         out[f"{mode}/sent"] = facts["sent"]
     return out

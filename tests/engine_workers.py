@@ -11,7 +11,7 @@ import torch
 
 from minizero import memory
 from minizero.data import SyntheticTokens, shard
-from minizero.engine import initialize, optimizer_spec
+from minizero.runtime.engine import initialize, optimizer_spec
 from minizero.models import build_model
 from minizero.precision import MinLossScaleError, clip_grad_norm_
 
@@ -71,20 +71,20 @@ def run_engine(comm, cfg, steps=STEPS, double=False):
 
 def by_hand(comm, stage, opt, clip=0.0, steps=STEPS):
     """The same training with the building block itself, the way its docstring says to use it."""
-    from minizero.ddp import DDP
-    from minizero.zero1 import ShardedOptimizer
-    from minizero.zero2 import Zero2
-    from minizero.zero3 import FSDP
+    from minizero.dp.ddp import DDP
+    from minizero.zero.sharded_optimizer import ShardedOptimizer
+    from minizero.zero.shard_grad_op import ShardGradOp
+    from minizero.zero.fsdp import FSDP
     cls, kw = optimizer_spec(OPT[opt])
     model, n = build_model("tiny-gpt", seed=0, **GPT), comm.size
     fwd = model
     if stage == 0:
-        fwd = DDP(model, comm, bucket_mb=5e8 * 4 / 1e6, overlap=False)
+        fwd = DDP(model, comm, bucket_numel=int(5e8), overlap=False)
         optim = cls(fwd.params, **kw)
     elif stage == 1:
         optim = ShardedOptimizer(model.parameters(), cls, comm, **kw)
     elif stage == 2:
-        fwd = optim = Zero2(model, cls, comm, bucket_mb=5e8 * 4 / 1e6, overlap=False, **kw)
+        fwd = optim = ShardGradOp(model, cls, comm, bucket_numel=int(5e8), overlap=False, **kw)
     else:
         fwd = FSDP(model, comm, prefetch=True, persistence_threshold=PERSIST)
         optim = cls([p for p in fwd.parameters() if p.requires_grad], **kw)
@@ -163,7 +163,7 @@ def example_configs(comm, configs, out_dir):
     """Each shipped config trains TinyGPT for 3 steps through the train command's loop."""
     import os
 
-    from minizero.train import train
+    from minizero.cli.train import train
     out = {}
     for path in configs:
         name = os.path.splitext(os.path.basename(path))[0]

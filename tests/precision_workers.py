@@ -2,6 +2,7 @@
 import torch
 
 from minizero import precision
+from minizero.experiments import mixed_precision
 from minizero.data import SyntheticTokens
 from minizero.models import TinyGPT
 
@@ -36,7 +37,7 @@ def overflow_vote(comm, steps=5, bad_step=2):
     alone = comm.split(color=comm.rank)  # a communicator of one: no vote
     solo = _replica_run(comm, alone, steps, bad_step, bad_rank)
     comm.stats.reset()
-    dp = precision.train(comm, "fp16", steps=steps, fp16={"initial_scale_power": 10, "hysteresis": 1},
+    dp = mixed_precision.train(comm, "fp16", steps=steps, fp16={"initial_scale_power": 10, "hysteresis": 1},
                          inject=[[bad_rank, bad_step]])
     # global-norm clipping across shards: each rank holds a different piece of one gradient vector
     full = torch.randn(1001, generator=torch.Generator().manual_seed(5))

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from minizero.bench import paired_ratio
+from minizero.bench.bench import paired_ratio
 
 CANDIDATES = ["minizero-ddp", "minizero-zero3", "torch-ddp"]
 

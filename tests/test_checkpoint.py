@@ -13,8 +13,9 @@ import hashlib
 import pytest
 import torch
 
-from minizero import checkpoint, launch
-from minizero.__main__ import main as cli
+from minizero import launch
+from minizero.runtime import checkpoint
+from minizero.cli import main as cli
 from minizero.models import build_model
 
 W = "tests/checkpoint_workers.py:"

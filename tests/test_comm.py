@@ -68,7 +68,7 @@ def test_wraps_an_existing_torch_distributed_group(tmp_path):
         assert got["sent"] == ring_bytes_sent("all_reduce", 24, 3) + ring_bytes_sent("all_gather", 24, 3)
 
 
-@pytest.mark.parametrize("which,who", [("zero1", "ShardedOptimizer"), ("zero2", "Zero2"), ("zero3", "FSDP")])
+@pytest.mark.parametrize("which,who", [("zero1", "ShardedOptimizer"), ("zero2", "ShardGradOp"), ("zero3", "FSDP")])
 def test_zero_debug_flag_detects_parameters_differing_across_ranks(which, who):
     with pytest.raises(launch.RankError) as e:
         launch.run(W + "differing_params_under_zero", nprocs=2, args={"which": which}, timeout=60)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from minizero.config import ConfigError, load_config
+from minizero.runtime.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT.parent / "shared" / "seeds" / "001_361a2ac1204903b1.txt"
@@ -73,7 +73,7 @@ def test_seed_001_config_loads_as_it_is(tmp_path):
     if SEED.exists():  # the committed copy is the seed article's block, byte for byte
         block = re.search(r"```json\n(.*?)```", SEED.read_text(), re.S).group(1)
         assert path.read_text() == block
-    from minizero.config import ConfigWarning
+    from minizero.runtime.config import ConfigWarning
     with pytest.warns(ConfigWarning, match="stage3_gather_16bit_weights_on_model_save"):
         cfg = load_config(str(path), world_size=4)
     assert cfg["train_batch_size"] == 32 and cfg["gradient_accumulation_steps"] == 2
@@ -90,7 +90,7 @@ def test_look_alike_key_from_the_seed_is_explained():
 
 
 def test_keys_without_effect_warn_when_changed():
-    from minizero.config import ConfigWarning
+    from minizero.runtime.config import ConfigWarning
     with pytest.warns(ConfigWarning, match="'zero_optimization.sub_group_size': 1000 has no effect"):
         load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, "sub_group_size": 1000}})
     import warnings

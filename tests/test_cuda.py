@@ -10,7 +10,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs for 2 ranks with NCCL; this machine has {GPUS}")
 def test_cuda_max_memory_allocated_is_ordered_ddp_z1_z2_z3():
-    res = launch.run("minizero.demo:train_worker", nprocs=2, timeout=600,
+    res = launch.run("minizero.cli.demo:train_worker", nprocs=2, timeout=600,
                      args={"steps": 3, "global_batch": 8, "progress": False})
     for rank_result in res:
         peak = {r["strategy"]: r["ledger"]["cuda_max_allocated"] for r in rank_result["runs"]}

@@ -27,9 +27,9 @@ import torch
 import minizero
 from minizero import comm as comm_mod
 from minizero import launch
-from minizero.config import ConfigError, load_config
-from minizero.engine import OFFLOAD_MSG, check_available
-from minizero.flat import FlatLayout
+from minizero.runtime.config import ConfigError, load_config
+from minizero.runtime.engine import OFFLOAD_MSG, check_available
+from minizero.zero.flat_layout import FlatLayout
 from minizero.models import build_model
 
 W = "tests/engine_workers.py:"
@@ -166,7 +166,7 @@ def test_bad_config_raises_before_any_collective(no_collectives, bad, message):
 def test_seed_config_loads_then_fails_with_the_offload_message(no_collectives, monkeypatch):
     """configs/ds_config_seed001.json is valid DeepSpeed (batch 32 = 4 x 2 x 4 ranks) with offload."""
     path = "configs/ds_config_seed001.json"
-    from minizero.config import ConfigWarning
+    from minizero.runtime.config import ConfigWarning
     with pytest.warns(ConfigWarning, match="stage3_gather_16bit"):  # a real key without effect here
         assert load_config(path, world_size=4)["zero_optimization"]["offload_param"]["device"] == "cpu"
     monkeypatch.setenv("PMI_SIZE", "4")  # what mpirun -n 4 sets

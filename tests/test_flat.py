@@ -1,6 +1,6 @@
 import torch
 
-from minizero.flat import FlatLayout
+from minizero.zero.flat_layout import FlatLayout
 
 
 def test_layout_pads_to_multiple_of_world_and_round_trips():

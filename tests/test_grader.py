@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from minizero import labgen
+from minizero.cli import labgen
 from minizero.autograde import LABS
 
 
@@ -62,3 +62,15 @@ def test_stub_generation():
     assert "x += 1" in sol and "BEGIN" not in sol
     with pytest.raises(ValueError, match="unterminated"):
         labgen.transform("# BEGIN SOLUTION\nx\n", 1, stub=True)
+
+
+def test_stub_generation_multiline_hint():
+    src = ("def f():\n    x = 1\n    # BEGIN SOLUTION: add one: the whole task.\n    #   first hint line\n"
+           "    #   second hint line\n    x += 1\n    # END SOLUTION\n    return x\n")
+    lab = labgen.transform(src, 7, stub=True).splitlines()
+    todo = lab.index("    # TODO(lab 7): add one: the whole task.")
+    assert lab[todo + 1:todo + 4] == ["    #   first hint line", "    #   second hint line",
+                                      "    raise NotImplementedError('lab 7: not implemented yet: add one')"]
+    assert "    x += 1" not in lab
+    sol = labgen.transform(src, 7, stub=False).splitlines()
+    assert sol[2:6] == ["    # add one: the whole task.", "    #   first hint line", "    #   second hint line", "    x += 1"]

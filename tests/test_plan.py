@@ -1,7 +1,7 @@
 """`minizero plan`: the figures it prints, and clean errors on bad input."""
 import pytest
 
-from minizero.plan import main
+from minizero.cli.plan import main
 
 
 def _rows(text):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from minizero import launch, memory, precision
-from minizero.autograde.lab03 import loss_tolerance
+from minizero.experiments import mixed_precision
+from minizero.experiments.mixed_precision import loss_tolerance
 from minizero.comm import ring_bytes_sent
 from minizero.data import SyntheticTokens
 from minizero.models import TinyGPT
@@ -213,7 +214,7 @@ def test_overflow_streak_lowers_to_min_then_errors_without_training_on_garbage()
 @pytest.fixture(scope="module")
 def runs():
     # 20 Adam steps of TinyGPT; fp16 at DeepSpeed's default scale 2^16 (no overflow occurs: asserted).
-    return {dt: precision.train(None, dt, steps=20, seed=0) for dt in ("fp32", "fp16", "bf16")}
+    return {dt: mixed_precision.train(None, dt, steps=20, seed=0) for dt in ("fp32", "fp16", "bf16")}
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -249,13 +250,13 @@ def test_ledger_is_2_2_12_bytes_per_parameter(runs, dtype):
 
 
 def test_scale_doubles_in_training_after_window_plus_one_good_steps():
-    r = precision.train(None, "fp16", steps=12, fp16={"initial_scale_power": 8, "loss_scale_window": 4})
+    r = mixed_precision.train(None, "fp16", steps=12, fp16={"initial_scale_power": 8, "loss_scale_window": 4})
     assert not any(r["skipped"])
     assert r["scale"] == [256.0] * 5 + [512.0] * 4 + [1024.0] * 3
 
 
 def test_static_loss_scale_in_training():
-    r = precision.train(None, "fp16", steps=6, fp16={"loss_scale": 300.0}, inject=[[0, 2]])
+    r = mixed_precision.train(None, "fp16", steps=6, fp16={"loss_scale": 300.0}, inject=[[0, 2]])
     assert r["scale"] == [300.0] * 6 and r["skipped"] == [s == 2 for s in range(6)]
 
 
@@ -317,7 +318,7 @@ def test_one_ranks_overflow_skips_the_step_on_every_rank():
     bad = res[0]["bad_rank"]
     assert alone[bad]["skipped"][2] and not alone[1 - bad]["skipped"][2]
     assert alone[0]["params"] != alone[1]["params"]
-    # precision.train's data parallelism: per step one all-reduce of the fp16 gradients (2 bytes each)
+    # mixed_precision.train's data parallelism: per step one all-reduce of the fp16 gradients (2 bytes each)
     # plus the vote; the same skipped step and scales on both ranks
     dp = [r["dp"] for r in res]
     psi = dp[0]["num_params"]

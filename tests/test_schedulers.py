@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from minizero.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from minizero.runtime.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 
 def _opt(lr=1.0):

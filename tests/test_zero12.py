@@ -1,4 +1,4 @@
-"""ZeRO-1 (ShardedOptimizer) and ZeRO-2 (Zero2) at N = 1, 2, 3, 4 ranks, on TinyGPT (tied) and
+"""ZeRO-1 (ShardedOptimizer) and ZeRO-2 (ShardGradOp) at N = 1, 2, 3, 4 ranks, on TinyGPT (tied) and
 the edge-case model, against one process on the full batch and against our DDP.
 
 Tolerances (atol at rtol 1e-6), and why:
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from minizero import launch
-from minizero.flat import FlatLayout
+from minizero.zero.flat_layout import FlatLayout
 from minizero.models import build_model
 
 W = "tests/zero12_workers.py:"
@@ -194,7 +194,7 @@ def test_bad_input_gives_clear_errors():
     r0 = results(2)[0]
     assert "Call loss.backward() before step()" in r0["err/z1_step_first"]
     assert "no gradient yet: call loss.backward() first" in r0["err/z2_step_first"]
-    assert r0["err/z2_clip_first"].startswith("RuntimeError: Zero2.clip_grad_norm_(): no gradient yet")
+    assert r0["err/z2_clip_first"].startswith("RuntimeError: ShardGradOp.clip_grad_norm_(): no gradient yet")
     for key in ("err/empty", "err/all_frozen"):
         assert r0[key].startswith("ValueError: no trainable parameters"), r0[key]
     assert r0["err/lbfgs"].startswith("ValueError: LBFGS is not elementwise")

@@ -19,7 +19,7 @@ grouping rule written out below, never read back from the wrapper under test.
 import pytest
 
 from minizero import launch
-from minizero.flat import FlatLayout
+from minizero.zero.flat_layout import FlatLayout
 from minizero.models import build_model
 
 W = "tests/zero3_workers.py:"

@@ -14,13 +14,13 @@ import hashlib
 import torch
 
 from minizero import memory
-from minizero.baselines import train_single
+from minizero.experiments.references import train_single
 from minizero.data import shard
-from minizero.ddp import DDP
+from minizero.dp.ddp import DDP
 from minizero.models import build_model
-from minizero.torch_baselines import flat_params, global_batches, make_optimizer
-from minizero.zero1 import ShardedOptimizer
-from minizero.zero2 import Zero2
+from minizero.experiments.references import flat_params, global_batches, make_optimizer
+from minizero.zero.sharded_optimizer import ShardedOptimizer
+from minizero.zero.shard_grad_op import ShardGradOp
 
 torch.set_num_threads(1)
 
@@ -30,7 +30,7 @@ LR = {"sgd": 0.1, "adam": 1e-2}
 STEPS, BATCH = 5, 12  # 12 divides over 1, 2, 3 and 4 ranks
 # Small buckets cut the GPT's 112 KB of gradients into 6 buckets and the edge model's 836 B
 # into 5, so buckets straddle shard boundaries and several launch during backward.
-SMALL_BUCKET_MB = {"tiny-gpt": 0.02, "edge": 0.0002}
+SMALL_BUCKET_NUMEL = {"tiny-gpt": 5000, "edge": 50}  # fp32 gradients per bucket
 STRATEGIES = ("ddp", "z1", "z1+ddp", "z2", "z2-1bucket", "z2-no-overlap")
 # Adam runs skip the two bucket variants: they only change WHEN the same reduces run, which
 # SGD already checks, and each run costs time on a 2-core machine.
@@ -52,7 +52,7 @@ def _opt(opt_name):
         (torch.optim.Adam, {"lr": LR["adam"]})
 
 
-def build(comm, strategy, model, opt_name, bucket_mb=None):
+def build(comm, strategy, model, opt_name, bucket_numel=None):
     """-> (thing to call forward on, step(), zero_grad(), objects to measure, zero object)."""
     cls, kw = _opt(opt_name)
     if strategy in ("ddp", "z1+ddp"):
@@ -67,13 +67,13 @@ def build(comm, strategy, model, opt_name, bucket_mb=None):
     if strategy == "z1":
         opt = ShardedOptimizer(model.parameters(), cls, comm, **kw)
         return model, opt.step, opt.zero_grad, (model, opt), opt
-    z2 = Zero2(model, cls, comm, bucket_mb=bucket_mb or 25, overlap=strategy != "z2-no-overlap", **kw)
+    z2 = ShardGradOp(model, cls, comm, bucket_numel=bucket_numel or 6_250_000, overlap=strategy != "z2-no-overlap", **kw)
     return z2, z2.step, z2.zero_grad, (z2,), z2
 
 
 def _train(comm, name, opt_name, strategy):
     model = build_model(name, seed=0, **MODELS[name])
-    small = SMALL_BUCKET_MB[name] if strategy in ("z2", "z2-no-overlap") else None
+    small = SMALL_BUCKET_NUMEL[name] if strategy in ("z2", "z2-no-overlap") else None
     fwd, step, zero_grad, measured, obj = build(comm, strategy, model, opt_name, small)
     facts = {"sent": [], "sent_by_op": None}
     for batch in global_batches(model, STEPS, BATCH):
@@ -192,7 +192,7 @@ def _zero2_details(comm):
     """Tied weight: one gradient per backward; unused parameter: grad stays None, no hang."""
     out = {}
     model = build_model("edge", seed=0)
-    z2 = Zero2(model, torch.optim.SGD, comm, bucket_mb=0.0002, lr=0.1)
+    z2 = ShardGradOp(model, torch.optim.SGD, comm, bucket_numel=50, lr=0.1)
     fired = []
     model.emb.weight.register_post_accumulate_grad_hook(lambda p: fired.append(1))
     x, y = shard(global_batches(model, 1, BATCH)[0], comm.rank, comm.size)
@@ -216,7 +216,7 @@ def _mixed_precision(comm):
     out = {}
     for mode in ("z1", "z2"):
         model = build_model("tiny-gpt", seed=0, **GPT).to(torch.bfloat16)
-        fwd, step, zero_grad, measured, obj = build(comm, mode, model, "adam", 0.02)
+        fwd, step, zero_grad, measured, obj = build(comm, mode, model, "adam", 10_000)  # 20 KB of bf16
         losses = []
         for batch in global_batches(model, 4, BATCH):
             loss = fwd(*shard(batch, comm.rank, comm.size))[1]
@@ -240,7 +240,7 @@ def _errors(comm):
             return f"{type(e).__name__}: {e}"
     model = build_model("edge", seed=0)
     z1 = ShardedOptimizer(model.parameters(), torch.optim.SGD, comm, lr=0.1)
-    z2 = Zero2(build_model("edge", seed=0), torch.optim.SGD, comm, lr=0.1)
+    z2 = ShardGradOp(build_model("edge", seed=0), torch.optim.SGD, comm, lr=0.1)
     return {"err/z1_step_first": msg(z1.step), "err/z2_step_first": msg(z2.step),
             "err/z2_clip_first": msg(lambda: z2.clip_grad_norm_(1.0)),
             "err/empty": msg(lambda: ShardedOptimizer([], torch.optim.SGD, comm, lr=0.1)),

@@ -11,12 +11,12 @@ import torch
 import torch.nn as nn
 
 from minizero import memory
-from minizero.baselines import train_single
+from minizero.experiments.references import train_single
 from minizero.data import shard
-from minizero.ddp import DDP
+from minizero.dp.ddp import DDP
 from minizero.models import build_model
-from minizero.torch_baselines import flat_params, global_batches, make_optimizer
-from minizero.zero3 import FSDP
+from minizero.experiments.references import flat_params, global_batches, make_optimizer
+from minizero.zero.fsdp import FSDP
 
 torch.set_num_threads(1)
 
@@ -79,7 +79,7 @@ def train_fsdp(comm, name, opt_name="sgd", steps=STEPS, batch=BATCH, **kw):
     full = fsdp.gather_full_params()
     out["gather_full_sent"] = comm.stats.sent()
     out["counters"] = dict(fsdp.counters)
-    out["units"] = [{"name": u.name, "numel": u.layout.numel, "padded": u.P, "whole": u.Q} for u in fsdp.units]
+    out["units"] = [{"name": u.name, "numel": u.layout.numel, "padded": u.gathered_numel, "whole": u.persistent_numel} for u in fsdp.units]
     out["events"] = [(what, unit) for _, what, unit in fsdp.events]
     out["keys"] = list(full)
     plain = build_model(name, seed=0, **cfg)

@@ -3,7 +3,7 @@
 Each lab N has a module `minizero.autograde.labNN` (found by name: adding a lab touches no
 shared file) with
   * `LAB = Lab(number, name, title, source)`: `source` is the minizero module whose
-    BEGIN/END SOLUTION regions become the lab's TODOs (see minizero.labgen);
+    BEGIN/END SOLUTION regions become the lab's TODOs (see minizero.cli.labgen);
   * `CHECKS`: a list of `Check(name, max_score, fn)`; `fn(impl_file) -> str` returns what it
     measured, or raises `CheckFailed` saying what was wrong;
   * `demo(comm, impl)`: what `mpirun -n 4 python labs/labNN_*.py` prints for the student.

@@ -1,4 +1,4 @@
-"""Lab 02 checks: bucketed DDP, overlapped with backward (minizero/ddp.py's marked regions).
+"""Lab 02 checks: bucketed DDP, overlapped with backward (minizero/dp/ddp.py's marked regions).
 
 Students write Bucket.fill (gradient -> slot of a flat bucket), the overlap branch of the grad
 hook (fill, then launch every full bucket in order) and the bucketed part of
@@ -21,18 +21,18 @@ import torch
 from minizero import memory
 from minizero.autograde import Check, CheckFailed, Lab
 from minizero.data import shard
-from minizero.ddp import DDP as ReferenceDDP
+from minizero.dp.ddp import DDP as ReferenceDDP
 from minizero.models import build_model
-from minizero.torch_baselines import flat_params, global_batches, make_optimizer, train_torch_ddp
+from minizero.experiments.references import flat_params, global_batches, make_optimizer, train_torch_ddp
 
-LAB = Lab(2, "bucketed_ddp", "Bucketed DDP, overlapped with backward", "minizero/ddp.py")
+LAB = Lab(2, "bucketed_ddp", "Bucketed DDP, overlapped with backward", "minizero/dp/ddp.py")
 
 # The small tied GPT of tests/test_ddp.py, and the edge model (tied, frozen, unused parameters,
 # a buffer). Bucket sizes split each into several buckets; the edge model's unused parameter
 # sits in the last one, which therefore only fills at finish.
 MODELS = {"tiny-gpt": dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True),
           "edge": {}}
-BUCKET_MB = {"tiny-gpt": 0.02, "edge": 0.0002}
+BUCKET_NUMEL = {"tiny-gpt": 5000, "edge": 50}  # fp32 gradients per bucket
 STEPS, BATCH, LR = 3, 12, 0.1
 RTOL, ATOL = 1e-6, 2e-7  # see the module docstring
 
@@ -57,14 +57,14 @@ class _Step:
     """Train one DDP wrapper step by step and note what a check needs to see of each step."""
 
     def __init__(self, ddp_cls, name, mode, comm):
-        from minizero.bench_ddp import TimedComm
+        from minizero.experiments.dp_ddp import TimedComm
         self.model = build_model(name, seed=0, **MODELS[name])
         self.ready = {}  # id(param) -> how many gradients were ready before it
         # TimedComm with a logical clock: at each all-reduce launch, note how many gradients
         # were ready. Our hooks are registered after DDP's, so they run after its hook for
         # the same parameter: a bucket launched from parameter p's hook sees p not yet counted.
         self.comm = TimedComm(comm, lambda: len(self.ready))
-        self.ddp = ddp_cls(self.model, self.comm, mode=mode, bucket_mb=BUCKET_MB[name])
+        self.ddp = ddp_cls(self.model, self.comm, mode=mode, bucket_numel=BUCKET_NUMEL[name])
         for p in self.ddp.params:
             p.register_post_accumulate_grad_hook(self._note)
         self.opt = make_optimizer("sgd", self.model.parameters(), LR)
@@ -233,11 +233,11 @@ CHECKS = [
 def demo(comm, impl):
     """`mpirun -n 4 python labs/lab02_bucketed_ddp.py`: your overlapped DDP next to the reference
     on TinyGPT: loss per step, memory per rank (ledger), bytes sent per step and when buckets went out."""
-    name, mb, steps = "tiny-gpt", 0.05, 8
+    name, numel, steps = "tiny-gpt", 12_500, 8
     runs = {}
     for label, cls in (("yours", impl.DDP), ("reference", ReferenceDDP)):
         model = build_model(name, seed=0)
-        ddp = cls(model, comm, mode="overlap", bucket_mb=mb)
+        ddp = cls(model, comm, mode="overlap", bucket_numel=numel)
         opt = make_optimizer("sgd", model.parameters(), LR)
         losses, sent, early = [], [], []
         for batch in global_batches(model, steps, 4 * comm.size):

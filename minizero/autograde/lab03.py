@@ -2,11 +2,12 @@
 overflow vote in LossScaler.unscale_and_check; everything runs through minizero.launch, so a stub,
 a crash or an endless loop in student code is a failed check, never a hung grader.
 
-The lesson (lessons/03_mixed_precision.ipynb) launches the measurement workers at the bottom."""
+The lesson's own measurements (lessons/03_mixed_precision.ipynb) are in minizero/experiments/mixed_precision.py."""
 import torch
 
 from minizero import precision
 from minizero.autograde import Check, CheckFailed, Lab
+from minizero.experiments.mixed_precision import loss_tolerance, train
 
 LAB = Lab(3, "loss_scaler", "Dynamic loss scaler for fp16 mixed precision", "minizero/precision.py")
 
@@ -126,16 +127,10 @@ def check_skip(impl):
 
 def train_worker(comm, impl, steps=20):
     from minizero.launch import load_target
-    mine = load_target(impl + ":train")(None, "fp16", steps=steps)
-    ref = precision.train(None, "fp32", steps=steps)
+    mine = train(None, "fp16", steps=steps, scaler_cls=load_target(impl + ":LossScaler"),
+                 optimizer_cls=load_target(impl + ":MixedPrecisionOptimizer"))
+    ref = train(None, "fp32", steps=steps)
     return {"fp16": mine, "fp32": ref}
-
-
-def loss_tolerance(dtype, loss32):
-    """How far a 16-bit run's loss may be from fp32's at the same step: one unit roundoff u of the
-    16-bit format, relative (u = eps/2: 4.9e-4 fp16, 3.9e-3 bf16). Measured over 20 Adam steps of
-    TinyGPT (seeds 0-3, lessons/03): at most 0.30 u (fp16) and 0.35 u (bf16), so ~3x margin."""
-    return torch.finfo(precision.DTYPES[dtype]).eps / 2 * abs(loss32)
 
 
 def check_training(impl):
@@ -165,9 +160,10 @@ def demo(comm, impl):
     last rank, next to fp32; scale trace, memory per parameter and bytes per rank."""
     cfg = {"initial_scale_power": 12, "loss_scale_window": 4, "hysteresis": 2}
     inject = [[comm.size - 1, s] for s in (3, 4, 5, 12)]
-    r16 = impl.train(comm, "fp16", steps=16, fp16=cfg, inject=inject)
+    r16 = train(comm, "fp16", steps=16, fp16=cfg, inject=inject, scaler_cls=impl.LossScaler,
+                optimizer_cls=impl.MixedPrecisionOptimizer)
     comm.stats.reset()
-    r32 = precision.train(comm, "fp32", steps=16)
+    r32 = train(comm, "fp32", steps=16)
     psi = r16["num_params"]
     per_param = comm.allgather_object({k: v / psi for k, v in r16["ledger"].items()})
     sent = comm.allgather_object(r16["sent"])
@@ -183,80 +179,3 @@ def demo(comm, impl):
         per_step = ring_bytes_sent("all_reduce", 2 * psi, comm.size) + ring_bytes_sent("all_reduce", 4, comm.size)
         print(f"expected per rank: {len(r16['loss'])} steps x (fp16 gradients 2(N-1)/N*2*Psi + the 4-byte overflow "
               f"vote) = {len(r16['loss']) * per_step:,.0f} B")
-
-
-# ------------------------------------------------------------------ lesson 03 measurements
-
-def compare_dtypes(comm, steps=30, seed=0):
-    """precision.train in fp32, fp16 and bf16, one after the other in this one process."""
-    return {dt: precision.train(None, dt, steps=steps, seed=seed) for dt in ("fp32", "fp16", "bf16")}
-
-
-def _activation_grads(model, x, y, scale):
-    """d(loss)/d(activation) at every block output and every MLP/attention input projection output,
-    as fp32, divided by `scale`: what the fp16 backward pass actually carried, unscaled."""
-    grads, hooks = [], []
-
-    def keep(module, inputs, output):
-        output.register_hook(lambda g: grads.append(g.detach().float().reshape(-1) / scale))
-    for name, module in model.named_modules():
-        if name.endswith(("c_fc", "c_attn")) or name.startswith("h.") and name.count(".") == 1:
-            hooks.append(module.register_forward_hook(keep))
-    (precision.fp32_loss(model, x, y) * scale).backward()
-    for h in hooks:
-        h.remove()
-    return torch.cat(grads)
-
-
-def underflow_worker(comm, batch_size=32, scales=(1, 2**4, 2**8, 2**12, 2**16, 2**20, 2**24, 2**28), seed=0):
-    """What fp16 does to TinyGPT's activation gradients, for each loss scale S: the fraction flushed
-    to zero, the median relative error and the fraction that overflowed, against an fp32 backward
-    through the same (fp16-rounded) weights; whether a weight gradient overflowed (the step would be
-    skipped). Plus a histogram of log2|g| of the fp32 activation gradients."""
-    from minizero.data import SyntheticTokens
-    from minizero.models import TinyGPT
-    x, y = SyntheticTokens(seed=seed).batch(0, batch_size)
-    ref = _activation_grads(TinyGPT(seed=seed).half().float(), x, y, 1.0)
-    nz = ref != 0
-    rows = []
-    for s in scales:
-        model = TinyGPT(seed=seed).half()
-        g = _activation_grads(model, x, y, float(s))
-        fin = torch.isfinite(g)
-        rel = ((g - ref).abs() / ref.abs())[nz & fin]
-        rows.append({"scale": s, "zero": float((g[nz] == 0).float().mean()), "overflow": float((~fin).float().mean()),
-                     "median_rel_err": float(rel.median()) if rel.numel() else float("nan"),
-                     "weight_grad_overflow": not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())})
-    log2 = ref[nz].abs().log2()
-    edges = torch.arange(-40.0, 4.0, 1.0)
-    hist = torch.histogram(log2.clamp(-39.99, 3.99), bins=edges)[0]
-    return {"rows": rows, "edges": edges.tolist(), "hist": hist.tolist(), "n": ref.numel(),
-            "structural_zero": float((~nz).float().mean()), "max_abs": float(ref.abs().max())}
-
-
-def lost_updates_worker(comm, lrs=(1e-2, 1e-3, 1e-4, 1e-5), steps=3, seed=0):
-    """Why master weights: each Adam step's update u = (new master - old master), and the fraction of
-    nonzero u that would vanish if added to the 16-bit weight in 16-bit arithmetic (w16 + u == w16)."""
-    from minizero.data import SyntheticTokens
-    from minizero.models import TinyGPT
-    data, out = SyntheticTokens(seed=seed), {}
-    for dtype in ("fp16", "bf16"):
-        for lr in lrs:
-            model = TinyGPT(seed=seed).to(precision.DTYPES[dtype])
-            scaler = precision.LossScaler() if dtype == "fp16" else None
-            opt = precision.MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, scaler, lr=lr)
-            lost = total = 0
-            for step in range(steps):
-                x, y = data.batch(step, 8)
-                opt.backward(precision.fp32_loss(model, x, y))
-                old = [m.clone() for m in opt.masters]
-                w16 = [p.detach().clone() for p in opt.params]
-                opt.step()
-                opt.zero_grad()
-                for o, m, w in zip(old, opt.masters, w16):
-                    u = m - o
-                    moved = u != 0
-                    lost += int(((w + u.to(w.dtype)) == w)[moved].sum())
-                    total += int(moved.sum())
-            out[f"{dtype} {lr:g}"] = lost / max(total, 1)
-    return out

@@ -12,7 +12,7 @@ from minizero import memory
 from minizero.autograde import Check, CheckFailed, Lab
 from minizero.comm import ring_bytes_sent
 
-LAB = Lab(6, "zero3", "ZeRO-3 / FSDP: gather and free hooks", "minizero/zero3.py")
+LAB = Lab(6, "zero3", "ZeRO-3 / FSDP: gather and free hooks", "minizero/zero/fsdp.py")
 
 GPT = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)
 MODELS = {"tiny-gpt": (GPT, None), "edge": ({}, (nn.Linear,))}  # edge: tied weight across units
@@ -23,10 +23,10 @@ ATOL = 2e-7  # at rtol 1e-6: fp32 SGD, only the order of additions differs (see 
 def worker(comm, impl):
     """On every rank: the student's FSDP and minizero's DDP, step by step."""
     from minizero.data import shard
-    from minizero.ddp import DDP
+    from minizero.dp.ddp import DDP
     from minizero.launch import load_target
     from minizero.models import build_model
-    from minizero.torch_baselines import global_batches
+    from minizero.experiments.references import global_batches
     FSDP = load_target(impl + ":FSDP")
     torch.set_num_threads(1)
     out = {}
@@ -36,12 +36,12 @@ def worker(comm, impl):
         ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
         fsdp = FSDP(build_model(name, seed=0, **cfg), comm, wrap=wrap)
         opt = torch.optim.SGD(fsdp.parameters(), lr=LR, momentum=0.9)
-        shard_bytes = sum(4 * u.layout.shard_numel + 4 * u.Q for u in fsdp.units)
+        shard_bytes = sum(4 * u.layout.shard_numel + 4 * u.persistent_numel for u in fsdp.units)
         frozen = sum(4 * p.numel() for p in fsdp.module.parameters())
         gathered = []  # a weakref to each buffer gathered in forward: is it really freed?
         for u in fsdp.units:
             u.module.register_forward_pre_hook(lambda m, a, u=u: gathered.append(weakref.ref(u.buf)))
-        facts = {"shard_bytes": shard_bytes + frozen, "padded": sum(u.P for u in fsdp.units), "steps": []}
+        facts = {"shard_bytes": shard_bytes + frozen, "padded": sum(u.gathered_numel for u in fsdp.units), "steps": []}
         for step, batch in enumerate(global_batches(ref, STEPS, BATCH)):
             x, y = shard(batch, comm.rank, comm.size)
             comm.stats.reset()
@@ -174,9 +174,9 @@ def demo(comm, impl):
 
 def _demo_run(comm, FSDP, steps=5):
     from minizero.data import shard
-    from minizero.ddp import DDP
+    from minizero.dp.ddp import DDP
     from minizero.models import build_model
-    from minizero.torch_baselines import flat_params, global_batches
+    from minizero.experiments.references import flat_params, global_batches
     ref = build_model("tiny-gpt", seed=0, **GPT)
     ddp = DDP(ref, comm)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)

@@ -45,7 +45,10 @@ class Work:
     """An async handle: `wait()` blocks until the op is done (and copies back, if needed)."""
 
     def __init__(self, waiter, op: str, on_done=None):
-        self._waiter, self._op, self._on_done, self._done = waiter, op, on_done, False
+        self._waiter = waiter    # blocks until the backend says the op is done
+        self._op = op            # what the heartbeat reports while a rank waits here
+        self._on_done = on_done  # the backend's finishing touch (avg's division, a copy back)
+        self._done = False
 
     def wait(self):
         if not self._done:
@@ -78,8 +81,9 @@ class MPIBackend:
 
     def __init__(self, mpi_comm):
         self.MPI = mpi_module()
-        self.c = mpi_comm
-        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.mpi_comm = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
         self._ops = {"sum": self.MPI.SUM, "avg": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}
 
     @staticmethod
@@ -107,42 +111,42 @@ class MPIBackend:
         return Work(req.Wait, "reduction", done)
 
     def all_reduce(self, t, op):
-        return self._reduction([t], lambda b, mop: self.c.Iallreduce(self.MPI.IN_PLACE, b, mop), op)
+        return self._reduction([t], lambda b, mop: self.mpi_comm.Iallreduce(self.MPI.IN_PLACE, b, mop), op)
 
     def reduce_scatter(self, out, inp, op):
-        return self._reduction([out, inp], lambda o, i, mop: self.c.Ireduce_scatter_block(i, o, mop), op)
+        return self._reduction([out, inp], lambda o, i, mop: self.mpi_comm.Ireduce_scatter_block(i, o, mop), op)
 
     def reduce(self, t, dst, op):
         if self.rank == dst:
-            return self._reduction([t], lambda b, mop: self.c.Ireduce(self.MPI.IN_PLACE, b, mop, root=dst), op)
+            return self._reduction([t], lambda b, mop: self.mpi_comm.Ireduce(self.MPI.IN_PLACE, b, mop, root=dst), op)
         # non-roots only send; their tensor is left as it was
         half = t.dtype in (torch.bfloat16, torch.float16)
         buf = t.detach().float().numpy() if half else t.detach().numpy()
-        return Work(self.c.Ireduce(buf, None, self._ops[op], root=dst).Wait, "reduce")
+        return Work(self.mpi_comm.Ireduce(buf, None, self._ops[op], root=dst).Wait, "reduce")
 
     def all_gather(self, out, inp):
-        return Work(self.c.Iallgather(self._view(inp), self._view(out)).Wait, "all_gather")
+        return Work(self.mpi_comm.Iallgather(self._view(inp), self._view(out)).Wait, "all_gather")
 
     def broadcast(self, t, src):
-        return Work(self.c.Ibcast(self._view(t), root=src).Wait, "broadcast")
+        return Work(self.mpi_comm.Ibcast(self._view(t), root=src).Wait, "broadcast")
 
     def all_to_all(self, out, inp):
-        return Work(self.c.Ialltoall(self._view(inp), self._view(out)).Wait, "all_to_all")
+        return Work(self.mpi_comm.Ialltoall(self._view(inp), self._view(out)).Wait, "all_to_all")
 
     def isend(self, t, dst, tag):
-        return Work(self.c.Isend(self._view(t), dest=dst, tag=tag).Wait, "send")
+        return Work(self.mpi_comm.Isend(self._view(t), dest=dst, tag=tag).Wait, "send")
 
     def irecv(self, t, src, tag):
-        return Work(self.c.Irecv(self._view(t), source=src, tag=tag).Wait, "recv")
+        return Work(self.mpi_comm.Irecv(self._view(t), source=src, tag=tag).Wait, "recv")
 
     def barrier(self):
-        self.c.Barrier()
+        self.mpi_comm.Barrier()
 
     def allgather_obj(self, obj):
-        return self.c.allgather(obj)
+        return self.mpi_comm.allgather(obj)
 
     def split(self, color, key):
-        return MPIBackend(self.c.Split(color, key))
+        return MPIBackend(self.mpi_comm.Split(color, key))
 
 
 
@@ -152,9 +156,12 @@ class TorchBackend:
 
     def __init__(self, group=None, ranks=None):
         import torch.distributed as dist
-        self.dist, self.group = dist, group
+        self.dist = dist    # torch.distributed, imported late: `import minizero` stays light
+        self.group = group  # the torch ProcessGroup (None: the default, whole world)
+        # the group's members as global ranks: torch's p2p and roots take global ranks
         self.ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
-        self.rank, self.size = self.ranks.index(dist.get_rank()), len(self.ranks)
+        self.rank = self.ranks.index(dist.get_rank())
+        self.size = len(self.ranks)
         rop = dist.ReduceOp
         self._ops = {"sum": rop.SUM, "avg": rop.SUM, "max": rop.MAX, "min": rop.MIN}
 

@@ -66,9 +66,14 @@ class Communicator:
 
     def __init__(self, backend: str, impl, device: torch.device, name="world", parent=None,
                  debug: bool | None = None):
-        self.backend, self._impl, self.device, self.name, self.parent = backend, impl, device, name, parent
-        self.rank, self.size = impl.rank, impl.size
-        self.stats = CommStats()
+        self.backend = backend    # "mpi" or "torch": which library moves the bytes
+        self._impl = impl         # the MPIBackend / TorchBackend that does it (comm/backends.py)
+        self.device = device      # where this rank's tensors live: cpu, or its own cuda:N
+        self.name = name          # "world", or the group's name in errors and heartbeats
+        self.parent = parent      # the communicator this one was split from (its stats roll up)
+        self.rank = impl.rank     # this process's rank in THIS group
+        self.size = impl.size     # ranks in this group
+        self.stats = CommStats()  # bytes this rank sent through this group (comm/stats.py)
         # debug: compare shapes/dtypes across ranks before every collective (one extra
         # small all-gather each time): turns a silent hang or garbage into a clear error.
         self.debug = bool(int(os.environ.get("MINIZERO_DEBUG", "0"))) if debug is None else debug

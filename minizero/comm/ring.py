@@ -29,7 +29,11 @@ def ring_all_reduce(comm, tensor: torch.Tensor) -> torch.Tensor:
     right, left = (rank + 1) % n, (rank - 1) % n
     scratch = torch.empty(chunks[0].numel(), dtype=tensor.dtype, device=tensor.device)
 
-    # BEGIN SOLUTION: phase 1, reduce-scatter. For s in range(n - 1): isend chunk (rank - s) % n to `right`, recv chunk (rank - s - 1) % n from `left` into scratch[:size], add it into that chunk, then wait for the send.
+    # BEGIN SOLUTION: phase 1, reduce-scatter: after it, this rank holds one chunk's full sum.
+    #   For s in range(n - 1):
+    #     isend chunk (rank - s) % n to `right`;
+    #     recv chunk (rank - s - 1) % n from `left` into scratch[:size of that chunk];
+    #     add it into that chunk, then wait for the send.
     for s in range(n - 1):
         send_idx, recv_idx = (rank - s) % n, (rank - s - 1) % n
         pending = comm.isend(chunks[send_idx], right)
@@ -39,7 +43,11 @@ def ring_all_reduce(comm, tensor: torch.Tensor) -> torch.Tensor:
         chunks[recv_idx].add_(incoming)
     # END SOLUTION
 
-    # BEGIN SOLUTION: phase 2, all-gather. For s in range(n - 1): isend chunk (rank + 1 - s) % n to `right`, recv chunk (rank - s) % n from `left` straight into that chunk, then wait for the send.
+    # BEGIN SOLUTION: phase 2, all-gather: pass the summed chunks around the ring.
+    #   For s in range(n - 1):
+    #     isend chunk (rank + 1 - s) % n to `right`;
+    #     recv chunk (rank - s) % n from `left` straight into that chunk;
+    #     then wait for the send.
     for s in range(n - 1):
         send_idx, recv_idx = (rank + 1 - s) % n, (rank - s) % n
         pending = comm.isend(chunks[send_idx], right)

@@ -27,7 +27,7 @@ import time
 import torch
 
 from minizero import comm as comm_mod
-from minizero.config import ConfigError
+from minizero.runtime.config import ConfigError
 from minizero.data import SyntheticTokens, regression_batch, shard
 from minizero.models import MODELS, build_model
 
@@ -44,7 +44,7 @@ def batches(name, model, seed):
 def train(comm, config, model_name="tiny-gpt", steps=50, out="runs/train", save_every=0, resume=False,
           progress=True):
     """Runs on every rank. Returns the per-step log records (rank 0's view) and this rank's ledger."""
-    from minizero.engine import initialize
+    from minizero.runtime.engine import initialize
     with open(config) as f:
         seed = json.load(f).get("seed", 0)
     model = build_model(model_name, seed=seed)

@@ -67,19 +67,19 @@ def _adam(params, lr):
 
 def _minizero(name, model, comm, lr):
     if name == "minizero-ddp":
-        from minizero.ddp import DDP
-        w = DDP(model, comm, mode="overlap")  # bucket_mb=25: torch DDP's default cap
+        from minizero.dp.ddp import DDP
+        w = DDP(model, comm, mode="overlap")  # bucket_numel=6.25M fp32 = 25 MB: torch DDP's default cap
         opt = _adam(w.parameters(), lr)
         return Candidate(*_loop(w, opt, w.finish_gradient_synchronization), lambda: (w, opt), "minizero.comm")
     if name == "minizero-zero1":
-        from minizero.zero1 import ShardedOptimizer
+        from minizero.zero.sharded_optimizer import ShardedOptimizer
         opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, comm, lr=lr)
         return Candidate(*_loop(model, opt), lambda: (model, opt), "minizero.comm")
     if name == "minizero-zero2":
-        from minizero.zero2 import Zero2
-        w = Zero2(model, torch.optim.Adam, comm, lr=lr)
+        from minizero.zero.shard_grad_op import ShardGradOp
+        w = ShardGradOp(model, torch.optim.Adam, comm, lr=lr)
         return Candidate(*_loop(w, w), lambda: (w,), "minizero.comm")
-    from minizero.zero3 import FSDP
+    from minizero.zero.fsdp import FSDP
     w = FSDP(model, comm)
     opt = _adam(w.parameters(), lr)
     return Candidate(*_loop(w, opt), lambda: (w, opt), "minizero.comm")

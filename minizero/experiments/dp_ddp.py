@@ -1,4 +1,4 @@
-"""minizero.bench_ddp: what lesson 02 measures about data parallelism.
+"""minizero.experiments.dp_ddp: what lesson 02 measures about data parallelism.
 
 The workers run on every rank through `minizero.launch.run`:
   * `check_equal`  : DDP (each mode) vs one process on the whole batch vs torch's
@@ -8,7 +8,7 @@ The workers run on every rank through `minizero.launch.run`:
                      bytes per step, and a timeline of one overlapped step;
   * `time_data_parallel` (one process): the old single-process DataParallel, by phase.
 
-Timing rules (as in bench_comm): every step starts after a barrier, a step is done when its
+Timing rules (as in experiments/collectives.py): every step starts after a barrier, a step is done when its
 slowest rank is, and we report the median over steps. Nothing here changes what DDP does:
 `TimedComm` only wraps the communicator to note the clock when an all-reduce is launched and
 when its wait() begins and returns.
@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from minizero.baselines import train_single
+from minizero.experiments.references import train_single
 from minizero.data import shard
-from minizero.data_parallel import DataParallel
-from minizero.ddp import DDP
+from minizero.dp.data_parallel import DataParallel
+from minizero.dp.ddp import DDP
 from minizero.models import build_model
-from minizero.torch_baselines import flat_params, global_batches, train_torch_ddp
+from minizero.experiments.references import flat_params, global_batches, train_torch_ddp
 
 # Timing model: 3.2 M parameters (12.8 MB of fp32 gradients in 53 tensors). With 2 sequences
 # of 32 tokens per rank, backward takes tens of ms on one core, the all-reduce of 12.8 MB a
@@ -40,14 +40,14 @@ def _max_diff(a, b):
     return (a - b).abs().max().item()
 
 
-def check_equal(comm, steps=3, global_batch=12, lr=0.1, bucket_mb=0.02, micro=2):
+def check_equal(comm, steps=3, global_batch=12, lr=0.1, bucket_numel=5000, micro=2):
     """SGD steps of SMALL_GPT with each DDP mode; rank 0 also trains one process on the whole
     batch. Then `micro` micro-batches under no_sync vs one step on all of them at once."""
     out = {"N": comm.size}
     runs = {}
     for mode in ("naive", "bucketed", "overlap"):
         model = build_model("tiny-gpt", seed=0, **SMALL_GPT)
-        ddp = DDP(model, comm, mode=mode, bucket_mb=None if mode == "naive" else bucket_mb)
+        ddp = DDP(model, comm, mode=mode, bucket_numel=None if mode == "naive" else bucket_numel)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         for x, y in global_batches(model, steps, global_batch):
             ddp(*shard((x, y), comm.rank, comm.size))[1].backward()
@@ -59,7 +59,7 @@ def check_equal(comm, steps=3, global_batch=12, lr=0.1, bucket_mb=0.02, micro=2)
                                              model_kwargs=SMALL_GPT)["params"])
     # no_sync: micro-batches accumulate locally, one all-reduce at the last one.
     model = build_model("tiny-gpt", seed=0, **SMALL_GPT)
-    ddp = DDP(model, comm, mode="overlap", bucket_mb=bucket_mb)
+    ddp = DDP(model, comm, mode="overlap", bucket_numel=bucket_numel)
     batches = global_batches(model, micro, global_batch)
     comm.stats.reset()
     sent = []
@@ -135,7 +135,7 @@ def _slowest_median(comm, values, best=False):
     return min(slowest) if best else statistics.median(slowest)
 
 
-def time_modes(comm, modes=("naive", "bucketed", "overlap"), steps=8, warmup=2, bucket_mb=1.0,
+def time_modes(comm, modes=("naive", "bucketed", "overlap"), steps=8, warmup=2, bucket_numel=250_000,
                batch_per_rank=2, model_kwargs=None, timeline_mode="overlap"):
     """Per mode: medians of compute (forward+backward), finish (exposed communication) and the
     whole step; all_reduce messages and bytes per step (comm.stats); and, for `timeline_mode`,
@@ -148,7 +148,7 @@ def time_modes(comm, modes=("naive", "bucketed", "overlap"), steps=8, warmup=2, 
     for mode in modes:
         model = build_model("tiny-gpt", seed=0, **cfg)
         timed = TimedComm(comm, time.perf_counter)
-        ddp = DDP(model, timed, mode=mode, bucket_mb=None if mode == "naive" else bucket_mb)
+        ddp = DDP(model, timed, mode=mode, bucket_numel=None if mode == "naive" else bucket_numel)
         params = ddp.params
         ready = {}
 

@@ -1,7 +1,7 @@
 """`python -m minizero bench`: minizero's DDP and ZeRO-1/2/3 next to torch and DeepSpeed, measured.
 
 One job, N ranks (default 4), the same TinyGPT, data, optimizer (torch Adam, fp32) and steps for
-every candidate (minizero/bench_candidates.py builds them):
+every candidate (minizero/bench/candidates.py builds them):
     minizero-ddp | minizero-zero1 | minizero-zero2 | minizero-zero3      (minizero.comm: MPI on CPU)
     torch-ddp (DistributedDataParallel) | torch-fsdp2 (fully_shard)      (torch.distributed: gloo)
     deepspeed-z0 .. deepspeed-z3, when `deepspeed` imports                (its CPU accelerator: gloo)
@@ -42,11 +42,11 @@ import time
 import torch
 
 from minizero import memory
-from minizero.bench_candidates import (BENCH_GPT, CANDIDATES, DEEPSPEED, REFERENCE, TARGETS, TORCH_STATS, build,
+from minizero.bench.candidates import (BENCH_GPT, CANDIDATES, DEEPSPEED, REFERENCE, TARGETS, TORCH_STATS, build,
                                        count_torch_collectives, start_deepspeed)
 from minizero.data import shard
 from minizero.models import build_model
-from minizero.torch_baselines import global_batches
+from minizero.experiments.references import global_batches
 
 
 # ----------------------------------------------------------------------------- process memory
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from minizero import launch
     t0, load_before = time.time(), os.getloadavg()
-    per_rank = launch.run("minizero.bench:worker", nprocs=args.nprocs, timeout=args.timeout, backend=args.backend,
+    per_rank = launch.run("minizero.bench.bench:worker", nprocs=args.nprocs, timeout=args.timeout, backend=args.backend,
                           args={"candidates": args.candidates, "steps": args.steps, "warmup": args.warmup,
                                 "micro": args.micro})
     summary = summarize(per_rank)

@@ -1,4 +1,4 @@
-"""minizero.engine: DeepSpeed's training loop, composed from minizero's building blocks.
+"""minizero.runtime.engine: DeepSpeed's training loop, composed from minizero's building blocks.
 
     engine = minizero.initialize(model, "ds_config.json")      # or a dict; DeepSpeed's keys (config.py)
     for step in range(steps):
@@ -11,11 +11,11 @@ Your own loss: an output without a loss (`engine(x)`: TinyGPT returns (logits, N
 it is: `logits, _ = engine(x); engine.backward(my_loss(logits, y))`. `engine.outputs` keeps it too.
 
 The config, with DeepSpeed's meaning (checked against deepspeed/runtime/engine.py):
-  zero_optimization.stage 0 -> ddp.DDP (+ precision.MixedPrecisionOptimizer in 16 bits), 1 ->
-    zero1.ShardedOptimizer, 2 -> zero2.Zero2, 3 -> zero3.FSDP + the optimizer on its fp32 shards.
+  zero_optimization.stage 0 -> dp.DDP (+ precision.MixedPrecisionOptimizer in 16 bits), 1 ->
+    zero.ShardedOptimizer, 2 -> zero.ShardGradOp, 3 -> zero.FSDP + the optimizer on its fp32 shards.
   reduce_bucket_size is in ELEMENTS -> DDP / ZeRO-2 buckets of that many gradients. ZeRO-1 reduce-
     scatters, and ZeRO-1/2 all-gather, the whole flat buffer in one call (allgather_bucket_size: one
-    bucket; contiguous_gradients: always). overlap_comm -> DDP "overlap" mode, Zero2(overlap=), and at
+    bucket; contiguous_gradients: always). overlap_comm -> DDP "overlap" mode, ShardGradOp(overlap=), and at
     stage 3 (with stage3_prefetch_bucket_size > 0) FSDP's prefetch. stage3_param_persistence_threshold
     -> FSDP's; FSDP never holds more than one unit plus one prefetched (stage3_max_live_parameters).
     Keys with no effect here warn when set to a non-default value (config.NO_EFFECT says why).
@@ -40,12 +40,12 @@ from contextlib import nullcontext
 
 import torch
 
-from minizero import checkpoint
+from minizero.runtime import checkpoint
 from minizero import comm as comm_mod
 from minizero import memory
-from minizero.config import ConfigError, load_config
+from minizero.runtime.config import ConfigError, load_config
 from minizero.precision import LossScaler, MixedPrecisionOptimizer
-from minizero.schedulers import build_scheduler
+from minizero.runtime.schedulers import build_scheduler
 
 OFFLOAD_MSG = "not available yet: the offload lesson (07) is not written; remove offload_* or set device none"
 
@@ -108,14 +108,18 @@ def initialize(model: torch.nn.Module, config, comm=None) -> "Engine":
 
 class Engine:
     def __init__(self, model: torch.nn.Module, cfg: dict, comm):
-        self.config, self.comm, self.module = cfg, comm, model
-        zero, self.stage = cfg["zero_optimization"], cfg["zero_optimization"]["stage"]
+        self.config = cfg     # the checked config, every default filled in (runtime/config.py)
+        self.comm = comm      # the data-parallel ranks
+        self.module = model   # the plain model (DeepSpeed's engine.module)
+        zero = cfg["zero_optimization"]
+        self.stage = zero["stage"]
         self.dtype = torch.float16 if cfg["fp16"]["enabled"] else torch.bfloat16 if cfg["bf16"]["enabled"] \
             else torch.float32
         self.half = self.dtype != torch.float32
         # what a checkpoint must map back to the plain model (FSDP removes the parameters from it)
         self.param_shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
-        first, self.aliases = {}, {}  # a tied weight's other names -> the name named_parameters() gives it
+        first = {}
+        self.aliases = {}  # a tied weight's other names -> the name named_parameters() gives it
         for n, p in model.named_parameters(remove_duplicate=False):
             if first.setdefault(id(p), n) != n:
                 self.aliases[n] = first[id(p)]
@@ -123,23 +127,24 @@ class Engine:
         self.device = comm.device  # one rank per GPU (comm picks it); move your batches there, as in DeepSpeed
         model.to(self.device, self.dtype if self.half else None)
         cls, kw = optimizer_spec(cfg["optimizer"])
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        bucket_mb = zero["reduce_bucket_size"] * elem / 1e6
+        bucket_numel = int(zero["reduce_bucket_size"])  # elements, as in DeepSpeed: no unit to convert
         if self.stage == 0:
-            from minizero.ddp import DDP
-            self.wrapped = DDP(model, comm, bucket_mb=bucket_mb, overlap=zero["overlap_comm"])
+            from minizero.dp.ddp import DDP
+            self.wrapped = DDP(model, comm, bucket_numel=bucket_numel, overlap=zero["overlap_comm"])
             self.optimizer = MixedPrecisionOptimizer(self.wrapped.params, cls, None, 0.0, comm, **kw) \
                 if self.half else cls(self.wrapped.params, **kw)
         elif self.stage == 1:
-            from minizero.zero1 import ShardedOptimizer
+            from minizero.zero.sharded_optimizer import ShardedOptimizer
             self._broadcast([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
-            self.wrapped, self.optimizer = model, ShardedOptimizer(model.parameters(), cls, comm, **kw)
+            self.wrapped = model
+            self.optimizer = ShardedOptimizer(model.parameters(), cls, comm, **kw)
         elif self.stage == 2:
-            from minizero.zero2 import Zero2
-            self.wrapped = Zero2(model, cls, comm, bucket_mb=bucket_mb, overlap=zero["overlap_comm"], **kw)
+            from minizero.zero.shard_grad_op import ShardGradOp
+            self.wrapped = ShardGradOp(model, cls, comm, bucket_numel=bucket_numel, overlap=zero["overlap_comm"],
+                                       **kw)
             self.optimizer = self.wrapped.optim
         else:
-            from minizero.zero3 import FSDP
+            from minizero.zero.fsdp import FSDP
             self._broadcast([*model.parameters(), *model.buffers()])  # FSDP shards each rank's OWN copy
             prefetch = zero["overlap_comm"] and zero["stage3_prefetch_bucket_size"] > 0
             self.wrapped = FSDP(model, comm, compute_dtype=self.dtype if self.half else None, prefetch=prefetch,
@@ -148,8 +153,14 @@ class Engine:
         f16 = {k: v for k, v in cfg["fp16"].items() if k != "enabled"}
         self.loss_scaler = LossScaler(**f16) if cfg["fp16"]["enabled"] else None
         self.lr_scheduler = build_scheduler(self.optimizer, cfg["scheduler"])
-        self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
-        self.overflow, self.grad_norm, self.outputs, self._shard_grad = False, None, None, None
+        self.global_steps = 0     # optimizer steps, skipped ones included (DeepSpeed's count)
+        self.global_samples = 0   # samples seen, over all ranks
+        self.micro_steps = 0      # backward passes
+        self.skipped_steps = 0    # fp16 overflows
+        self.overflow = False     # the last step was skipped
+        self.grad_norm = None     # the last step's global gradient norm
+        self.outputs = None       # the last forward's full output
+        self._shard_grad = None
         self.timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # seconds spent in the last optimizer step
         self._fwd = self._bwd = 0.0
 
@@ -328,7 +339,7 @@ class Engine:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None):
-        """Every rank writes its shard; see minizero.checkpoint. A collective. client_state: plain data
+        """Every rank writes its shard; see minizero.runtime.checkpoint. A collective. client_state: plain data
         (numbers, strings, lists, dicts, tensors), handed back by load_checkpoint."""
         return checkpoint.save(self, save_dir, tag, client_state)
 

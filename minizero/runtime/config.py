@@ -1,4 +1,4 @@
-"""minizero.config: the DeepSpeed JSON subset minizero understands, validated.
+"""minizero.runtime.config: the DeepSpeed JSON subset minizero understands, validated.
 
 A student's ds_config.json should mean the same thing here and in DeepSpeed, so:
   * every key minizero implements has DeepSpeed's name, default and meaning;

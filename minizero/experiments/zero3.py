@@ -10,10 +10,10 @@ import torch.nn as nn
 
 from minizero import memory
 from minizero.data import shard
-from minizero.ddp import DDP
+from minizero.dp.ddp import DDP
 from minizero.models import build_model
-from minizero.torch_baselines import global_batches
-from minizero.zero3 import FSDP
+from minizero.experiments.references import global_batches
+from minizero.zero.fsdp import FSDP
 
 LESSON_GPT = dict(n_layer=4)  # GPTConfig defaults otherwise: vocab 64, block 32, n_embd 64
 MICRO = 4  # sequences per rank: a fixed micro-batch, as train_micro_batch_size_per_gpu
@@ -84,7 +84,7 @@ def lesson_sweep(comm, steps=2):
                 ledger, sent, calls, peak = _lesson_step(sub, wrapped, opt, b, (wrapped, opt))
             row[kind] = {"ledger": ledger, "sent": sent, "calls": calls, "peak": peak}
             if kind == "zero3":
-                row["units"] = [(u.name, u.layout.numel, u.P) for u in wrapped.units]
+                row["units"] = [(u.name, u.layout.numel, u.gathered_numel) for u in wrapped.units]
         plain = build_model("tiny-gpt", seed=0, **LESSON_GPT)
         row["activations"] = saved_activation_bytes(plain, *shard(batches[0], sub.rank, n))
         out["sweep"][n] = row
@@ -110,6 +110,6 @@ def lesson_sweep(comm, steps=2):
         for b in global_batches(fsdp.module, 2, MICRO * comm.size):
             ledger, sent, calls, peak = _lesson_step(comm, fsdp, opt, b, (fsdp, opt))
         out[f"persist={threshold}"] = {"ledger": ledger, "sent": sent, "calls": calls, "peak": peak,
-                                       "whole": sum(u.Q for u in fsdp.units)}
+                                       "whole": sum(u.persistent_numel for u in fsdp.units)}
     out["timing"].append(("persistence", time.perf_counter() - t_start))
     return out

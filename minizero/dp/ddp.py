@@ -1,11 +1,11 @@
-"""minizero.ddp: distributed data parallel, in three steps of sophistication.
+"""minizero.dp.ddp: distributed data parallel, in three steps of sophistication.
 
 Every rank holds the whole model and a 1/N slice of the global batch. After backward,
 each rank has the gradient of ITS mean loss; all-reducing (sum) and dividing by N gives
 the gradient of the mean over the global batch, so every rank takes the same optimizer
-step and the replicas never drift apart (baselines.py has the one-line proof).
+step and the replicas never drift apart (experiments/references.py has the one-line proof).
 
-    model = DDP(TinyGPT(), mode="overlap", bucket_mb=25)
+    model = DDP(TinyGPT(), mode="overlap", bucket_numel=6_250_000)
     logits, loss = model(x_shard, y_shard)
     loss.backward()
     model.finish_gradient_synchronization()   # always, before optimizer.step()
@@ -15,13 +15,14 @@ The three modes (lesson 02 times them against each other):
   "naive"    : after backward, one all-reduce per parameter. Many small messages, so the
                per-message latency (alpha in the alpha-beta model) dominates.
   "bucketed" : after backward, gradients are copied into a few flat buckets of about
-               `bucket_mb` MB (1 MB = 1e6 bytes) and each bucket is all-reduced: few large
-               messages, bandwidth bound.
+               `bucket_numel` gradients each, and each bucket is all-reduced: few large
+               messages, bandwidth bound. (The default, 6.25M fp32 gradients = 25 MB, is
+               torch DDP's bucket_cap_mb=25; DeepSpeed's reduce_bucket_size is this number.)
   "overlap"  : the same buckets, but a hook on each parameter fills its slot as soon as
                autograd has accumulated its gradient, and a bucket's all-reduce is launched
                (async) the moment it is full, while backward keeps computing earlier layers.
                This is torch's DistributedDataParallel (Li et al., VLDB 2020, sec. 3.2).
-`mode=None` picks from the flags: bucket_mb=None -> naive, overlap -> overlap, else bucketed.
+`mode=None` picks from the flags: bucket_numel=None -> naive, overlap -> overlap, else bucketed.
 
 Decisions, and why:
   * finish_gradient_synchronization() is explicit (torch DDP hides it in an autograd
@@ -55,7 +56,7 @@ from minizero import comm as comm_mod
 MODES = ("naive", "bucketed", "overlap")
 
 
-class Bucket:
+class GradBucket:
     """One flat buffer and the parameters whose gradients live in it."""
 
     def __init__(self, params: list[nn.Parameter], device):
@@ -75,7 +76,11 @@ class Bucket:
 
     def fill(self, i: int):
         """Put params[i]'s local gradient (or zeros) into its slot and make p.grad that slot."""
-        # BEGIN SOLUTION: Bucket.fill, copy the gradient into its slot. Set self.had_grad[i] to whether p.grad exists; zero the slot self.views[i] if it does not, else copy p.grad into it and make p.grad the slot itself (skip both if p.grad already is the slot: same data_ptr()), so autograd's own gradient tensor is freed now. Then mark self.filled[i].
+        # BEGIN SOLUTION: GradBucket.fill: copy parameter i's gradient into its slot.
+        #   self.had_grad[i] = whether p.grad exists. No grad: zero the slot self.views[i].
+        #   Else copy p.grad into the slot and make p.grad the slot itself, so autograd's own
+        #   gradient tensor is freed now (skip both if p.grad already is the slot: same data_ptr()).
+        #   Then mark self.filled[i].
         p, view = self.params[i], self.views[i]
         self.had_grad[i] = p.grad is not None
         if p.grad is None:
@@ -97,21 +102,21 @@ def _hook(ddp_ref, i):
 
 class DDP(nn.Module):
     def __init__(self, module: nn.Module, comm: comm_mod.Communicator | None = None,
-                 bucket_mb: float | None = 25, overlap: bool = True, mode: str | None = None):
+                 bucket_numel: int | None = 6_250_000, overlap: bool = True, mode: str | None = None):
         super().__init__()
         self.module = module
         self.comm = comm or comm_mod.get()
-        self.mode = mode or ("naive" if bucket_mb is None else "overlap" if overlap else "bucketed")
+        self.mode = mode or ("naive" if bucket_numel is None else "overlap" if overlap else "bucketed")
         if self.mode not in MODES:
             raise ValueError(f"unknown DDP mode {self.mode!r}; use one of {MODES}")
-        if self.mode != "naive" and not (bucket_mb and bucket_mb > 0):
-            raise ValueError(f"mode {self.mode!r} needs bucket_mb > 0, got {bucket_mb!r}")
-        self.bucket_mb = bucket_mb
+        if self.mode != "naive" and not (bucket_numel and bucket_numel > 0):
+            raise ValueError(f"mode {self.mode!r} needs bucket_numel > 0, got {bucket_numel!r}")
+        self.bucket_numel = bucket_numel  # gradients per bucket (a bigger parameter gets its own)
         self._broadcast_from_rank0()
         # Unique trainable parameters. parameters() yields a tied weight once.
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
-        self.buckets = [] if self.mode == "naive" else self._make_buckets(bucket_mb)
+        self.buckets = [] if self.mode == "naive" else self._make_buckets(bucket_numel)
         # _where[i] = (bucket index, slot) of self.params[i]; None in naive mode
         self._where = [None] * len(self.params)
         index = {id(p): i for i, p in enumerate(self.params)}
@@ -138,19 +143,18 @@ class DDP(nn.Module):
             if buf.data_ptr() != t.data_ptr():
                 t.copy_(buf)
 
-    def _make_buckets(self, bucket_mb: float) -> list[Bucket]:
-        cap, buckets, current, size = bucket_mb * 1e6, [], [], 0
+    def _make_buckets(self, bucket_numel: int) -> list[GradBucket]:
+        buckets, current, numel = [], [], 0
         for p in reversed(self.params):
-            nbytes = p.numel() * p.element_size()
             # Close the bucket when it would overflow or change dtype (one flat buffer has
             # one dtype). A parameter bigger than the cap gets a bucket of its own.
-            if current and (size + nbytes > cap or p.dtype != current[0].dtype):
-                buckets.append(Bucket(current, self.comm.device))
-                current, size = [], 0
+            if current and (numel + p.numel() > bucket_numel or p.dtype != current[0].dtype):
+                buckets.append(GradBucket(current, self.comm.device))
+                current, numel = [], 0
             current.append(p)
-            size += nbytes
+            numel += p.numel()
         if current:
-            buckets.append(Bucket(current, self.comm.device))
+            buckets.append(GradBucket(current, self.comm.device))
         return buckets
 
     # ------------------------------------------------------------------ torch conventions
@@ -186,7 +190,11 @@ class DDP(nn.Module):
                 "the last micro-batch under no_sync().")
         self._got_grad[i] = self._pending = True
         if self.mode == "overlap":
-            # BEGIN SOLUTION: overlap, fill the slot and launch full buckets during backward. self._where[i] is (bucket index, slot) of params[i]: fill that slot, then launch with self._launch() every bucket from self.buckets[self._next] on that is completely filled, in bucket order, stopping at the first one that is not (every rank must issue the same all-reduces in the same order, or MPI pairs up the wrong ones).
+            # BEGIN SOLUTION: overlap: fill the slot, then launch every full bucket, in order.
+            #   self._where[i] is (bucket index, slot) of params[i]: fill that slot.
+            #   Then, from self.buckets[self._next] on, self._launch() each completely filled bucket,
+            #   stopping at the first one that is not: every rank must issue the same all-reduces
+            #   in the same order, or MPI pairs up the wrong ones.
             b, s = self._where[i]
             self.buckets[b].fill(s)
             # Launch in bucket order only: a full bucket waits for the ones before it, so
@@ -195,7 +203,7 @@ class DDP(nn.Module):
                 self._launch(self.buckets[self._next])
             # END SOLUTION
 
-    def _launch(self, bucket: Bucket):
+    def _launch(self, bucket: GradBucket):
         bucket.work = self.comm.all_reduce(bucket.buffer, op="sum", async_op=True)
         self._next += 1
 
@@ -220,7 +228,12 @@ class DDP(nn.Module):
                 if not had_grad and g.any():  # someone else used it: take the average
                     p.grad = g
         else:
-            # BEGIN SOLUTION: finish, launch the rest, wait and unflatten. Every bucket not launched yet (self.buckets[self._next:]: all of them when bucketed) gets its empty slots filled and is launched; then for each bucket in order wait for its work, divide the buffer by n, and set each p.grad to its view, except for a parameter that had no local gradient and whose averaged view is all zeros (unused on every rank: its grad stays None). Reset the bucket.
+            # BEGIN SOLUTION: finish: launch the rest, wait, average and unflatten.
+            #   Each bucket not launched yet (self.buckets[self._next:]; all of them when bucketed):
+            #     fill its empty slots, then launch it.
+            #   Then for each bucket, in order: wait for its work, divide the buffer by n, and set
+            #     each p.grad to its view, except where the parameter had no local gradient and its
+            #     averaged view is all zeros (unused on every rank: grad stays None). Reset the bucket.
             for bucket in self.buckets[self._next:]:  # bucketed: all; overlap: leftovers
                 for s, done in enumerate(bucket.filled):
                     if not done:
@@ -253,5 +266,5 @@ class DDP(nn.Module):
             yield "gradients", bucket.buffer, None
 
     def extra_repr(self) -> str:
-        sizes = [round(b.buffer.numel() * b.buffer.element_size() / 1e6, 3) for b in self.buckets]
-        return f"mode={self.mode!r}, world={self.comm.size}, buckets_mb={sizes}"
+        sizes = [b.buffer.numel() for b in self.buckets]
+        return f"mode={self.mode!r}, world={self.comm.size}, bucket_numels={sizes}"

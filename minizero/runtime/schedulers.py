@@ -88,10 +88,10 @@ class WarmupCosineLR(_Schedule):
         super().__init__(optimizer, warmup_num_steps, warmup_type)
 
     def ratio(self, t):
-        w = self.warmup_num_steps
-        if t < w:
+        warmup = self.warmup_num_steps
+        if t < warmup:
             return self.warmup_min_ratio + (1 - self.warmup_min_ratio) * self._warmup_gamma(t)
-        progress = (t - w + 1) / max(1, self.total_num_steps - w)
+        progress = (t - warmup + 1) / max(1, self.total_num_steps - warmup)
         return max(0.0, self.cos_min_ratio + (1 - self.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
 
     def get_lr(self):

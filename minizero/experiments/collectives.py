@@ -1,4 +1,4 @@
-"""minizero.bench_comm: measure collectives and fit the alpha-beta ring model (lesson 01).
+"""minizero.experiments.collectives: measure collectives and fit the alpha-beta ring model (lesson 01).
 
 The alpha-beta model: one message of m bytes costs  alpha + m*beta  (alpha: latency per
 message, beta: seconds per byte = 1/bandwidth). A ring collective over N ranks on a payload

@@ -31,7 +31,7 @@ DEMO_CONFIG = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
 
 
 def _ddp(model, comm, lr):
-    from minizero.ddp import DDP
+    from minizero.dp.ddp import DDP
     wrapped = DDP(model, comm=comm, mode="overlap")
     opt = torch.optim.Adam(wrapped.parameters(), lr=lr)
 
@@ -45,7 +45,7 @@ def _ddp(model, comm, lr):
 
 
 def _zero1(model, comm, lr):
-    from minizero.zero1 import ShardedOptimizer
+    from minizero.zero.sharded_optimizer import ShardedOptimizer
     opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, comm=comm, lr=lr)
 
     def step(x, y):
@@ -57,8 +57,8 @@ def _zero1(model, comm, lr):
 
 
 def _zero2(model, comm, lr):
-    from minizero.zero2 import Zero2
-    wrapped = Zero2(model, torch.optim.Adam, comm=comm, lr=lr)
+    from minizero.zero.shard_grad_op import ShardGradOp
+    wrapped = ShardGradOp(model, torch.optim.Adam, comm=comm, lr=lr)
 
     def step(x, y):
         _, loss = wrapped(x, y)
@@ -69,7 +69,7 @@ def _zero2(model, comm, lr):
 
 
 def _zero3(model, comm, lr):
-    from minizero.zero3 import FSDP
+    from minizero.zero.fsdp import FSDP
     wrapped = FSDP(model, comm=comm)
     opt = torch.optim.Adam(wrapped.parameters(), lr=lr)  # sees only this rank's shards
 
@@ -142,7 +142,7 @@ def train_worker(comm, strategies=("ddp", "zero1", "zero2", "zero3"), steps=40, 
     runs = [_run_strategy(comm, s, steps, global_batch, lr, seed, progress) for s in strategies]
     reference = None
     if comm.rank == 0:  # ground truth: one process, the full global batch, same init and data
-        from minizero.baselines import train_single
+        from minizero.experiments.references import train_single
         ref_model = TinyGPT(GPTConfig(**DEMO_CONFIG), seed=seed)
         ref_opt = torch.optim.Adam(ref_model.parameters(), lr=lr)
         data = SyntheticTokens(DEMO_CONFIG["vocab_size"], DEMO_CONFIG["block_size"], seed=seed)
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from minizero import launch
     t0 = time.time()
-    results = launch.run("minizero.demo:train_worker", nprocs=args.nprocs, timeout=args.timeout, stream=True,
+    results = launch.run("minizero.cli.demo:train_worker", nprocs=args.nprocs, timeout=args.timeout, stream=True,
                          args={"strategies": args.strategy or list(STRATEGIES), "steps": args.steps})
     report(results)
     plot(results, args.png)

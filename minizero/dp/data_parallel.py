@@ -1,4 +1,4 @@
-"""minizero.data_parallel: the old single-process DataParallel, to see why DDP replaced it.
+"""minizero.dp.data_parallel: the old single-process DataParallel, to see why DDP replaced it.
 
 One process holds n replicas of the model (on GPUs they would be one per device; here
 they are all on the CPU). Each step:

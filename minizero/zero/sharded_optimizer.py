@@ -16,7 +16,7 @@ reduce's volume. minizero.comm counts exactly this (see tests/test_zero12.py).
     opt.clip_grad_norm_(1.0)         # optional: the GLOBAL norm, across shards
     opt.step(); opt.zero_grad()
 
-Layout (minizero.flat.FlatLayout): the trainable parameters (a tied weight once, frozen ones
+Layout (minizero.zero.flat_layout.FlatLayout): the trainable parameters (a tied weight once, frozen ones
 not at all) become views into ONE flat buffer padded to a multiple of N; rank r owns
 [r·S, (r+1)·S), S = ceil(Ψ/N), cut wherever it falls, even through a tensor. That is fine
 because the optimizers we wrap are ELEMENTWISE: SGD, Adam, AdamW, ... update each element
@@ -34,7 +34,7 @@ Decisions, and why:
     accumulation is plain autograd adding in place, and the flat buffer is the gradient
     memory: ZeRO-1 keeps full gradients, 4Ψ fp32 bytes (ZeRO-2 is what shards them). After
     step() p.grad holds this rank's LOCAL gradient; the average exists only as the shard.
-  * gradients_reduced=True: the gradients were already averaged (e.g. by minizero.ddp.DDP);
+  * gradients_reduced=True: the gradients were already averaged (e.g. by minizero.dp.ddp.DDP);
     step() just slices its shard out of p.grad. Comm is then all-reduce + all-gather.
   * A flat shard cannot skip a parameter whose grad is None the way torch does: it steps it
     with a zero gradient. Identical for a parameter never used (Adam/SGD move nothing from
@@ -50,7 +50,7 @@ import torch
 
 from minizero import comm as comm_mod
 from minizero import memory, precision
-from minizero.flat import FlatLayout
+from minizero.zero.flat_layout import FlatLayout
 
 # Torch optimizers whose update of one element depends on other elements of its tensor.
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
@@ -191,12 +191,16 @@ class ShardedOptimizer:
         ZeRO-2 calls this too, with the gradient shard it reduced during backward."""
         # mixed precision: the fp32 copy of the gradient shard lives only during the step
         with memory.transient.hold("zero1.fp32_grad_shard", grad_shard.numel() * 4 if self.mixed else 0):
-            # BEGIN SOLUTION: step the shard. Give self.master the gradient `grad_shard` (cast to the master's dtype: fp32), run self.optim.step(), then drop the gradient again (set it to None)
+            # BEGIN SOLUTION: step the shard.
+            #   Give self.master the gradient `grad_shard` (cast to the master's dtype: fp32),
+            #   run self.optim.step(), then drop the gradient again (set it to None).
             self.master.grad = grad_shard.to(self.master.dtype)  # no copy when both are fp32
             self.optim.step()
             self.master.grad = None
             # END SOLUTION
-        # BEGIN SOLUTION: all-gather the updated parameters into self.flat. Copy self.master into a new send buffer of self.flat's dtype (MPI may not send from inside the buffer it receives into), then self.comm.all_gather(self.flat, send)
+        # BEGIN SOLUTION: all-gather the updated parameters into self.flat.
+        #   Copy self.master into a new send buffer of self.flat's dtype (MPI may not send from
+        #   inside the buffer it receives into), then self.comm.all_gather(self.flat, send).
         send = self.master.to(self.flat.dtype, copy=True)
         with memory.transient.hold("zero1.all_gather_send", send):
             self.comm.all_gather(self.flat, send)
@@ -249,6 +253,6 @@ class ShardedOptimizer:
                     yield "optimizer_state", v, None
 
     def __repr__(self):
-        L = self.layout
+        layout = self.layout
         return (f"ShardedOptimizer({type(self.optim).__name__}, rank {self.comm.rank}/{self.comm.size}, "
-                f"psi={L.numel}, padded={L.padded_numel}, shard={L.shard_numel}, mixed={self.mixed})")
+                f"psi={layout.numel}, padded={layout.padded_numel}, shard={layout.shard_numel}, mixed={self.mixed})")

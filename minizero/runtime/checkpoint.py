@@ -1,4 +1,4 @@
-"""minizero.checkpoint: sharded checkpoints that resume bitwise, load at another world size or
+"""minizero.runtime.checkpoint: sharded checkpoints that resume bitwise, load at another world size or
 stage, and consolidate into one plain fp32 state dict (DeepSpeed's zero_to_fp32.py).
 
     engine.save_checkpoint("ckpt")             # every rank: ckpt/global_step10/rank{r}.pt
@@ -39,13 +39,11 @@ so one rank's bad file stops all of them with the same error before any state is
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 import uuid
 
@@ -73,10 +71,10 @@ def _groups(e):
     groups = []
     for u in e.wrapped.units:
         first = [fqns[0] for _, _, fqns in u.entries]
-        if u.P:
+        if u.gathered_numel:
             groups.append((u.shard, opt, [(first[pc.index], pc.lo, pc.hi, pc.shard_lo)
                                           for pc in u.layout.pieces(rank)], False))
-        if u.Q:
+        if u.persistent_numel:
             segs, off = [], 0
             for (shape, _, _), name in zip(u.entries[u.n_sharded:], first[u.n_sharded:]):
                 segs.append((name, 0, math.prod(shape), off))
@@ -372,20 +370,3 @@ def consolidate(load_dir, out=None, tag=None) -> dict:
     if out:
         _write_atomic(os.path.abspath(out), lambda f: torch.save(sd, f))
     return sd
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="minizero consolidate", description="write a checkpoint's full fp32 state "
-                                 "dict, which loads into the plain model (DeepSpeed's zero_to_fp32.py)")
-    ap.add_argument("dir", help="the checkpoint directory (holds `latest`)")
-    ap.add_argument("out", help="where to write the state dict (torch.save)")
-    ap.add_argument("--tag", default=None, help="which checkpoint (default: the one in DIR/latest)")
-    args = ap.parse_args(argv)
-    try:
-        sd = consolidate(args.dir, args.out, args.tag)
-    except CheckpointError as ex:
-        print(f"consolidate: {ex}", file=sys.stderr)
-        return 1
-    numel = sum(t.numel() for t in {id(t): t for t in sd.values()}.values())
-    print(f"wrote {args.out}: {len(sd)} tensors, {numel:,} values in fp32")
-    return 0

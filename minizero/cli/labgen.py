@@ -2,14 +2,16 @@
 
 One source of truth: a region that students write is marked in the reference module
 
-    # BEGIN SOLUTION: <hint for the student>
+    # BEGIN SOLUTION: <the task, one short line>
+    #   <hint lines: a few short lines, indented under the #>
     ...reference code...
     # END SOLUTION
 
+One task per marker, as minitorch's "TODO: Implement for Task 0.1".
 `labs/labNN_name.py` gets the module with each region replaced by a
 `raise NotImplementedError("lab N: <hint>")` stub; `solutions/labNN_name.py` gets it with the
 markers dropped. Both get a header and a `__main__` block that runs the lab under mpirun.
-`python -m minizero.labgen` (make labs) writes them; `--check` fails if the committed files
+`python -m minizero.cli.labgen` (make labs) writes them; `--check` fails if the committed files
 differ from what would be generated (a test runs it).
 """
 import argparse
@@ -21,23 +23,39 @@ from minizero.autograde import LABS, REPO
 
 BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?::\s*(?P<hint>.*))?$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
+HINT = re.compile(r"^\s*#  ")  # a hint line under BEGIN: "#   ..."
 
 
 def transform(source: str, lab: int, stub: bool) -> str:
-    out, in_region = [], False
+    """Stub (labs/) or solution (solutions/) text of `source` for lab `lab`.
+
+    A region starts with `# BEGIN SOLUTION: <one-line title>`, optionally followed by hint lines
+    `#   ...` (a comment indented by at least two spaces after the #), and ends with `# END SOLUTION`.
+    The stub keeps the title and the hints as a TODO and raises NotImplementedError naming the
+    lab and the title's first sentence; the solution keeps the title and hints as comments."""
+    out, in_region, in_hint = [], False, False
     for no, line in enumerate(source.splitlines(), 1):
         m = BEGIN.match(line)
         if m:
             if in_region:
                 raise ValueError(f"line {no}: BEGIN SOLUTION inside a region")
-            in_region = True
+            in_region, in_hint = True, True
+            ind = m.group("indent")
+            title = (m.group("hint") or "fill this in").strip()
             if stub:
-                hint = (m.group("hint") or "fill this in").strip()
-                ind = m.group("indent")
-                out.append(f"{ind}# TODO(lab {lab}): {hint}")
-                short = hint.split(". ")[0].rstrip(".")  # the full hint is in the TODO above
-                out.append(f"{ind}raise NotImplementedError({f'lab {lab}: not implemented yet: {short}'!r})")
+                out.append(f"{ind}# TODO(lab {lab}): {title}")
+                short = title.split(". ")[0].split(": ")[0].rstrip(".")  # the full hint is in the TODO above
+                stub_line = f"{ind}raise NotImplementedError({f'lab {lab}: not implemented yet: {short}'!r})"
+            else:
+                out.append(f"{ind}# {title}")
             continue
+        if in_hint:
+            if HINT.match(line):
+                out.append(line)
+                continue
+            in_hint = False
+            if stub:
+                out.append(stub_line)
         if END.match(line):
             if not in_region:
                 raise ValueError(f"line {no}: END SOLUTION without BEGIN")
@@ -68,7 +86,7 @@ def render(lab, kind: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minizero.labgen", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m minizero.cli.labgen", description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="fail if labs/ or solutions/ are out of date")
     ap.add_argument("--lab", type=int, action="append", help="only this lab (repeatable); default: all")
     args = ap.parse_args(argv)

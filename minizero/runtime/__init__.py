@@ -1,0 +1,8 @@
+"""The DeepSpeed-style runtime on top of the building blocks.
+
+    engine.py       initialize(model, config) -> Engine: composes DDP / ZeRO-1/2/3, precision,
+                    accumulation, clipping and schedulers from a DeepSpeed JSON config
+    config.py       the DeepSpeed config subset: defaults, types, "auto", clear errors
+    checkpoint.py   sharded "universal" checkpoints that reshard across world sizes and stages
+    schedulers.py   DeepSpeed's LR schedulers (WarmupLR, ...)
+"""

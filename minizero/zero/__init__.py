@@ -1,0 +1,20 @@
+"""ZeRO (Rajbhandari et al. 2020): data parallelism without the redundant copies.
+
+Each stage shards one more kind of model state over the N data-parallel ranks, and the class
+is named after what it shards (the stage numbers are DeepSpeed's `zero_optimization.stage`):
+
+    stage  class             file                  shards                          like
+    1      ShardedOptimizer  sharded_optimizer.py  optimizer state (P_os)          DeepSpeed stage 1
+    2      ShardGradOp       shard_grad_op.py      + gradients (P_os+g)            FSDP SHARD_GRAD_OP
+    3      FSDP              fsdp.py               + parameters (P_os+g+p)         FSDP FULL_SHARD
+
+    flat_layout.py  FlatLayout: the parameters as views into one flat buffer padded to N shards
+"""
+from minizero.zero.flat_layout import FlatLayout
+from minizero.zero.fsdp import FSDP
+from minizero.zero.shard_grad_op import ReduceBucket, ShardGradOp
+from minizero.zero.sharded_optimizer import ShardedOptimizer
+
+STAGES = {1: ShardedOptimizer, 2: ShardGradOp, 3: FSDP}
+
+__all__ = ["FSDP", "FlatLayout", "ReduceBucket", "STAGES", "ShardGradOp", "ShardedOptimizer"]
