@@ -63,14 +63,21 @@ SCHEMA = {
         "stage3_max_reuse_distance": 1e9,
         "stage3_gather_16bit_weights_on_model_save": False,
         "sub_group_size": 1e9,
+        # ZeRO-Offload / ZeRO-Infinity (zero/offload.py, zero/infinity.py): device none, cpu or nvme
         "offload_optimizer": {"device": "none", "nvme_path": None, "pin_memory": False,
-                              "buffer_count": 4, "fast_init": False, "ratio": 1.0},
+                              "buffer_count": 4, "fast_init": False, "ratio": 1.0,
+                              # minizero's extension (not in DeepSpeed's master): the paper's one-step
+                              # delayed parameter update, after this many plain steps; null = off
+                              "dpu_warmup_steps": None},
         "offload_param": {"device": "none", "nvme_path": None, "pin_memory": False,
                           "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9},
         "zero_quantized_weights": False,
         "zero_hpz_partition_size": 1,
         "zero_quantized_gradients": False,
     },
+    # DeepSpeed's async I/O for nvme offload; here plain files through a thread pool
+    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+            "overlap_events": True, "use_gds": False},
     "pipeline": {"stages": 1, "partition": "parameters", "micro_batches": None},
     "tensor_parallel": {"autotp_size": 1},
 }
@@ -105,7 +112,6 @@ NOT_IMPLEMENTED = {
     "curriculum_learning": "not part of this course",
     "sparse_attention": "not part of this course",
     "sparse_gradients": "not part of this course",
-    "aio": "minizero's NVMe offload uses plain files; remove the aio section",
     "communication_data_type": "remove it: gradients are communicated in the training dtype",
     "prescale_gradients": "remove it: minizero averages after the reduction",
     "gradient_predivide_factor": "remove it: minizero averages after the reduction",
@@ -139,7 +145,15 @@ NOT_DEEPSPEED = {
 # Real DeepSpeed keys minizero accepts (so DeepSpeed configs load) but that change nothing here.
 # Setting one to a non-default value warns, naming it and saying why, instead of passing silently.
 NO_EFFECT = {
-    "zero_optimization.sub_group_size": "minizero steps each rank's shard as one optimizer group",
+    "zero_optimization.offload_optimizer.buffer_count": "the disk tier keeps one sub-group reading, one stepping",
+    "zero_optimization.offload_optimizer.fast_init": "the disk tier always writes the initial state once",
+    "zero_optimization.offload_param.buffer_count": "offload_param keeps the shards on the host, not on disk",
+    "zero_optimization.offload_param.buffer_size": "offload_param keeps the shards on the host, not on disk",
+    "zero_optimization.offload_param.max_in_cpu": "offload_param keeps the shards on the host, not on disk",
+    "aio.block_size": "files are read and written whole per sub-group (numpy fromfile/tofile)",
+    "aio.queue_depth": "files are read and written whole per sub-group (numpy fromfile/tofile)",
+    "aio.single_submit": "files are read and written whole per sub-group (numpy fromfile/tofile)",
+    "aio.use_gds": "no GPUDirect Storage here: files go through host memory",
     "zero_optimization.stage3_max_live_parameters": "FSDP never holds more than one unit plus one prefetched",
     "zero_optimization.stage3_max_reuse_distance": "FSDP frees every unit after use",
     "zero_optimization.allgather_bucket_size": "ZeRO-1/2 all-gather the whole flat buffer in one call",
@@ -276,4 +290,35 @@ def load_config(config, world_size: int = 1) -> dict:
             raise ConfigError(f"zero_optimization.{section}.device is nvme but nvme_path is not set")
     if zero["offload_param"]["device"] != "none" and zero["stage"] != 3:
         raise ConfigError("zero_optimization.offload_param needs stage 3 (only stage 3 partitions parameters)")
+    _check_offload(zero)
     return cfg
+
+
+def _check_offload(zero: dict):
+    """The offload combinations DeepSpeed refuses, and the ones minizero does not implement."""
+    opt, param = zero["offload_optimizer"], zero["offload_param"]
+    where = "zero_optimization.offload_optimizer"
+    if opt["device"] != "none" and zero["stage"] == 0:
+        raise ConfigError(f"{where}.device={opt['device']!r} needs ZeRO stage 1, 2 or 3: stage 0 keeps every "
+                          "state replicated, there is no shard to offload (ZeRO-Offload builds on stage 2)")
+    if opt["device"] == "nvme" and zero["stage"] != 3:
+        raise ConfigError(f"{where}.device='nvme' (ZeRO-Infinity) needs stage 3, as in DeepSpeed; use device 'cpu' "
+                          f"at stage {zero['stage']}")
+    if param["device"] == "nvme":
+        raise ConfigError("zero_optimization.offload_param.device='nvme' is not implemented in minizero: use 'cpu' "
+                          "for the parameter shards (the optimizer state can go to nvme)")
+    if param["device"] != "none" and opt["device"] == "none":
+        raise ConfigError("zero_optimization.offload_param without offload_optimizer: offload the optimizer "
+                          "state first (it is 12 of the 16 bytes per parameter)")
+    if opt["ratio"] != 1.0:
+        raise ConfigError(f"{where}.ratio={opt['ratio']}: partial offload is not implemented; remove it (1.0)")
+    dpu = opt["dpu_warmup_steps"]
+    if dpu is not None:
+        if isinstance(dpu, bool) or not isinstance(dpu, int) or dpu < 0:
+            raise ConfigError(f"{where}.dpu_warmup_steps must be null (off) or an integer >= 0, got {dpu!r}")
+        if opt["device"] != "cpu":
+            raise ConfigError(f"{where}.dpu_warmup_steps (the delayed parameter update) needs device 'cpu', "
+                              f"got {opt['device']!r}")
+    for section in ("offload_optimizer", "offload_param"):
+        if not isinstance(zero[section]["pin_memory"], bool):
+            raise ConfigError(f"zero_optimization.{section}.pin_memory must be true or false")

@@ -30,8 +30,17 @@ The config, with DeepSpeed's meaning (checked against deepspeed/runtime/engine.p
     micro-batch gradients add up in bf16 (DeepSpeed's BF16_Optimizer adds them in fp32: with
     accumulation, minizero's bf16 rounds more). Floating inputs are cast to the model's dtype.
   optimizer: "Adam" is AdamW unless params.adam_w_mode is false, weight decay 0 by default (DeepSpeed).
-Not available yet, an error before any collective: offload (lesson 07), ZeRO++ (08), pipeline (09),
-tensor parallelism (10).
+  offload_optimizer.device cpu (stages 1-3; zero/offload.py, ZeRO-Offload): fp32 masters, gradients and
+    the optimizer state of this rank's shard on the host, torch's fused CPU optimizer; each boundary moves
+    the reduced gradient shard down (ZeRO-3: each unit's gradient as backward produces it), unscales, votes
+    and clips there, steps, and copies the parameters up (ZeRO-1/2 then all-gather). dpu_warmup_steps (a
+    minizero key): the delayed parameter update after that many plain steps; an fp16 overflow drops that
+    step's gradients and the update in flight still lands. device nvme (stage 3; zero/infinity.py): masters
+    and state in files under nvme_path in sub_group_size pieces, prefetched (aio.overlap_events) by
+    aio.thread_count threads. offload_param cpu (stage 3): the parameter shards are host tensors, copied to
+    the device before each all-gather (counted). engine.offload_traffic() gives the bytes moved.
+  A model built under `with minizero.zero.Init(): model = ...` (stage 3) is materialized one unit at a time.
+Not available yet, an error before any collective: ZeRO++ (08), pipeline (09), tensor parallelism (10).
 """
 from __future__ import annotations
 
@@ -46,8 +55,6 @@ from minizero import memory
 from minizero.runtime.config import ConfigError, load_config
 from minizero.precision import LossScaler, MixedPrecisionOptimizer
 from minizero.runtime.schedulers import build_scheduler
-
-OFFLOAD_MSG = "not available yet: the offload lesson (07) is not written; remove offload_* or set device none"
 
 
 def _world_size(comm) -> int:
@@ -64,9 +71,6 @@ def check_available(cfg: dict):
     before any collective. Builds the optimizer and the scheduler on a dummy tensor to check
     their params the same way."""
     zero = cfg["zero_optimization"]
-    for section in ("offload_optimizer", "offload_param"):
-        if zero[section]["device"] != "none":
-            raise ConfigError(f"zero_optimization.{section}.device={zero[section]['device']!r}: {OFFLOAD_MSG}")
     later = [("zero_optimization.zero_quantized_weights", zero["zero_quantized_weights"], "ZeRO++ lesson (08)"),
              ("zero_optimization.zero_quantized_gradients", zero["zero_quantized_gradients"], "ZeRO++ lesson (08)"),
              ("zero_optimization.zero_hpz_partition_size", zero["zero_hpz_partition_size"] > 1, "ZeRO++ lesson (08)"),
@@ -125,7 +129,14 @@ class Engine:
                 self.aliases[n] = first[id(p)]
         self.state_dict_keys = list(model.state_dict().keys())
         self.device = comm.device  # one rank per GPU (comm picks it); move your batches there, as in DeepSpeed
-        model.to(self.device, self.dtype if self.half else None)
+        from minizero.zero.init import built_with_init
+        self.zero_init = built_with_init(model)  # built under zero.Init: FSDP materializes it unit by unit
+        if self.zero_init is not None:
+            if self.stage != 3:
+                raise ConfigError(f"a model built under zero.Init needs ZeRO stage 3, got stage {self.stage}")
+            self.zero_init.dtype = self.dtype if self.half else None  # rounded as model.to(dtype) would
+        else:
+            model.to(self.device, self.dtype if self.half else None)
         cls, kw = optimizer_spec(cfg["optimizer"])
         bucket_numel = int(zero["reduce_bucket_size"])  # elements, as in DeepSpeed: no unit to convert
         if self.stage == 0:
@@ -145,11 +156,15 @@ class Engine:
             self.optimizer = self.wrapped.optim
         else:
             from minizero.zero.fsdp import FSDP
-            self._broadcast([*model.parameters(), *model.buffers()])  # FSDP shards each rank's OWN copy
+            if self.zero_init is None:  # FSDP shards each rank's OWN copy; zero.Init replays the same seed everywhere
+                self._broadcast([*model.parameters(), *model.buffers()])
             prefetch = zero["overlap_comm"] and zero["stage3_prefetch_bucket_size"] > 0
             self.wrapped = FSDP(model, comm, compute_dtype=self.dtype if self.half else None, prefetch=prefetch,
                                 persistence_threshold=int(zero["stage3_param_persistence_threshold"]))
+            if self.zero_init is not None:
+                model.to(self.device, self.dtype if self.half else None)  # buffers and frozen parameters
             self.optimizer = cls([p for p in self.wrapped.parameters() if p.requires_grad], **kw)
+        self.offload = self._offload(cls, kw) if zero["offload_optimizer"]["device"] != "none" else None
         f16 = {k: v for k, v in cfg["fp16"].items() if k != "enabled"}
         self.loss_scaler = LossScaler(**f16) if cfg["fp16"]["enabled"] else None
         self.lr_scheduler = build_scheduler(self.optimizer, cfg["scheduler"])
@@ -250,6 +265,8 @@ class Engine:
         if not boundary:
             return
         t0 = time.perf_counter()
+        if self.offload is not None:
+            self.offload.finish()  # DPU: the step in flight lands now (its parameters go to the device)
         sharded, replicated = self._reduced_grads()
         self.overflow = False
         if self.loss_scaler is not None:
@@ -273,6 +290,8 @@ class Engine:
         """The gradients averaged over the global batch, in fp32 (x the loss scale): (sharded: this
         rank's piece only, replicated: the same on every rank). Unscaling and clipping work in place."""
         opt = self.optimizer
+        if self.offload is not None:
+            return self._host_grads()
         if self.stage == 0:
             self.wrapped.finish_gradient_synchronization()
             if not self.half:
@@ -306,7 +325,9 @@ class Engine:
     @torch.no_grad()
     def _apply(self):
         opt = self.optimizer
-        if self.stage == 0 and self.half:
+        if self.offload is not None:
+            self.offload.step()  # CPU step (in a thread under DPU), parameters up, ZeRO-1/2 all-gather
+        elif self.stage == 0 and self.half:
             opt.optimizer.step()
             for p, m in zip(opt.params, opt.masters):
                 p.copy_(m)  # round the fp32 masters into the 16-bit model
@@ -316,11 +337,13 @@ class Engine:
             opt.step()
 
     def zero_grad(self):
+        if self.offload is not None:
+            self.offload.zero_grad()
         if self.stage == 2:
             self.wrapped.zero_grad()
         elif self.stage == 1:
             self.optimizer.zero_grad()
-        else:
+        elif self.offload is None:
             self.optimizer.zero_grad(set_to_none=True)
             for m in getattr(self.optimizer, "masters", ()):
                 m.grad = None
@@ -331,7 +354,13 @@ class Engine:
         """The bytes this rank holds, by category (memory.measure walks the real tensors)."""
         objects = {0: (self.wrapped, self.optimizer), 1: (self.module, self.optimizer), 2: (self.wrapped,),
                    3: (self.wrapped, self.optimizer)}[self.stage]
+        if self.offload is not None:  # first: its explicit locations (host, disk) win for shared storages
+            objects = (self.offload, *self._offloaded_params(), *(o for o in objects if o is not self.offload))
         return memory.measure(*objects)
+
+    def offload_traffic(self) -> dict:
+        """Bytes moved device -> host, host -> device, and to/from disk since the last reset."""
+        return self.offload.traffic.as_dict() if self.offload is not None else {}
 
     def comm_stats(self) -> dict:
         """Bytes this rank sent per collective since comm.stats.reset() (comm.CommStats.as_dict)."""
@@ -341,12 +370,92 @@ class Engine:
     def save_checkpoint(self, save_dir, tag=None, client_state=None):
         """Every rank writes its shard; see minizero.runtime.checkpoint. A collective. client_state: plain data
         (numbers, strings, lists, dicts, tensors), handed back by load_checkpoint."""
+        if self.offload is not None:
+            self.offload.finish()  # DPU: the checkpoint holds the update in flight
         return checkpoint.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir, tag=None):
         """-> (path, client_state), as DeepSpeed. Validates everything before changing anything."""
-        return checkpoint.load(self, load_dir, tag)
+        out = checkpoint.load(self, load_dir, tag)
+        if self.offload is not None:
+            if self.stage == 3:
+                self.offload.sync_masters_from_device()  # the checkpoint wrote the device shards
+            self.offload.steps = self.global_steps - self.skipped_steps  # DPU's warm-up resumes where it was
+        return out
 
     def full_state_dict(self) -> dict:
         """The plain model's state dict in fp32, on every rank (a collective: gathers the shards)."""
+        if self.offload is not None:
+            self.offload.finish()
         return checkpoint.full_state_dict(self)
+
+    # ------------------------------------------------------------------ offload
+    def _offload(self, cls, kw):
+        """ZeRO-Offload (cpu) or ZeRO-Infinity (nvme) for this stage; replaces the device optimizer."""
+        from minizero.zero.offload import HostOptimizer, Traffic
+        zero, aio = self.config["zero_optimization"], self.config["aio"]
+        section = zero["offload_optimizer"]
+        traffic = Traffic()
+        if self.stage in (1, 2):
+            opt = self.optimizer  # ShardedOptimizer: its fp32 master and torch optimizer move to the host
+            host = HostOptimizer([opt.shard], cls, traffic, section["pin_memory"], section["dpu_warmup_steps"],
+                                 after_params=lambda: self._all_gather(opt), **kw)
+            opt.master, opt.optim = host.masters[0], host  # checkpoints and schedulers find them there
+            return host
+        units = self.wrapped.units
+        params = [p for u in units for p in (u.shard, u.whole) if p is not None]
+        if section["device"] == "nvme":
+            from minizero.zero.infinity import DiskOptimizer
+            host = DiskOptimizer(params, cls, section["nvme_path"], int(zero["sub_group_size"]), self.comm.rank,
+                                 traffic, prefetch=aio["overlap_events"], pin_memory=section["pin_memory"],
+                                 io_threads=aio["thread_count"], **kw)
+        else:
+            host = HostOptimizer(params, cls, traffic, section["pin_memory"], section["dpu_warmup_steps"], **kw)
+        for i, p in enumerate(params):  # each unit's gradient goes down as soon as backward reduced it
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_down(host, i, p))
+        if zero["offload_param"]["device"] == "cpu":
+            self.wrapped.fetch_shard = self._fetch_shard
+        self.optimizer = host
+        return host
+
+    @staticmethod
+    def _grad_down(host, i, p):
+        host.accumulate(i, p.grad)
+        p.grad = None  # the device keeps no gradient between units
+
+    def _fetch_shard(self, unit, shard):
+        """offload_param: the shard lives on the host; this device copy exists for its all-gather."""
+        self.offload.traffic.to_device += shard.numel() * shard.element_size()
+        return shard.to(self.device, copy=True)
+
+    def _offloaded_params(self):
+        """offload_param: the parameter shards are reported where they live, on the host."""
+        if self.stage != 3 or self.config["zero_optimization"]["offload_param"]["device"] == "none":
+            return ()
+        return (_HostShards([p for u in self.wrapped.units for p in (u.shard, u.whole) if p is not None]),)
+
+    @torch.no_grad()
+    def _all_gather(self, opt):
+        send = opt.shard.clone()  # MPI may not send from inside the buffer it receives into
+        self.comm.all_gather(opt.flat, send)
+
+    def _host_grads(self):
+        """Offload: this rank's reduced gradients, moved to the host (fp32). ZeRO-3's are there already."""
+        if self.stage in (1, 2):
+            g = self.optimizer.reduce_gradients() if self.stage == 1 else self.wrapped.grad_shard
+            self.offload.grads_to_host([g])
+            return self.offload.grads, []
+        whole = {id(u.whole) for u in self.wrapped.units if u.whole is not None}
+        pairs = list(zip(self.offload.device_params, self.offload.grads))
+        return [g for p, g in pairs if id(p) not in whole], [g for p, g in pairs if id(p) in whole]
+
+
+class _HostShards:
+    """For the ledger: ZeRO-3's parameter shards under offload_param live on the host."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def memory_tensors(self):
+        for p in self.params:
+            yield "parameters", p, "host"
