@@ -77,6 +77,42 @@ def estimate(num_params, world_size=1, stage=0, k=12, param_bytes=2, grad_bytes=
     return Estimate(params, grads, optim, offloaded)
 
 
+def estimate_by_location(num_params, world_size=1, stage=0, param_bytes=2, grad_bytes=2, state_bytes=8,
+                         offload_optimizer="none", offload_param="none") -> dict[str, dict[str, float]]:
+    """Model states per rank as {category: {location: bytes}}, the ledger's own layout, for
+    ZeRO-Offload (Ren et al. 2021) and ZeRO-Infinity (Rajbhandari et al. 2021) as minizero lays them out.
+
+    With S = Ψ/N (stage >= 1) and b_p, b_g the device widths (2 in fp16; minizero's ZeRO-3 keeps
+    fp32 shards, so pass param_bytes=4 there), state_bytes = the optimizer's elementwise state
+    (Adam m + v: 8; SGD momentum: 4):
+        no offload     device: params b_p·Ψ (stage 3: b_p·S), grads b_g·Ψ (stage 2: b_g·S, stage 3:
+                       4·S fp32 shard grads), master 4·S when b_p < 4, state state_bytes·S
+        offload cpu    host: master 4·S + fp32 grads 4·S + state state_bytes·S; the device keeps its
+                       params and (stage 1: full, stage 2: shard) gradients; stage 3: none between units
+        offload nvme   as cpu, but master and state on "disk" (stage 3 only)
+        offload_param  cpu (stage 3): the parameter shards on the host
+    The fp32 host master exists even in fp32 training: the device parameters are separate tensors.
+    """
+    n, psi = world_size, num_params
+    shard = psi / n if stage >= 1 else psi
+    out = {c: {loc: 0.0 for loc in LOCATIONS} for c in ("parameters", "master_params", "gradients", "optimizer_state")}
+    out["parameters"]["host" if offload_param == "cpu" else "device"] = param_bytes * (shard if stage == 3 else psi)
+    if offload_optimizer == "none":
+        out["gradients"]["device"] = {0: grad_bytes * psi, 1: grad_bytes * psi, 2: grad_bytes * shard,
+                                      3: 4 * shard}[stage]
+        out["master_params"]["device"] = 4 * shard if param_bytes < 4 else 0.0
+        out["optimizer_state"]["device"] = state_bytes * shard
+        return out
+    if stage == 0 or (offload_optimizer == "nvme" and stage != 3):
+        raise ValueError("offload_optimizer needs stage 1-3, and 'nvme' needs stage 3")
+    where = "disk" if offload_optimizer == "nvme" else "host"
+    out["gradients"]["device"] = {1: grad_bytes * psi, 2: grad_bytes * shard, 3: 0.0}[stage]
+    out["gradients"]["host"] = 4 * shard
+    out["master_params"][where] = 4 * shard
+    out["optimizer_state"][where] = state_bytes * shard
+    return out
+
+
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 0.5}
 
 

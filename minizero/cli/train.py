@@ -72,6 +72,7 @@ def train(comm, config, model_name="tiny-gpt", steps=50, out="runs/train", save_
     records = []
     while engine.global_steps < steps:
         lr, scale, sent0, t0 = engine.lr, engine.loss_scale, comm.stats.sent(), time.perf_counter()  # as used
+        moved0 = engine.offload_traffic()
         losses = []
         for i in range(acc):
             batch = shard(batch_of(engine.global_steps * acc + i, micro * size), rank, size)
@@ -88,6 +89,9 @@ def train(comm, config, model_name="tiny-gpt", steps=50, out="runs/train", save_
                "skipped": not engine.was_step_applied(), "step_time_s": dt, "sent_bytes": sent,
                "memory": ledger.by_category, "transient_peak": ledger.transient_peak,
                "grad_norm": engine.get_global_grad_norm()}
+        if moved0:  # offload: bytes this rank moved between device, host and disk in this step
+            rec["offload_bytes"] = {k: v - moved0[k] for k, v in engine.offload_traffic().items()}
+            rec["memory_by_location"] = ledger.by_location
         if engine.config["wall_clock_breakdown"]:
             rec["timings"] = dict(engine.timings)
         records.append(rec)
@@ -129,6 +133,10 @@ def summary(result, ledgers, out=sys.stdout):
         cat = led["by_category"]
         print(f"{r:>4} | " + " | ".join(f"{cat[c] / 1e6:>14.3f}" for c in cats) +
               f" | {led['total'] / 1e6:>8.3f} | {led['transient_peak'] / 1e6:>9.3f}", file=out)
+    if recs and "offload_bytes" in recs[-1]:
+        loc, moved = recs[-1]["memory_by_location"], recs[-1]["offload_bytes"]
+        print("offload (rank 0, last step): held " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in loc.items())
+              + "; moved " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in moved.items()), file=out)
 
 
 def plot(records, path, title="minizero train"):

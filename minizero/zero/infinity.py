@@ -13,7 +13,7 @@ tensors with the master):
 the host as in ZeRO-Offload (zero/offload.py, whose counting and hooks this reuses) and the
 updated parameters go back to the device a sub-group at a time.
 
-`DiskOptimizer` keeps each sub-group in files `DIR/rank{r}/sg{i}.{master,exp_avg,...}` (raw fp32,
+`DiskOptimizer` keeps each sub-group in files `DIR/minizero-rank{r}-*/sg{i}.{master,exp_avg,...}` (raw fp32,
 numpy's tofile/fromfile, which release the GIL), read and written by a thread pool: reading i+1
 while i steps (prefetch=True), writing i back while i+1 steps. `traffic.disk_read/disk_written`
 count the bytes of every file read and written. The torch optimizer is the same fused CPU one;
@@ -27,6 +27,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -73,10 +75,9 @@ class DiskOptimizer(HostOptimizer):
         self.after_params = after_params           # called after each full parameter update
         self.dpu_warmup_steps = None               # no DPU on the disk tier
         self.prefetch = prefetch                   # read sub-group i+1 while i steps
-        self.dir = os.path.join(check_nvme_path(nvme_path), f"rank{rank}")  # this rank's files
-        if os.path.isdir(self.dir):
-            shutil.rmtree(self.dir)                # a previous run's files are not this run's state
-        os.makedirs(self.dir)
+        # this optimizer's own directory (two engines on one nvme_path must not share files), removed with it
+        self.dir = tempfile.mkdtemp(prefix=f"minizero-rank{rank}-", dir=check_nvme_path(nvme_path))
+        weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.offsets = [0]                         # device param i is [offsets[i], offsets[i+1]) of the concatenation
         for p in self.device_params:
             self.offsets.append(self.offsets[-1] + p.numel())
