@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 import tempfile
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -99,6 +100,9 @@ class DiskOptimizer(HostOptimizer):
         # at least 2: one reads the next sub-group while another writes the last one back (aio.thread_count)
         self._pool = ThreadPoolExecutor(max_workers=max(2, io_threads), thread_name_prefix="minizero-nvme")
         self._writes = {}                          # sub-group -> its pending write
+        self._lock = threading.Lock()
+        self.buffer_bytes = 0                      # host bytes now holding sub-groups (read, stepping, writing)
+        self.buffer_peak = 0                       # ... and their high-water mark (what sub_group_size buys)
         with torch.no_grad():                      # the initial masters: the model's values
             for i, (lo, hi) in enumerate(self.bounds):
                 self._write(i, {"master": self._gather_device(lo, hi)})
@@ -119,11 +123,20 @@ class DiskOptimizer(HostOptimizer):
                             "elsewhere (checkpoints are written elsewhere and stay untouched)") from None
         self.traffic.disk_written += t.numel() * t.element_size()
 
+    def _held(self, nbytes):
+        with self._lock:
+            self.buffer_bytes += nbytes
+            self.buffer_peak = max(self.buffer_peak, self.buffer_bytes)
+
     def _write(self, i, tensors: dict):
         """Write sub-group i's tensors, in the pool (asynchronous); they stay alive until written."""
         self._wait_write(i)
+        while len(self._writes) >= 2:  # bounded write-behind: an unbounded queue would hold every sub-group
+            self._wait_write(next(iter(self._writes)))
         name = f"nvme.write{i}"
-        memory.transient.alloc(name, sum(t.numel() * t.element_size() for t in tensors.values()))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        memory.transient.alloc(name, nbytes)
+        self._held(nbytes)
 
         def job():
             try:
@@ -131,6 +144,7 @@ class DiskOptimizer(HostOptimizer):
                     self._write_file(self._path(i, key), t)
             finally:
                 memory.transient.free(name)
+                self._held(-nbytes)
         self._writes[i] = self._pool.submit(job)
 
     def _wait_write(self, i):
@@ -150,6 +164,7 @@ class DiskOptimizer(HostOptimizer):
             arr = np.fromfile(self._path(i, key), dtype=np.float32)
             self.traffic.disk_read += arr.nbytes
             out[key] = torch.from_numpy(arr)
+        self._held(sum(t.numel() * 4 for t in out.values()))  # released when its write-back is queued
         return out
 
     # ------------------------------------------------------------------ device <-> host pieces
@@ -195,6 +210,7 @@ class DiskOptimizer(HostOptimizer):
                 p.view(-1)[a:b].copy_(master[off:off + b - a])
                 self.traffic.to_device += (b - a) * p.element_size()
             self._write(i, {"master": master, **{k: state[k] for k in self.keys}})
+            self._held(-(master.numel() * 4 + sum(v.numel() * 4 for v in current.values())))
             memory.transient.free(name)
         self._flush_writes()
 
@@ -272,6 +288,7 @@ class _DiskState:
             a, b = max(lo, start), min(hi, end)
             if a < b:
                 data = owner._read(g)
+                owner._held(-sum(v.numel() * 4 for v in data.values()))
                 for k in owner.keys:
                     out[k][a - start:b - start] = data[k][a - lo:b - lo]
                 scalars = owner.scalars.get(g, {})
