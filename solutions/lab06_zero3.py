@@ -66,6 +66,7 @@ import torch.nn as nn
 from minizero import comm as comm_mod
 from minizero import memory
 from minizero.zero.flat_layout import FlatLayout
+from minizero.zero.init import built_with_init
 
 _IDS = itertools.count()
 
@@ -95,7 +96,7 @@ class _Unit:
     """One flat parameter. entries: (shape, [(owner module, attr)], [names]); the first n_sharded
     are sharded, the rest persistent. Its gathered buffer: [sharded | padding | persistent]."""
 
-    def __init__(self, name, module, sharded, persistent, comm):
+    def __init__(self, name, module, sharded, persistent, comm, materialize=None):
         self.name = name or "root"       # the wrapped module's name
         self.module = module             # its hooks gather and free this unit
         self.n_sharded = len(sharded)    # entries[:n_sharded] are sharded, the rest persistent
@@ -107,7 +108,8 @@ class _Unit:
         self.sizes = self.layout.numels + [self.layout.padding] + [p.numel() for p, _, _ in persistent]
         self.shard = nn.Parameter(torch.empty(self.layout.shard_numel, device=comm.device)) if self.gathered_numel else None
         self.whole = nn.Parameter(torch.empty(self.persistent_numel, device=comm.device)) if self.persistent_numel else None
-        self.load([p for p, _, _ in sharded + persistent], comm.rank)
+        tensors = [p for p, _, _ in sharded + persistent]
+        self.load([materialize(t) for t in tensors] if materialize else tensors, comm.rank)  # zero.Init: one unit
         self.buf = None          # the gathered buffer, while it exists
         self.work = None         # the in-flight all-gather into it
         self.src = None          # the shard cast to compute_dtype, while its gather is in flight
@@ -147,7 +149,10 @@ class FSDP(nn.Module):
         self.debug = self.comm.debug if debug is None else debug
         self._tag = f"zero3#{next(_IDS)}"
         self._empty = torch.empty(0, dtype=self.dtype, device=self.comm.device)  # a freed attribute
-        if self.debug and self.comm.size > 1:
+        self._init = built_with_init(module)  # built under zero.Init: materialized here, one unit at a time
+        if self._init is not None:
+            self._init.materialize_replicated(module)  # buffers and frozen parameters: small, whole everywhere
+        elif self.debug and self.comm.size > 1:
             self._check_same_params()
         with torch.no_grad():  # buffers: replicated, rank 0's win (as in DDP)
             for b in module.buffers():
@@ -171,6 +176,7 @@ class FSDP(nn.Module):
         self._record = []               # ... and this forward's, as it happens
         self.counters = {"gathers": 0, "prefetch_hits": 0}
         self.events = []                # this step's schedule: (seconds, what, unit)
+        self.fetch_shard = None         # offload_param: fn(unit, shard) -> a device copy, before each all-gather
 
     # ------------------------------------------------------------------ construction
     def _check_same_params(self):
@@ -197,7 +203,8 @@ class FSDP(nn.Module):
         groups = {n: ([], []) for n in names}
         for p, slots, fqns, chain in found.values():
             groups[chain[-1]][p.numel() < threshold].append((p, slots, fqns))
-        return [_Unit(n, module.get_submodule(n), *groups[n], self.comm) for n in names if any(groups[n])]
+        materialize = self._init.materialize if self._init is not None else None
+        return [_Unit(n, module.get_submodule(n), *groups[n], self.comm, materialize) for n in names if any(groups[n])]
 
     # ------------------------------------------------------------------ gather / free
     def _start_gather(self, unit):
@@ -205,6 +212,8 @@ class FSDP(nn.Module):
         self.counters["gathers"] += 1
         self._event("gather", unit)
         src = unit.shard.detach() if unit.gathered_numel else None
+        if src is not None and self.fetch_shard is not None:
+            src = self.fetch_shard(unit, src)  # offload_param: the shard lives on the host
         if src is not None and self.compute_dtype is not None:
             src = src.to(self.dtype)  # cast BEFORE communicating: half the bytes
             memory.transient.alloc(f"{self._tag}/{unit.name}/cast", src)

@@ -42,8 +42,8 @@ import time
 import torch
 
 from minizero import memory
-from minizero.bench.candidates import (BENCH_GPT, CANDIDATES, DEEPSPEED, REFERENCE, TARGETS, TORCH_STATS, build,
-                                       count_torch_collectives, start_deepspeed)
+from minizero.bench.candidates import (BENCH_GPT, CANDIDATES, DEEPSPEED, DEFAULT, REFERENCE, TARGETS, TORCH_STATS,
+                                       build, count_torch_collectives, start_deepspeed)
 from minizero.data import shard
 from minizero.models import build_model
 from minizero.experiments.references import global_batches
@@ -107,11 +107,21 @@ def round_order(candidates, k):
     return [n for blk in blocks[r:] + blocks[:r] for n in blk]
 
 
-def worker(comm, candidates=CANDIDATES, steps=30, warmup=3, micro=4, lr=1e-3, seed=0, memory_steps=2,
-           model_kwargs=None):
+def model_for(params=None) -> dict:
+    """GPTConfig fields for about `params` parameters: BENCH_GPT's shape at width 768 (12 d^2 per block)."""
+    if not params:
+        return dict(BENCH_GPT)
+    return dict(BENCH_GPT, n_embd=768, n_head=12, n_layer=max(1, round(params / (12 * 768 ** 2))))
+
+
+def worker(comm, candidates=DEFAULT, steps=30, warmup=3, micro=4, lr=1e-3, seed=0, memory_steps=2,
+           model_kwargs=None, memory_only=False, meta_init=False):
     """Runs on every rank. Returns this rank's measurements for every candidate that ran.
-    model_kwargs: GPTConfig fields that replace BENCH_GPT's (the test uses a smaller model)."""
+    model_kwargs: GPTConfig fields that replace BENCH_GPT's (the test uses a smaller model).
+    memory_only: phase 1 alone (a large model: all candidates alive at once would not fit)."""
+    import tempfile
     cfg = {**BENCH_GPT, **(model_kwargs or {})}
+    nvme_dir = tempfile.mkdtemp(prefix="minizero-bench-nvme-")
     from minizero.comm import init_torch_distributed
     torch.set_num_threads(1)
     init_torch_distributed(torch.device("cpu"))  # torch DDP, FSDP2 and DeepSpeed run on gloo
@@ -129,7 +139,9 @@ def worker(comm, candidates=CANDIDATES, steps=30, warmup=3, micro=4, lr=1e-3, se
     dummy = torch.nn.Parameter(torch.zeros(1))  # the first Adam step imports torch._dynamo: now, not in a phase
     dummy.grad = torch.ones(1)
     torch.optim.Adam([dummy]).step()
-    model = build_model("tiny-gpt", seed=seed, **cfg)
+    from minizero.zero.init import Init
+    with Init():  # the shapes only: a 100M-parameter model is not built here just to count it
+        model = build_model("tiny-gpt", seed=seed, **cfg)
     out["psi"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     batches = [shard(b, comm.rank, comm.size) for b in global_batches(model, max(warmup + steps, memory_steps),
                                                                       micro * comm.size)]
@@ -139,7 +151,7 @@ def worker(comm, candidates=CANDIDATES, steps=30, warmup=3, micro=4, lr=1e-3, se
         _release()
         rss0, hwm_ok = _status_kb("VmRSS") * 1024, _reset_hwm()
         memory.transient.reset()
-        c = build(name, comm, cfg, seed, lr, micro, count_ddp=True)
+        c = build(name, comm, cfg, seed, lr, micro, count_ddp=True, meta_init=meta_init, nvme_dir=nvme_dir)
         for x, y in batches[:memory_steps - 1]:
             _step(comm, c, x, y)
         comm.stats.reset()
@@ -147,7 +159,8 @@ def worker(comm, candidates=CANDIDATES, steps=30, warmup=3, micro=4, lr=1e-3, se
         x, y = batches[memory_steps - 1]
         _quiet_barrier(comm)
         c.backward(x, y)
-        ledger = memory.measure(*c.held())  # gradients and optimizer state (from step 1) all exist now
+        # gradients and optimizer state (from step 1) all exist now
+        ledger = c.ledger() if c.ledger is not None else memory.measure(*c.held())
         c.update()
         # minizero on the torch backend also calls torch.distributed: count each candidate at one place only
         stats = comm.stats if c.bytes_source == "minizero.comm" else TORCH_STATS
@@ -160,9 +173,12 @@ def worker(comm, candidates=CANDIDATES, steps=30, warmup=3, micro=4, lr=1e-3, se
         c.close()
         del c, ledger
     _release()
-    # phase 2: time, interleaved
     out["load_average"]["start"] = os.getloadavg()
-    built = {name: build(name, comm, cfg, seed, lr, micro) for name in candidates}
+    if memory_only:
+        out["load_average"]["end"] = os.getloadavg()
+        return out
+    # phase 2: time, interleaved
+    built = {name: build(name, comm, cfg, seed, lr, micro, nvme_dir=nvme_dir) for name in candidates}
     times = {name: [] for name in candidates}
     losses = {name: [] for name in candidates}
     for k, (x, y) in enumerate(batches[:warmup + steps]):
@@ -173,6 +189,7 @@ def worker(comm, candidates=CANDIDATES, steps=30, warmup=3, micro=4, lr=1e-3, se
             losses[name].append(loss.item())
     for name in candidates:
         out["results"][name].update(times=times[name], losses=losses[name])
+        built[name].close()
     out["load_average"]["end"] = os.getloadavg()
     return out
 
@@ -253,6 +270,43 @@ def report(summary, out=sys.stdout):
           "min-max over ranks. RSS counts everything the process touched (allocator slack included).", file=out)
 
 
+MEMORY_TARGETS = (("minizero-zero3-init", 800, "minizero ZeRO-3 with zero.Init: peak RSS <= 800 MiB per rank"),
+                  ("minizero-zero3-nvme", 600, "minizero ZeRO-3 + optimizer state on disk: peak RSS <= 600 MiB"))
+
+
+def memory_report(runs: dict, psi: int, out=sys.stdout) -> dict:
+    """--memory-only: one fresh job per candidate (so each peak is its own); peak RSS per rank (VmHWM,
+    MiB: the process's whole high-water mark), the ledger by location, and the memory targets."""
+    mib = 2 ** 20
+    rows = {}
+    print(f"\nmemory at {psi:,} parameters, fp32 Adam, {len(next(iter(runs.values())))} ranks, 2 steps; "
+          "peak RSS = VmHWM of each rank's process (whole process, MiB)", file=out)
+    head = f"{'candidate':<31}| {'peak RSS MiB':>14} | {'ledger MB device/host/disk (max rank)':>38} | 1-min load"
+    print(head + "\n" + "-" * len(head), file=out)
+    for name, per_rank in runs.items():
+        if isinstance(per_rank, str):
+            print(f"{name:<31}| failed: {per_rank[:150]}", file=out)
+            continue
+        res = [r["results"][name] for r in per_rank]
+        peaks = [r["rss_peak"] / mib for r in res]
+        locs = [max(r["ledger"]["by_location"][loc] for r in res) / 1e6 for loc in ("device", "host", "disk")]
+        rows[name] = {"peak_rss_mib": peaks, "by_location_mb": locs, "load": per_rank[0]["load_average"]["end"][0]}
+        print(f"{name:<31}| {min(peaks):6.0f}-{max(peaks):<6.0f} | {'/'.join(f'{v:.1f}' for v in locs):>38} | "
+              f"{rows[name]['load']:.1f}", file=out)
+    peers = {n: max(r["peak_rss_mib"]) for n, r in rows.items() if not n.startswith("minizero")}
+    targets = []
+    for name, limit, what in MEMORY_TARGETS:
+        if name in rows:
+            worst = max(rows[name]["peak_rss_mib"])
+            below = all(worst < p for p in peers.values())
+            verdict = ("met" if worst <= limit and below else "missed") + \
+                f" (max rank {worst:.0f} MiB; lowest peer {min(peers.values()):.0f} MiB)" if peers else \
+                ("met" if worst <= limit else "missed") + f" (max rank {worst:.0f} MiB; no peer ran)"
+            targets.append({"what": what, "verdict": verdict})
+            print(f"target: {what}, and below every peer: {verdict}", file=out)
+    return {"rows": rows, "targets": targets}
+
+
 def plot(summary, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -292,8 +346,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per candidate (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--micro", type=int, default=4, help="sequences per rank per step")
-    ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=CANDIDATES, metavar="NAME",
-                    help=f"any of: {' '.join(CANDIDATES)}")
+    ap.add_argument("--candidates", nargs="+", default=list(DEFAULT), choices=CANDIDATES, metavar="NAME",
+                    help=f"any of: {' '.join(CANDIDATES)} (default: {' '.join(DEFAULT)})")
+    ap.add_argument("--params", type=float, default=None,
+                    help="model size (e.g. 1e8): TinyGPT at width 768 with that many parameters (default: 3.2M)")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="memory phase only, one fresh job per candidate (for --params 1e8); peers built as their "
+                         "docs say for large models (FSDP2 on the meta device, DeepSpeed under zero.Init)")
     ap.add_argument("--backend", choices=("mpi", "torch"), default=None,
                     help="minizero's communicator (default mpi on CPU; torch = gloo, like the torch candidates)")
     ap.add_argument("--json", default=None, help="write the summary (and every rank's raw numbers) here")
@@ -302,9 +361,29 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from minizero import launch
     t0, load_before = time.time(), os.getloadavg()
+    if args.memory_only:
+        runs, psi = {}, None
+        for name in args.candidates:
+            try:
+                runs[name] = launch.run("minizero.bench.bench:worker", nprocs=args.nprocs, timeout=args.timeout,
+                                        backend=args.backend, args={"candidates": [name], "memory_only": True,
+                                                                    "meta_init": True, "micro": args.micro,
+                                                                    "model_kwargs": model_for(args.params)})
+                psi = runs[name][0]["psi"]
+                if name in runs[name][0]["skipped"]:
+                    runs[name] = runs[name][0]["skipped"][name]
+            except Exception as e:  # noqa: BLE001  one candidate failing does not lose the others' figures
+                runs[name] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            print(f"  {name}: done ({time.time() - t0:.0f} s)", flush=True)
+        result = memory_report(runs, psi or 0)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**result, "load_before": load_before, "per_candidate": runs}, f, indent=1)
+        print(f"({time.time() - t0:.0f} s)")
+        return 0
     per_rank = launch.run("minizero.bench.bench:worker", nprocs=args.nprocs, timeout=args.timeout, backend=args.backend,
                           args={"candidates": args.candidates, "steps": args.steps, "warmup": args.warmup,
-                                "micro": args.micro})
+                                "micro": args.micro, "model_kwargs": model_for(args.params)})
     summary = summarize(per_rank)
     summary["load_average"]["before_launch"] = load_before
     report(summary)

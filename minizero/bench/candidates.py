@@ -26,24 +26,36 @@ from minizero.models import build_model
 # 12.8 MB a few: big enough that a step is not pure Python overhead, small enough for 2 cores.
 BENCH_GPT = dict(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=256)
 MINIZERO = ("minizero-ddp", "minizero-zero1", "minizero-zero2", "minizero-zero3")
+# through the engine (fp32 Adam, the same torch Adam on the host): ZeRO-3 built under zero.Init, and offload
+OFFLOAD = ("minizero-zero3-init", "minizero-zero2-offload", "minizero-zero2-dpu", "minizero-zero3-offload",
+           "minizero-zero3-nvme", "minizero-zero3-nvme-noprefetch")
 TORCH = ("torch-ddp", "torch-fsdp2")
-DEEPSPEED = tuple(f"deepspeed-z{s}" for s in range(4))
-CANDIDATES = MINIZERO + TORCH + DEEPSPEED
+DEEPSPEED = tuple(f"deepspeed-z{s}" for s in range(4)) + ("deepspeed-z2-offload", "deepspeed-z3-offload")
+CANDIDATES = MINIZERO + OFFLOAD + TORCH + DEEPSPEED
+DEFAULT = MINIZERO + ("minizero-zero2-offload", "minizero-zero3-offload") + TORCH + DEEPSPEED[:4]
 REFERENCE = "torch-ddp"
 # (candidate, baseline, largest paired step-time ratio allowed, the claim)
 TARGETS = (("minizero-ddp", "torch-ddp", 1.05, "minizero DDP within 5% of torch DDP"),
-           ("minizero-zero3", "torch-fsdp2", 1.00, "minizero ZeRO-3 no slower than torch FSDP2"))
+           ("minizero-zero3", "torch-fsdp2", 1.00, "minizero ZeRO-3 no slower than torch FSDP2"),
+           ("minizero-zero2-offload", "minizero-zero2", 1.15, "ZeRO-2 + cpu offload within 1.15x of ZeRO-2"),
+           ("minizero-zero3-offload", "minizero-zero3-init", 1.15, "ZeRO-3 + cpu offload within 1.15x of ZeRO-3"),
+           ("minizero-zero2-dpu", "minizero-zero2-offload", 1.00, "DPU faster than no DPU"),
+           ("minizero-zero3-nvme", "minizero-zero3-nvme-noprefetch", 1.00, "disk offload: prefetch faster than none"),
+           ("minizero-zero2-offload", "deepspeed-z2-offload", 1.00, "minizero ZeRO-2 + offload no slower than DeepSpeed's"),
+           ("minizero-zero3-offload", "deepspeed-z3-offload", 1.00, "minizero ZeRO-3 + offload no slower than DeepSpeed's"))
 
 
 # ----------------------------------------------------------------------------- candidates
 class Candidate:
     """backward(x, y) -> loss: forward, backward and gradient synchronization; update(): the optimizer
     step and zero_grad. A timed step is both; the ledger is read between them, when gradients and
-    optimizer state both exist (the ZeRO paper's model states). held(): what memory.measure walks."""
+    optimizer state both exist (the ZeRO paper's model states). held(): what memory.measure walks
+    (or ledger(): the Ledger itself, for the engine)."""
 
-    def __init__(self, backward, update, held, bytes_source, close=None):
+    def __init__(self, backward, update, held, bytes_source, close=None, ledger=None):
         self.backward, self.update, self.held, self.bytes_source = backward, update, held, bytes_source
         self.close = close or (lambda: None)
+        self.ledger = ledger
 
 
 def _loop(wrapped, opt, finish=None):
@@ -101,6 +113,36 @@ class _Buckets:
             yield "gradients", buf, None
 
 
+def _engine(name, comm, cfg, seed, lr, micro, nvme_dir):
+    """minizero through its engine: fp32, torch Adam (no weight decay), as the other candidates."""
+    from minizero.runtime.engine import initialize
+    from minizero.zero.init import Init
+    stage = 2 if "zero2" in name else 3
+    zero = {"stage": stage}
+    if "offload" in name or "dpu" in name:
+        zero["offload_optimizer"] = {"device": "cpu", "dpu_warmup_steps": 2 if "dpu" in name else None}
+    if "nvme" in name:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir}
+        zero["sub_group_size"] = 2_000_000  # 24 MB of master + Adam state per sub-group in host memory
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "optimizer": {"type": "Adam", "params": {"lr": lr, "adam_w_mode": False}},
+              "zero_optimization": zero, "aio": {"overlap_events": "noprefetch" not in name}}
+    with Init(enabled=stage == 3):  # ZeRO-3 never holds the whole model on a rank
+        model = build_model("tiny-gpt", seed=seed, **cfg)
+    engine = initialize(model, config, comm)
+
+    def backward(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        return loss
+
+    def close():
+        if engine.offload is not None:
+            engine.offload.finish()
+            getattr(engine.offload, "close", lambda: None)()
+    return Candidate(backward, engine.step, lambda: (), "minizero.comm", close=close, ledger=engine.memory)
+
+
 def _torch(name, model, comm, lr, count_ddp):
     import torch.nn as nn
     if name == "torch-ddp":
@@ -117,6 +159,9 @@ def _torch(name, model, comm, lr, count_ddp):
     for block in model.h:  # one unit per block, like minizero's FSDP default wrap
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if any(p.is_meta for p in model.parameters()):  # built on the meta device, as FSDP2's docs recommend
+        model.to_empty(device="cpu")
+        model.reset_parameters(0)  # on the DTensor shards: each rank draws its own (values differ from the others)
     opt = _adam(model.parameters(), lr)
     return Candidate(*_loop(model, opt), lambda: (_DTensorLocal(model, opt),), "torch.distributed calls")
 
@@ -184,14 +229,22 @@ class _DeepSpeedHeld:
 
 def _deepspeed(name, model, comm, lr, micro):
     import deepspeed
-    stage = int(name[-1])
+    stage = int(name[len("deepspeed-z")])
     # gradient_clipping: DeepSpeed 0.19's default is 1.0 (clip at global norm 1); everyone else here
     # does not clip, so switch it off or the loss curves part from the second step on.
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10 ** 9}
+    offload = name.endswith("-offload")
+    if offload:  # ZeRO-Offload: DeepSpeed's own CPU Adam (DeepSpeedCPUAdam) steps on the host
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["optimizer"] = {"type": "Adam", "params": {"lr": lr, "weight_decay": 0.0, "adam_w_mode": False}}
+    if model is None:  # stage 3 at scale: built under DeepSpeed's zero.Init, partitioned module by module
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = build_model("tiny-gpt", seed=_deepspeed.seed, **_deepspeed.cfg)
     with contextlib.redirect_stdout(io.StringIO()):
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_adam(model.parameters(), lr), config=config)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters()) \
+            if offload else deepspeed.initialize(model=model, optimizer=_adam(model.parameters(), lr), config=config)
 
     def backward(x, y):
         loss = engine(x, y)[1]
@@ -269,7 +322,19 @@ def start_deepspeed(comm):
         return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def build(name, comm, cfg, seed, lr, micro, count_ddp=False):
+def build(name, comm, cfg, seed, lr, micro, count_ddp=False, meta_init=False, nvme_dir=None):
+    """meta_init: the sharded peers build the way their docs say for large models (FSDP2 on the meta
+    device, DeepSpeed ZeRO-3 under deepspeed.zero.Init); minizero's ZeRO-3 engine candidates always
+    build under minizero.zero.Init."""
+    if name in OFFLOAD:
+        return _engine(name, comm, cfg, seed, lr, micro, nvme_dir)
+    if meta_init and name == "torch-fsdp2":
+        with torch.device("meta"):
+            model = build_model("tiny-gpt", seed=seed, **cfg)
+        return _torch(name, model, comm, lr, count_ddp)
+    if meta_init and name.startswith("deepspeed-z3"):
+        _deepspeed.seed, _deepspeed.cfg = seed, cfg
+        return _deepspeed(name, None, comm, lr, micro)
     model = build_model("tiny-gpt", seed=seed, **cfg)
     if name in MINIZERO:
         return _minizero(name, model, comm, lr)

@@ -1,0 +1,272 @@
+# Lab 07: ZeRO-Offload: gradients down, CPU step, parameters up
+# GENERATED from minizero/zero/offload.py by `make labs`. Edit the TODO regions (everything else is the reference code).
+#   run:   mpirun -n 4 python labs/lab07_offload.py
+#   check: python -m minizero grade --lab 7 --impl labs    (or: pytest -m lab7 --impl labs)
+"""ZeRO-Offload: the fp32 master copy and the optimizer state on the host, the step on the CPU.
+
+Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training" (USENIX ATC), Sec. 4.
+Mixed-precision Adam holds 2Ψ (16-bit params) + 2Ψ (16-bit grads) + 12Ψ (fp32 master, m, v).
+ZeRO-Offload keeps the 2Ψ + 2Ψ that forward and backward touch on the device and moves the 12Ψ
+that only the optimizer step touches to the host, where the step runs on the CPU. Each step, per
+rank, with this rank's shard of Ψ/N parameters (Sec. 4.1, the "offload strategy" that minimizes
+traffic):
+
+    gradients down   g_bytes·Ψ/N   (2Ψ/N in fp16)        device -> host
+    parameters up    p_bytes·Ψ/N   (2Ψ/N in fp16)        host -> device
+                     ----------------------------
+                     4Ψ/N per rank in fp16; 4Ψ on one GPU, the paper's figure.
+
+`HostOptimizer` is that step for any flat device tensors (ZeRO-1/2: the rank's flat shard; ZeRO-3:
+each unit's shard). It counts every byte it copies in `traffic` (to_host, to_device), where it is
+copied. The optimizer is torch's own, built on the host masters: `fused=True` (torch's fused CPU
+Adam/AdamW/SGD, about 3x the default loop on one core) when the class accepts it.
+
+The one-step delayed parameter update (DPU, Sec. 5.1): from step `dpu_warmup_steps` on, the CPU
+step of iteration t runs in a thread while the device computes forward and backward of t+1, which
+therefore uses the parameters of step t-1 (the gradient it produces is one step stale). The paper
+warms up with plain steps first because early gradients change fast. `finish()` waits for the
+step in flight and copies its parameters up; the engine calls it at the next boundary, before
+checkpoints and at the end. The thread only computes: every collective stays on the main thread.
+The schedulers see `param_groups` (a front copy), copied into the CPU optimizer when a step
+starts, so an lr change never races with a step in flight.
+
+On a CPU-only machine "device" and "host" are the same RAM: the copies are real (separate
+tensors, real bytes moved) but no bus is crossed. The ledger still reports them apart
+(memory_tensors gives explicit locations), which is bookkeeping there and physical on a GPU.
+ZeRO-Infinity (the disk tier) is zero/infinity.py.
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+
+import torch
+
+from minizero import memory
+
+
+class Traffic:
+    """Bytes moved between the tiers, counted where each copy is made."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.to_host = 0       # device -> host (gradients, and parameters read by the CPU step)
+        self.to_device = 0     # host -> device (updated parameters, offloaded parameter shards)
+        self.disk_read = 0     # file -> host (ZeRO-Infinity)
+        self.disk_written = 0  # host -> file
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def host_empty(numel: int, dtype=torch.float32, pin: bool = False) -> torch.Tensor:
+    """A host (CPU) buffer; page-locked when `pin` and CUDA exist, so copies can be asynchronous."""
+    return torch.empty(numel, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
+
+
+def cpu_optimizer(optimizer_cls, params, **kwargs):
+    """torch's optimizer on host tensors, fused when the class supports it (unless told otherwise)."""
+    if "fused" in inspect.signature(optimizer_cls.__init__).parameters:
+        kwargs.setdefault("fused", True)
+    return optimizer_cls(params, **kwargs)
+
+
+class HostOptimizer:
+    """fp32 masters, gradients and optimizer state of `device_params` on the host; steps on the CPU."""
+
+    def __init__(self, device_params, optimizer_cls, traffic: Traffic | None = None, pin_memory: bool = False,
+                 dpu_warmup_steps: int | None = None, after_params=None, **optimizer_kwargs):
+        self.device_params = list(device_params)  # the flat tensors forward reads, on the device
+        self.traffic = traffic or Traffic()       # bytes copied between tiers (the PCIe traffic)
+        self.pin_memory = pin_memory              # page-locked host buffers (CUDA only; a no-op on CPU)
+        self.dpu_warmup_steps = dpu_warmup_steps  # None: no DPU; k: steps 0..k-1 plain, then delayed
+        self.after_params = after_params          # called after parameters reach the device (ZeRO-1/2 all-gather)
+        # host fp32 master copies: the optimizer steps these (the initial copy is the model's values)
+        self.masters = [host_empty(p.numel(), pin=pin_memory) for p in self.device_params]
+        with torch.no_grad():
+            for m, p in zip(self.masters, self.device_params):
+                m.copy_(p.detach().reshape(-1))
+        self.grads = self._zeros()                # host fp32 gradients, filled by grads_to_host / accumulate
+        self._spare = None                        # DPU: the second gradient buffer (the other is being stepped)
+        self.optim = cpu_optimizer(optimizer_cls, self.masters, **optimizer_kwargs)
+        # what LR schedulers write; copied into self.optim when a step starts (no race with DPU's thread)
+        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optim.param_groups]
+        self.steps = 0                            # CPU steps started
+        self._thread = None                       # DPU: the step in flight
+        self._error = None                        # an exception raised inside it
+
+    def _zeros(self):
+        return [torch.zeros_like(m) for m in self.masters]
+
+    # ------------------------------------------------------------------ the offloaded step (lab 07)
+    @torch.no_grad()
+    def grads_to_host(self, device_grads):
+        """Copy each reduced device gradient (any dtype) into its host fp32 buffer, counting the bytes."""
+        # TODO(lab 7): gradients down: device -> host.
+        #   For each host buffer in self.grads and device gradient g (same order): copy g, flattened,
+        #   into the buffer (copy_ casts to fp32), and add the bytes that crossed, g.numel() *
+        #   g.element_size() (the DEVICE dtype: 2 per element in fp16), to self.traffic.to_host.
+        raise NotImplementedError('lab 7: not implemented yet: gradients down')
+
+    @torch.no_grad()
+    def accumulate(self, i: int, grad: torch.Tensor):
+        """Add one device gradient into host buffer i (ZeRO-3 hooks call this as each unit's gradient
+        is reduced, so it moves during backward; micro-batches add up on the host)."""
+        self.grads[i].add_(grad.reshape(-1).to(self.grads[i].device, torch.float32))
+        self.traffic.to_host += grad.numel() * grad.element_size()
+
+    @torch.no_grad()
+    def cpu_step(self, grads):
+        """One step of the CPU optimizer on the host masters, with host gradients `grads`."""
+        # TODO(lab 7): the CPU step.
+        #   Give each master in self.masters its gradient from `grads` (m.grad = g), run
+        #   self.optim.step(), then set every m.grad back to None (the buffers stay in self.grads).
+        raise NotImplementedError('lab 7: not implemented yet: the CPU step')
+
+    @torch.no_grad()
+    def params_to_device(self):
+        """Copy the updated masters into the device parameters (cast to their dtype), counting the bytes."""
+        # TODO(lab 7): parameters up: host -> device.
+        #   For each device tensor p in self.device_params and its master m: copy m into p (shaped
+        #   like p; copy_ casts to p's dtype) and add p.numel() * p.element_size() to
+        #   self.traffic.to_device.
+        raise NotImplementedError('lab 7: not implemented yet: parameters up')
+        if self.after_params is not None:
+            self.after_params()
+
+    # ------------------------------------------------------------------ driving it
+    @property
+    def delayed(self) -> bool:
+        """Whether the next step() is a delayed (DPU) one."""
+        return self.dpu_warmup_steps is not None and self.steps >= self.dpu_warmup_steps
+
+    def step(self):
+        """After grads_to_host (and unscaling/clipping the host grads): step and update the device.
+        Under DPU the step runs in a thread and the device parameters change at finish()."""
+        self.finish()
+        for front, back in zip(self.param_groups, self.optim.param_groups):
+            back.update(front)
+        self.steps += 1
+        if not (self.dpu_warmup_steps is not None and self.steps > self.dpu_warmup_steps):
+            self.cpu_step(self.grads)
+            self.params_to_device()
+            return
+        grads = self.grads  # stepped in the thread; backward of the next iteration fills the other buffer
+        if self._spare is None:
+            self._spare = self._zeros()
+            memory.transient.alloc("offload.dpu_grads", sum(g.numel() * 4 for g in self._spare))
+        self.grads, self._spare = self._spare, grads
+        self._thread = threading.Thread(target=self._run, args=(grads,), name="minizero-dpu", daemon=True)
+        self._thread.start()
+
+    def _run(self, grads):
+        try:
+            self.cpu_step(grads)
+        except BaseException as e:  # noqa: BLE001  re-raised on the main thread by finish()
+            self._error = e
+
+    def finish(self):
+        """Wait for a delayed step in flight and copy its parameters to the device (a no-op otherwise)."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the delayed CPU optimizer step failed: {error}") from error
+        self.params_to_device()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def zero_grad(self):
+        for g in self.grads:
+            g.zero_()
+
+    # ------------------------------------------------------------------ checkpoints and state
+    @property
+    def state(self):
+        """The CPU optimizer's state, keyed by the host masters (or by their device tensors)."""
+        return _StateView(self, self.optim.state)
+
+    def master_of(self, t):
+        """The host master of a device parameter (or the master itself)."""
+        for p, m in zip(self.device_params, self.masters):
+            if t is p or t is m:
+                return m
+        raise KeyError("not a parameter of this HostOptimizer")
+
+    @torch.no_grad()
+    def sync_masters_from_device(self):
+        """After loading the device parameters from a checkpoint: the masters follow (exact in fp32)."""
+        self.finish()
+        for m, p in zip(self.masters, self.device_params):
+            m.copy_(p.detach().reshape(-1))
+
+    def state_dict(self) -> dict:
+        self.finish()
+        return {"masters": [m.clone() for m in self.masters], "optimizer": self.optim.state_dict(),
+                "steps": self.steps}
+
+    def load_state_dict(self, sd: dict):
+        self.finish()
+        with torch.no_grad():
+            for m, saved in zip(self.masters, sd["masters"]):
+                m.copy_(saved)
+        self.optim.load_state_dict(sd["optimizer"])
+        self.steps = sd["steps"]
+        self.params_to_device()
+
+    def memory_tensors(self):
+        """Masters, gradients and optimizer state, all on the host; the device parameters are the
+        wrapper's to report."""
+        for m, g in zip(self.masters, self.grads):
+            yield "master_params", m, "host"
+            yield "gradients", g, "host"
+        for g in self._spare or ():
+            yield "gradients", g, "host"
+        for state in self.optim.state.values():
+            for v in state.values():
+                if torch.is_tensor(v):
+                    yield "optimizer_state", v, "host"
+
+    def __repr__(self):
+        numel = sum(m.numel() for m in self.masters)
+        return (f"HostOptimizer({type(self.optim).__name__}, {len(self.masters)} tensors, {numel} elements on the "
+                f"host, dpu_warmup_steps={self.dpu_warmup_steps})")
+
+
+class _StateView:
+    """optimizer.state as the checkpoint code uses it, accepting device tensors as keys too."""
+
+    def __init__(self, owner, state):
+        self.owner, self.state = owner, state
+
+    def _key(self, t):
+        return self.owner.master_of(t)
+
+    def get(self, t, default=None):
+        return self.state.get(self._key(t), default)
+
+    def pop(self, t, default=None):
+        return self.state.pop(self._key(t), default)
+
+    def __setitem__(self, t, value):
+        self.state[self._key(t)] = value
+
+    def __getitem__(self, t):
+        return self.state[self._key(t)]
+
+    def __contains__(self, t):
+        return self._key(t) in self.state
+
+    def values(self):
+        return self.state.values()
+
+
+if __name__ == "__main__":
+    from minizero.autograde import lab_main
+    lab_main(7, globals())

@@ -1,0 +1,205 @@
+"""Lesson 07's and lab 07's measurements: ZeRO-Offload next to DDP, ZeRO-Infinity's disk tier, DPU.
+
+side_by_side(comm, HostOptimizer, ...) trains DDP (the reference) and ZeRO-2 whose step is offloaded
+by the given HostOptimizer (the lab's or minizero's) on the same batches, and reports the distance
+to DDP, the ledger by location and the bytes counted. lesson(comm) is the notebook's one job."""
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import shutil
+import tempfile
+import time
+
+import torch
+
+from minizero import memory
+from minizero.data import shard
+from minizero.dp.ddp import DDP
+from minizero.experiments.references import global_batches
+from minizero.models import build_model
+from minizero.zero.shard_grad_op import ShardGradOp
+
+GPT = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+LR, MOMENTUM, BATCH = 0.1, 0.9, 8
+
+
+def side_by_side(comm, HostOptimizer, steps=4, dtype=torch.float32, dpu_warmup_steps=None, model_kwargs=None):
+    """DDP + torch SGD (momentum) vs ZeRO-2 + the offloaded step (SGD on the host), same batches."""
+    cfg = {**GPT, **(model_kwargs or {})}
+    ref = build_model("tiny-gpt", seed=0, **cfg)
+    ddp = DDP(ref, comm)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+    model = build_model("tiny-gpt", seed=0, **cfg).to(dtype)
+    zero2 = ShardGradOp(model, torch.optim.SGD, comm, lr=LR, momentum=MOMENTUM)
+    opt = zero2.optim
+
+    def all_gather():
+        send = opt.shard.clone()
+        comm.all_gather(opt.flat, send)
+    host = HostOptimizer([opt.shard], torch.optim.SGD, dpu_warmup_steps=dpu_warmup_steps, after_params=all_gather,
+                         lr=LR, momentum=MOMENTUM)
+    opt.master, opt.optim = host.masters[0], host  # the device master and optimizer are gone (as in the engine)
+    out = {"psi": opt.layout.numel, "padded": opt.layout.padded_numel, "shard": opt.layout.shard_numel,
+           "steps": [], "ddp_ledger": None}
+    for batch in global_batches(ref, steps, BATCH):
+        x, y = shard(batch, comm.rank, comm.size)
+        ddp(x, y)[1].backward()
+        ddp.finish_gradient_synchronization()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        host.traffic.reset()
+        host.finish()
+        loss = zero2(x, y)[1].float()
+        loss.backward()  # ZeRO-2 reduces this rank's gradient shard during backward
+        host.grads_to_host([zero2.grad_shard])
+        ledger = memory.measure(host, zero2)  # gradients and optimizer state all alive
+        host.step()
+        shares = zero2.grad_shard.untyped_storage().data_ptr() in {g.untyped_storage().data_ptr() for g in host.grads}
+        zero2.zero_grad()
+        host.zero_grad()
+        out["steps"].append({"loss": loss.item(), "traffic": host.traffic.as_dict(), "ledger": ledger.detail,
+                             "grad_shared": shares})
+    host.finish()
+    names = [n for n, _ in ref.named_parameters()]
+    mine = dict(zip(names, [p.detach().float() for p in model.parameters()]))
+    worst = max(((n, ((mine[n] - p).abs() - 1e-6 * p.abs()).max().item()) for n, p in ref.named_parameters()),
+                key=lambda t: t[1])
+    out["worst"] = worst
+    out["max_diff"] = max((mine[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    out["ddp_ledger"] = memory.measure(ddp, ref_opt).detail
+    out["cpu_steps"] = host.steps
+    return out
+
+
+# ----------------------------------------------------------------------------- lesson 07
+LESSON_GPT = dict(n_layer=4, n_embd=96)  # 0.45 M parameters: the ledger's bytes are readable, steps are fast
+
+
+def _engine(comm, stage, offload=None, param=None, fp16=False, opt="adam", sub_group_size=1e9, steps=6,
+            model_kwargs=None):
+    from minizero.runtime.engine import initialize
+    zero = {"stage": stage, "sub_group_size": sub_group_size, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero["offload_optimizer"] = offload
+    if param:
+        zero["offload_param"] = {"device": param}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}} if opt == "adam" else
+           {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+           "fp16": {"enabled": fp16, "initial_scale_power": 8}, "zero_optimization": zero}
+    model = build_model("tiny-gpt", seed=0, **(model_kwargs or LESSON_GPT))
+    engine = initialize(model, cfg, comm)
+    losses, times = [], []
+    for batch in global_batches(model if stage != 3 else build_model("tiny-gpt", seed=0, **(model_kwargs or LESSON_GPT)),
+                                steps, 4 * comm.size):
+        x, y = shard(batch, comm.rank, comm.size)
+        if engine.offload is not None:
+            engine.offload.traffic.reset()
+        comm.stats.reset()  # the last step's bytes sent are what is reported
+        comm.barrier()
+        t0 = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        ledger = engine.memory().detail  # after backward: gradients and (from step 2) optimizer state alive
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    return engine, {"losses": losses, "step_s": times, "ledger": ledger, "traffic": engine.offload_traffic(),
+                    "sent": comm.stats.sent(),
+                    "padded": getattr(getattr(engine.optimizer, "layout", None), "padded_numel", None)}
+
+
+DISK_GPT = dict(n_layer=4, n_embd=256)  # 3.2 M parameters: 38 MB of fp32 Adam state per rank at N = 2
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: the peak RSS (VmHWM) restarts from the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _hwm_mb():
+    with open("/proc/self/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("VmHWM:"))) / 1024
+
+
+def _rss_mb():
+    with open("/proc/self/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("VmRSS:"))) / 1024
+
+
+def lesson(comm, steps=5):
+    """Lesson 07, one job: (1) where the bytes live for ZeRO-2/3 with and without offload, fp16;
+    (2) the 4Ψ traffic at N = 1 and N; (3) DPU on and off; (4) disk offload's host bytes per
+    sub_group_size; (5) "ZeRO-Offload vs stage 3": what each one moves."""
+    torch.set_num_threads(1)
+    out = {"psi": build_model("tiny-gpt", seed=0, **LESSON_GPT).num_params(), "N": comm.size}
+    for name, kw in {"zero2": dict(stage=2), "zero2+offload": dict(stage=2, offload={"device": "cpu"}),
+                     "zero3": dict(stage=3), "zero3+offload": dict(stage=3, offload={"device": "cpu"}),
+                     "zero3+offload+param": dict(stage=3, offload={"device": "cpu"}, param="cpu")}.items():
+        engine, res = _engine(comm, fp16=True, steps=2, **kw)
+        out[name] = {"ledger": res["ledger"], "traffic": res["traffic"], "padded": res["padded"], "sent": res["sent"]}
+    # DPU: step time and loss curves, same data; ZeRO-2 at N ranks, Adam
+    for name, dpu in (("no DPU", None), ("DPU", 2)):
+        engine, res = _engine(comm, 2, offload={"device": "cpu", "dpu_warmup_steps": dpu}, steps=2 * steps)
+        engine.offload.finish()
+        out[name] = {"losses": res["losses"], "step_s": res["step_s"]}
+    # disk: host bytes holding sub-groups, RSS, disk bytes per step, by sub_group_size (ZeRO-3, Adam)
+    nvme = tempfile.mkdtemp(prefix="minizero-lesson07-")
+    out["disk"] = {}
+    try:
+        for sub in (None, 2_000, 20_000, 200_000):  # None: optimizer state on the host (cpu), for comparison
+            gc.collect()
+            rss0, hwm = _rss_mb(), _reset_hwm()
+            offload = {"device": "cpu"} if sub is None else {"device": "nvme", "nvme_path": nvme}
+            engine, res = _engine(comm, 3, offload=offload, sub_group_size=sub or 1e9, steps=2, model_kwargs=DISK_GPT)
+            out["disk"][str(sub)] = {"buffer_peak": getattr(engine.offload, "buffer_peak", None),
+                                     "rss_growth_mb": _hwm_mb() - rss0 if hwm else None, "traffic": res["traffic"],
+                                     "ledger": res["ledger"], "sub_groups": len(getattr(engine.offload, "bounds", [0]))}
+            if sub is not None:
+                engine.offload.close()
+            del engine
+    finally:
+        shutil.rmtree(nvme, ignore_errors=True)
+    out["maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def rss_job(comm, sub_group_size=None, offload="none", params=20_000_000, steps=2):
+    """One configuration in its own job, so each peak RSS is its own: ZeRO-3 fp32 Adam on a model of
+    about `params` parameters built under zero.Init; offload none, cpu or nvme (sub_group_size)."""
+    from minizero.runtime.engine import initialize
+    from minizero.zero.init import Init
+    torch.set_num_threads(1)
+    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])  # imports torch._dynamo before measuring
+    cfg_model = dict(vocab_size=64, block_size=32, n_layer=max(1, round(params / 12 / 512 ** 2)), n_head=8, n_embd=512)
+    rss0 = _rss_mb()
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    nvme = None
+    if offload != "none":
+        zero["offload_optimizer"] = {"device": offload}
+    if offload == "nvme":
+        nvme = tempfile.mkdtemp(prefix="minizero-rss-")
+        zero["offload_optimizer"]["nvme_path"] = nvme
+        zero["sub_group_size"] = sub_group_size
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+    with Init():
+        model = build_model("tiny-gpt", seed=0, **cfg_model)
+    engine = initialize(model, cfg, comm)
+    for step in range(steps):
+        x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(step * comm.size + comm.rank))
+        engine.backward(engine(x, x))
+        engine.step()
+    led = engine.memory().by_location
+    if nvme:
+        engine.offload.close()
+        shutil.rmtree(nvme, ignore_errors=True)
+    return {"rss_before_mb": rss0, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "ledger": led, "psi": sum(p.numel() for u in engine.wrapped.units for p in (u.shard, u.whole)
+                                      if p is not None) * comm.size, "pid": os.getpid()}
