@@ -30,7 +30,7 @@ def bench(tmp_path_factory):
 def test_table_json_and_plot(bench):
     out, s, png = bench
     for name in CANDIDATES:
-        assert f"\n{name:<15}|" in out
+        assert f"\n{name:<31}|" in out
     assert "target: minizero DDP within 5% of torch DDP: paired step-time ratio" in out
     assert png.exists() and png.stat().st_size > 10_000
     assert s["N"] == 2 and set(s["candidates"]) == set(CANDIDATES)

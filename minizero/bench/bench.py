@@ -247,7 +247,7 @@ def report(summary, out=sys.stdout):
           f"{load['start'][0]:.2f} at the start "
           f"and {load['end'][0]:.2f} at the end of the timing ({os.cpu_count()} cores; the bench's own {s['N']} ranks "
           f"add up to {s['N']} while they run)", file=out)
-    head = (f"{'candidate':<15}| {'median ms':>9} {'IQR ms':>13} | {'/ torch-ddp [95% CI]':>20} | {'last loss':>9} | "
+    head = (f"{'candidate':<31}| {'median ms':>9} {'IQR ms':>13} | {'/ torch-ddp [95% CI]':>20} | {'last loss':>9} | "
             f"{'ledger MB':>9} | {'RSS growth MB':>15} | {'sent MB/step':>12}  bytes counted at")
     print(head + "\n" + "-" * len(head), file=out)
     for name, r in s["candidates"].items():
@@ -256,11 +256,11 @@ def report(summary, out=sys.stdout):
         rss = [g for g in r["rss_growth"] if g is not None]
         rss_s = f"{mb(min(rss))}-{mb(max(rss))}" if rss else "n/a"
         sent = f"{mb(max(r['sent_per_step']))}" if r["bytes_source"] != "not counted" else "not counted"
-        print(f"{name:<15}| {r['median_step_s'] * 1e3:9.1f} {r['q1_s'] * 1e3:6.1f}-{r['q3_s'] * 1e3:<6.1f} | {ratio:>20} | "
+        print(f"{name:<31}| {r['median_step_s'] * 1e3:9.1f} {r['q1_s'] * 1e3:6.1f}-{r['q3_s'] * 1e3:<6.1f} | {ratio:>20} | "
               f"{r['losses'][-1]:9.5f} | {mb(max(r['ledger_bytes'])):>9} | {rss_s:>15} | {sent:>12}  {r['bytes_source']}",
               file=out)
     for name, why in s["skipped"].items():
-        print(f"{name:<15}| skipped: {why}", file=out)
+        print(f"{name:<31}| skipped: {why}", file=out)
     for t in s["targets"]:
         print(f"target: {t['what']}: paired step-time ratio {t['ratio']:.3f} (95% CI {t['ci95'][0]:.3f}-"
               f"{t['ci95'][1]:.3f}), limit {t['limit']:.2f}: {t['verdict']}", file=out)

@@ -9,12 +9,19 @@ is named after what it shards (the stage numbers are DeepSpeed's `zero_optimizat
     3      FSDP              fsdp.py               + parameters (P_os+g+p)         FSDP FULL_SHARD
 
     flat_layout.py  FlatLayout: the parameters as views into one flat buffer padded to N shards
+    offload.py      HostOptimizer: ZeRO-Offload, the optimizer step on the host (+ DPU)    Ren et al. 2021
+    infinity.py     DiskOptimizer: ZeRO-Infinity, masters and state in files by sub-group  Rajbhandari et al. 2021
+    init.py         Init: `with zero.Init(): model = ...` builds a ZeRO-3 model on the meta device
 """
 from minizero.zero.flat_layout import FlatLayout
+from minizero.zero.infinity import DiskOptimizer
+from minizero.zero.init import Init
+from minizero.zero.offload import HostOptimizer, Traffic
 from minizero.zero.fsdp import FSDP
 from minizero.zero.shard_grad_op import ReduceBucket, ShardGradOp
 from minizero.zero.sharded_optimizer import ShardedOptimizer
 
 STAGES = {1: ShardedOptimizer, 2: ShardGradOp, 3: FSDP}
 
-__all__ = ["FSDP", "FlatLayout", "ReduceBucket", "STAGES", "ShardGradOp", "ShardedOptimizer"]
+__all__ = ["DiskOptimizer", "FSDP", "FlatLayout", "HostOptimizer", "Init", "ReduceBucket", "STAGES", "ShardGradOp",
+           "ShardedOptimizer", "Traffic"]
