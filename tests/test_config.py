@@ -91,7 +91,10 @@ def test_look_alike_key_from_the_seed_is_explained():
 
 def test_keys_without_effect_warn_when_changed():
     from minizero.runtime.config import ConfigWarning
-    with pytest.warns(ConfigWarning, match="'zero_optimization.sub_group_size': 1000 has no effect"):
+    with pytest.warns(ConfigWarning, match="'zero_optimization.stage3_max_reuse_distance': 1000 has no effect"):
+        load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1000}})
+    # sub_group_size means something only for the disk tier
+    with pytest.warns(ConfigWarning, match="sub_group_size.*only with offload_optimizer.device 'nvme'"):
         load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, "sub_group_size": 1000}})
     import warnings
     with warnings.catch_warnings():

@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import gc
 import importlib.util
+import io
 import json
 import os
 import statistics
@@ -270,6 +271,37 @@ def report(summary, out=sys.stdout):
           "min-max over ranks. RSS counts everything the process touched (allocator slack included).", file=out)
 
 
+def cpu_adam(numel=5_000_000, repeats=5, out=sys.stdout) -> dict:
+    """The CPU optimizer step offload runs, one thread: torch AdamW fused / foreach / for-loop, and
+    DeepSpeed's DeepSpeedCPUAdam (its C++ AVX kernel, JIT-built) when the peers extra provides it."""
+    torch.set_num_threads(1)
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    impls = {f"torch AdamW {k}": (lambda ps, k=k: torch.optim.AdamW(ps, lr=1e-3, **{k: True} if k != "for-loop"
+                                                                      else {"foreach": False}))
+             for k in ("fused", "foreach", "for-loop")}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))])  # builds the op now, not in the timing
+        impls["DeepSpeedCPUAdam"] = lambda ps: DeepSpeedCPUAdam(ps, lr=1e-3, adamw_mode=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"DeepSpeedCPUAdam: not available ({type(e).__name__}: {str(e).splitlines()[0][:120]})", file=out)
+    times = {}
+    for name, make in impls.items():
+        p = torch.nn.Parameter(torch.zeros(numel))
+        p.grad = grad
+        opt = make([p])
+        opt.step()  # state allocated
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            opt.step()
+        times[name] = (time.perf_counter() - t0) / repeats
+    base = times["torch AdamW fused"]
+    for name, t in times.items():
+        print(f"{name:<22} {t * 1e3:8.1f} ms per step of {numel:,} fp32 elements ({t / base:.2f}x fused)", file=out)
+    return times
+
+
 MEMORY_TARGETS = (("minizero-zero3-init", 800, "minizero ZeRO-3 with zero.Init: peak RSS <= 800 MiB per rank"),
                   ("minizero-zero3-nvme", 600, "minizero ZeRO-3 + optimizer state on disk: peak RSS <= 600 MiB"))
 
@@ -350,6 +382,8 @@ def main(argv=None) -> int:
                     help=f"any of: {' '.join(CANDIDATES)} (default: {' '.join(DEFAULT)})")
     ap.add_argument("--params", type=float, default=None,
                     help="model size (e.g. 1e8): TinyGPT at width 768 with that many parameters (default: 3.2M)")
+    ap.add_argument("--cpu-adam", action="store_true",
+                    help="only time the CPU optimizer step: torch fused/foreach/for-loop AdamW vs DeepSpeedCPUAdam")
     ap.add_argument("--memory-only", action="store_true",
                     help="memory phase only, one fresh job per candidate (for --params 1e8); peers built as their "
                          "docs say for large models (FSDP2 on the meta device, DeepSpeed under zero.Init)")
@@ -361,6 +395,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from minizero import launch
     t0, load_before = time.time(), os.getloadavg()
+    if args.cpu_adam:
+        cpu_adam()
+        return 0
     if args.memory_only:
         runs, psi = {}, None
         for name in args.candidates:

@@ -74,7 +74,7 @@ def side_by_side(comm, HostOptimizer, steps=4, dtype=torch.float32, dpu_warmup_s
 
 
 # ----------------------------------------------------------------------------- lesson 07
-LESSON_GPT = dict(n_layer=4, n_embd=96)  # 0.45 M parameters: the ledger's bytes are readable, steps are fast
+LESSON_GPT = dict(n_layer=4, n_embd=64)  # 0.2 M parameters: the ledger's bytes are readable, steps are fast
 
 
 def _engine(comm, stage, offload=None, param=None, fp16=False, opt="adam", sub_group_size=1e9, steps=6,
@@ -111,7 +111,7 @@ def _engine(comm, stage, offload=None, param=None, fp16=False, opt="adam", sub_g
                     "padded": getattr(getattr(engine.optimizer, "layout", None), "padded_numel", None)}
 
 
-DISK_GPT = dict(n_layer=4, n_embd=256)  # 3.2 M parameters: 38 MB of fp32 Adam state per rank at N = 2
+DISK_GPT = dict(n_layer=4, n_embd=192)  # 1.8 M parameters: 22 MB of fp32 master + Adam state per rank at N = 2
 
 
 def _reset_hwm() -> bool:
@@ -133,7 +133,7 @@ def _rss_mb():
         return int(next(line.split()[1] for line in f if line.startswith("VmRSS:"))) / 1024
 
 
-def lesson(comm, steps=5):
+def lesson(comm, steps=4):
     """Lesson 07, one job: (1) where the bytes live for ZeRO-2/3 with and without offload, fp16;
     (2) the 4Ψ traffic at N = 1 and N; (3) DPU on and off; (4) disk offload's host bytes per
     sub_group_size; (5) "ZeRO-Offload vs stage 3": what each one moves."""

@@ -319,6 +319,10 @@ def _check_offload(zero: dict):
         if opt["device"] != "cpu":
             raise ConfigError(f"{where}.dpu_warmup_steps (the delayed parameter update) needs device 'cpu', "
                               f"got {opt['device']!r}")
+    if zero["sub_group_size"] != SCHEMA["zero_optimization"]["sub_group_size"] and opt["device"] != "nvme":
+        warnings.warn(f"'zero_optimization.sub_group_size': {zero['sub_group_size']!r} has an effect only with "
+                      "offload_optimizer.device 'nvme' (the disk tier's piece); elsewhere minizero steps each rank's "
+                      "shard as one group", ConfigWarning, stacklevel=3)
     for section in ("offload_optimizer", "offload_param"):
         if not isinstance(zero[section]["pin_memory"], bool):
             raise ConfigError(f"zero_optimization.{section}.pin_memory must be true or false")

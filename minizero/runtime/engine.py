@@ -414,6 +414,9 @@ class Engine:
         for i, p in enumerate(params):  # each unit's gradient goes down as soon as backward reduced it
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_down(host, i, p))
         if zero["offload_param"]["device"] == "cpu":
+            if self.device.type != "cpu":  # the shards would have to move to CPU memory and autograd with them
+                raise ConfigError("offload_param is implemented for CPU runs only (where the host shard and its device "
+                                  "copy are both host memory); on CUDA remove offload_param, keep offload_optimizer")
             self.wrapped.fetch_shard = self._fetch_shard
         self.optimizer = host
         return host
