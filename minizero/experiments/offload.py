@@ -6,7 +6,6 @@ to DDP, the ledger by location and the bytes counted. lesson(comm) is the notebo
 from __future__ import annotations
 
 import gc
-import os
 import resource
 import shutil
 import tempfile
@@ -168,38 +167,3 @@ def lesson(comm, steps=4):
         shutil.rmtree(nvme, ignore_errors=True)
     out["maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
-
-
-def rss_job(comm, sub_group_size=None, offload="none", params=20_000_000, steps=2):
-    """One configuration in its own job, so each peak RSS is its own: ZeRO-3 fp32 Adam on a model of
-    about `params` parameters built under zero.Init; offload none, cpu or nvme (sub_group_size)."""
-    from minizero.runtime.engine import initialize
-    from minizero.zero.init import Init
-    torch.set_num_threads(1)
-    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])  # imports torch._dynamo before measuring
-    cfg_model = dict(vocab_size=64, block_size=32, n_layer=max(1, round(params / 12 / 512 ** 2)), n_head=8, n_embd=512)
-    rss0 = _rss_mb()
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    nvme = None
-    if offload != "none":
-        zero["offload_optimizer"] = {"device": offload}
-    if offload == "nvme":
-        nvme = tempfile.mkdtemp(prefix="minizero-rss-")
-        zero["offload_optimizer"]["nvme_path"] = nvme
-        zero["sub_group_size"] = sub_group_size
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
-    with Init():
-        model = build_model("tiny-gpt", seed=0, **cfg_model)
-    engine = initialize(model, cfg, comm)
-    for step in range(steps):
-        x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(step * comm.size + comm.rank))
-        engine.backward(engine(x, x))
-        engine.step()
-    led = engine.memory().by_location
-    if nvme:
-        engine.offload.close()
-        shutil.rmtree(nvme, ignore_errors=True)
-    return {"rss_before_mb": rss0, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "ledger": led, "psi": sum(p.numel() for u in engine.wrapped.units for p in (u.shard, u.whole)
-                                      if p is not None) * comm.size, "pid": os.getpid()}
