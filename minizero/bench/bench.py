@@ -125,7 +125,7 @@ def model_for(params=None) -> dict:
 
 
 def worker(comm, candidates=DEFAULT, steps=30, warmup=3, micro=4, lr=1e-3, seed=0, memory_steps=2,
-           model_kwargs=None, memory_only=False, meta_init=False):
+           model_kwargs=None, memory_only=False, meta_init=False, sub_group_size=2_000_000):
     """Runs on every rank. Returns this rank's measurements for every candidate that ran.
     model_kwargs: GPTConfig fields that replace BENCH_GPT's (the test uses a smaller model).
     memory_only: phase 1 alone (a large model: all candidates alive at once would not fit)."""
@@ -163,7 +163,8 @@ def worker(comm, candidates=DEFAULT, steps=30, warmup=3, micro=4, lr=1e-3, seed=
         _release()
         rss0, hwm_ok = _status_kb("VmRSS") * 1024, _reset_hwm()
         memory.transient.reset()
-        c = build(name, comm, cfg, seed, lr, micro, count_ddp=True, meta_init=meta_init, nvme_dir=nvme_dir)
+        c = build(name, comm, cfg, seed, lr, micro, count_ddp=True, meta_init=meta_init, nvme_dir=nvme_dir,
+                  sub_group_size=sub_group_size)
         for x, y in batches[:memory_steps - 1]:
             _step(comm, c, x, y)
         comm.stats.reset()
@@ -393,6 +394,8 @@ def main(argv=None) -> int:
                     help=f"any of: {' '.join(CANDIDATES)} (default: {' '.join(DEFAULT)})")
     ap.add_argument("--params", type=float, default=None,
                     help="model size (e.g. 1e8): TinyGPT at width 768 with that many parameters (default: 3.2M)")
+    ap.add_argument("--sub-group-size", type=float, default=2e6,
+                    help="elements per sub-group for the disk-offload candidates (DeepSpeed's sub_group_size)")
     ap.add_argument("--cpu-adam", action="store_true",
                     help="only time the CPU optimizer step: torch fused/foreach/for-loop AdamW vs DeepSpeedCPUAdam")
     ap.add_argument("--memory-only", action="store_true",
@@ -416,7 +419,8 @@ def main(argv=None) -> int:
                 runs[name] = launch.run("minizero.bench.bench:worker", nprocs=args.nprocs, timeout=args.timeout,
                                         backend=args.backend, args={"candidates": [name], "memory_only": True,
                                                                     "meta_init": True, "micro": args.micro,
-                                                                    "model_kwargs": model_for(args.params)})
+                                                                    "model_kwargs": model_for(args.params),
+                                                                    "sub_group_size": int(args.sub_group_size)})
                 psi = runs[name][0]["psi"]
                 if name in runs[name][0]["skipped"]:
                     runs[name] = runs[name][0]["skipped"][name]

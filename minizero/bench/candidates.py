@@ -113,7 +113,7 @@ class _Buckets:
             yield "gradients", buf, None
 
 
-def _engine(name, comm, cfg, seed, lr, micro, nvme_dir):
+def _engine(name, comm, cfg, seed, lr, micro, nvme_dir, sub_group_size=2_000_000):
     """minizero through its engine: fp32, torch Adam (no weight decay), as the other candidates."""
     from minizero.runtime.engine import initialize
     from minizero.zero.init import Init
@@ -123,7 +123,7 @@ def _engine(name, comm, cfg, seed, lr, micro, nvme_dir):
         zero["offload_optimizer"] = {"device": "cpu", "dpu_warmup_steps": 2 if "dpu" in name else None}
     if "nvme" in name:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir}
-        zero["sub_group_size"] = 2_000_000  # 24 MB of master + Adam state per sub-group in host memory
+        zero["sub_group_size"] = sub_group_size  # 2M: 24 MB of master + Adam state per sub-group in host memory
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "optimizer": {"type": "Adam", "params": {"lr": lr, "adam_w_mode": False}},
               "zero_optimization": zero, "aio": {"overlap_events": "noprefetch" not in name}}
@@ -322,12 +322,12 @@ def start_deepspeed(comm):
         return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def build(name, comm, cfg, seed, lr, micro, count_ddp=False, meta_init=False, nvme_dir=None):
+def build(name, comm, cfg, seed, lr, micro, count_ddp=False, meta_init=False, nvme_dir=None, sub_group_size=2_000_000):
     """meta_init: the sharded peers build the way their docs say for large models (FSDP2 on the meta
     device, DeepSpeed ZeRO-3 under deepspeed.zero.Init); minizero's ZeRO-3 engine candidates always
     build under minizero.zero.Init."""
     if name in OFFLOAD:
-        return _engine(name, comm, cfg, seed, lr, micro, nvme_dir)
+        return _engine(name, comm, cfg, seed, lr, micro, nvme_dir, sub_group_size)
     if meta_init and name == "torch-fsdp2":
         with torch.device("meta"):
             model = build_model("tiny-gpt", seed=seed, **cfg)
