@@ -140,8 +140,8 @@ def run(target: str, nprocs: int = 2, args: dict | None = None, timeout: float =
         if dead:
             others = "; ".join(f"rank {r} {w}" for r, w in sorted(where.items()) if r not in dead)
             raise LaunchError(f"rank {dead[0]} died without a Python traceback: killed by the OS or a signal "
-                              f"(out of memory?), or crashed in native code, and mpirun ended the job. The other "
-                              f"ranks were: {others}.\n{output}", output)
+                              f"(out of memory?), or crashed in native code, and mpirun ended the job. Its last "
+                              f"heartbeat: {where[dead[0]]}. The other ranks were: {others}.\n{output}", output)
         if proc.returncode != 0:
             raise LaunchError(f"mpirun exited with code {proc.returncode} and no rank reported an error. "
                               f"Output:\n{output}", output)
@@ -238,21 +238,8 @@ def _first_dead(tmp, nprocs, gone):
 
 
 def _heartbeats(tmp, nprocs):
-    where = {}
-    for r in range(nprocs):
-        p = os.path.join(tmp, f"rank{r}.op")
-        try:
-            with open(p) as f:
-                text = f.read().strip()
-        except OSError:
-            text = ""
-        if not text:
-            where[r] = "had not reached a collective (starting up, or stuck in its own code)"
-        elif text.startswith("idle"):
-            where[r] = f"was in its own code, not a collective ({text})"
-        else:
-            where[r] = f"in {text}"
-    return where
+    from minizero.comm.backends import describe_ranks  # the words the watchdog uses too
+    return describe_ranks(tmp, nprocs)
 
 
 def job_pids(job_id: str) -> list[int]:

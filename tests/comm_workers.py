@@ -181,5 +181,6 @@ def mesh_groups(comm, layouts):
                     "pp_prev": mesh.pp_prev, "pp_next": mesh.pp_next,
                     "first": mesh.is_first_stage, "last": mesh.is_last_stage,
                     "groups": {a: mesh.groups(a) for a in members},
-                    "sum": payload[0].item(), "dp_sent": mesh.dp.stats.sent(), "world_sent": comm.stats.sent()})
+                    "sum": payload[0].item(), "dp_sent": mesh.dp.stats.sent(), "world_sent": comm.stats.sent(),
+                    "world_cross": comm.stats.cross_node()})
     return out

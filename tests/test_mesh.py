@@ -45,6 +45,10 @@ def _check(results, layouts):
             assert out["sum"] == dp
             assert out["dp_sent"] == pytest.approx(ring_bytes_sent("all_reduce", 4000, dp))
             assert out["world_sent"] == out["dp_sent"]
+            # ring model: all of it goes to the next member of the dp group; cross-node iff on another node
+            dp_group, node_size = out["members"]["dp"], layout[3]
+            succ = dp_group[(dp_group.index(rank) + 1) % len(dp_group)]
+            assert out["world_cross"] == (out["dp_sent"] if succ // node_size != rank // node_size else 0.0)
 
 
 @pytest.mark.parametrize("backend", ["mpi", "torch"])

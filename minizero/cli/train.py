@@ -11,9 +11,15 @@ and measures as it goes. In DIR (default runs/train):
                     the ledger's bytes by category (rank 0), gradient norm when clipping
   loss.png          the loss curve (and the lr), skipped steps marked
   checkpoints/      with --save-every K; --resume continues from the latest one (same data order:
-                    the batches of step s are a pure function of the seed and s)
+                    the batches of step s are a pure function of the seed and s); no checkpoint is
+                    an error, unless --resume-if-exists (then it starts from step 0)
 and prints a progress bar (rank 0) and a final summary table (memory of every rank).
 The config's "seed" seeds the model's init and the data.
+
+Bad input is said once and changes nothing: every check that needs no other rank runs first, on
+every rank alike (preflight), and rank 0 reports it; a rank that fails later prints one message for
+the job and the job ends (comm/watchdog.py: end_job), as it does when a rank stops making progress
+in a collective for MINIZERO_WATCHDOG_S seconds (default 300). Exit code 2: your input; 1: a bug.
 """
 from __future__ import annotations
 
@@ -23,11 +29,16 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
 from minizero import comm as comm_mod
-from minizero.runtime.config import ConfigError
+from minizero.comm import watchdog
+from minizero.precision import MinLossScaleError
+from minizero.runtime.checkpoint import CheckpointError
+from minizero.runtime.config import ConfigError, load_config
+from minizero.runtime.engine import check_available
 from minizero.data import SyntheticTokens, regression_batch, shard
 from minizero.models import MODELS, build_model
 
@@ -75,7 +86,9 @@ def train(comm, config, model_name="tiny-gpt", steps=50, out="runs/train", save_
         moved0 = engine.offload_traffic()
         losses = []
         for i in range(acc):
-            batch = shard(batch_of(engine.global_steps * acc + i, micro * size), rank, size)
+            # the data-parallel ranks split the batch; the tp ranks of one group see the same rows
+            rows = batch_of(engine.global_steps * acc + i, micro * engine.dp_size)
+            batch = shard(rows, engine.dp_rank, engine.dp_size)
             x, y = (t.to(engine.device) for t in batch)
             loss = engine(x, y)
             engine.backward(loss)
@@ -161,6 +174,34 @@ def plot(records, path, title="minizero train"):
     plt.close(fig)
 
 
+class UsageError(ValueError):
+    """A command-line input that cannot work (said once, before any rank does anything)."""
+
+
+USER_ERRORS = (ConfigError, CheckpointError, UsageError, MinLossScaleError, ValueError, TypeError, OSError)
+
+
+def preflight(args, world_size: int):
+    """Every check that needs no other rank, made alike by every rank before any collective, so a bad
+    input fails once, at once: the arguments, the config (JSON, keys, types, values, what the engine
+    can do), --resume's checkpoint, the output directory."""
+    if args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if args.save_every < 0:
+        raise UsageError(f"--save-every must be 0 (never) or a number of steps, got {args.save_every}")
+    if not os.path.isfile(args.config):
+        raise UsageError(f"config file {args.config!r} not found (see configs/ for examples)")
+    check_available(load_config(args.config, world_size))
+    latest = os.path.join(args.out, "checkpoints", "latest")
+    if args.resume and not args.resume_if_exists and not os.path.exists(latest):
+        raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist). Check --out, or pass "
+                         "--resume-if-exists to start from step 0 when there is none")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {args.out!r}: cannot create it ({e.strerror})") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="minizero train", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="a DeepSpeed JSON config (see configs/)")
@@ -168,18 +209,36 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=50, help="optimizer steps in all (a resumed run counts from 0)")
     ap.add_argument("--out", default="runs/train", help="log, plot and checkpoints go here")
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
-    ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest (an error if none)")
+    ap.add_argument("--resume-if-exists", action="store_true",
+                    help="continue from OUT/checkpoints/latest if there is one, else start from step 0")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    comm = comm_mod.init()
+    args.resume = args.resume or args.resume_if_exists
+    rank = comm_mod.launched_rank()
+    try:
+        preflight(args, comm_mod.launched_world_size())
+    except (ConfigError, UsageError) as e:  # every rank found it, before any collective: rank 0 says it
+        if rank == 0:
+            print(f"minizero train: {e}", file=sys.stderr)
+        return 2
+    try:
+        comm = comm_mod.init()
+    except RuntimeError as e:  # a rendezvous that did not complete: each rank that waited says so
+        print(f"minizero train: {e}", file=sys.stderr)
+        return 2
+    watchdog.start(comm)  # a rank stuck in a collective ends the job (MINIZERO_WATCHDOG_S, default 300 s)
+    if comm.size == 1:
+        print("minizero train: running on 1 rank; for N ranks start it with `mpirun -n N python -m minizero train "
+              "...` (or `torchrun --nproc_per_node N -m minizero train ...`)", file=sys.stderr)
     try:
         result = train(comm, args.config, args.model, args.steps, args.out, args.save_every, args.resume,
                        not args.no_progress)
-    except ConfigError as e:  # every rank fails the same way, before any collective: no hang
-        if comm.rank == 0:
-            print(f"minizero train: config error: {e}", file=sys.stderr)
-        return 2
-    ledgers = comm.allgather_object(result["ledger"])
+        ledgers = comm.allgather_object(result["ledger"])
+    except USER_ERRORS as e:  # one message for the job, from the first rank that failed, then the job ends
+        watchdog.end_job(comm, f"minizero train: rank {comm.rank}: {type(e).__name__}: {e}", 2)
+    except Exception:  # noqa: BLE001  a bug, not an input: its traceback, once
+        watchdog.end_job(comm, f"minizero train: rank {comm.rank} failed:\n{traceback.format_exc()}", 1)
     if comm.rank == 0:
         summary(result, ledgers)
         log = os.path.join(args.out, "train_log.jsonl")

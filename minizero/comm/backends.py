@@ -15,44 +15,96 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import torch
 
 class _Heartbeat:
-    """Writes 'which collective am I in' to a per-rank file set up by minizero.launch.
+    """Writes 'which collective am I in' to a per-rank file, rank{r}.op in a directory shared by the
+    job's ranks (MINIZERO_HEARTBEAT_DIR: launch.run's, or the one comm/watchdog.py sets up).
 
-    Two pwrite syscalls per collective: cheap, and it lets the launcher say
-    "timed out: rank 2 in all_gather" instead of just "timed out"."""
+    Two pwrite syscalls per collective: cheap, and it lets a launcher or the watchdog say
+    "timed out: rank 2 in all_gather" instead of just "timed out". A rank is IN a collective only
+    while it blocks in one; an async op launched and not waited for reads "idle (in flight: ...)"."""
 
     def __init__(self):
         self.fd = None
+        self.directory = None  # where the job's heartbeat files live
+        self.text = ""         # the last state written
+        self.since = 0.0       # time.monotonic() when it was written
+        self.context = ""      # what the code above the collectives is doing, e.g. "pipeline F2 on stage 1"
 
-    def open(self, rank: int):
-        d = os.environ.get("MINIZERO_HEARTBEAT_DIR")
+    def open(self, rank: int, directory: str | None = None):
+        d = directory or os.environ.get("MINIZERO_HEARTBEAT_DIR")
         if d and self.fd is None:
+            self.directory = d
             self.fd = os.open(os.path.join(d, f"rank{rank}.op"), os.O_WRONLY | os.O_CREAT, 0o644)
+            with open(os.path.join(d, f"rank{rank}.pid"), "w") as f:
+                f.write(str(os.getpid()))
 
     def beat(self, text: str):
         if self.fd is not None:
-            data = text.encode()[:200].ljust(200)
+            if self.context:
+                text = f"{text} [during {self.context}]"
+            self.text, self.since = text, time.monotonic()
+            data = text.encode()[:300].ljust(300)
             os.pwrite(self.fd, data, 0)
+
+    def set_context(self, text: str):
+        """Say what this rank is doing between collectives (a pipeline action): every beat carries
+        it, so a rank that dies or hangs is reported with it. "" clears it."""
+        self.context = text
+        self.beat("idle")
+
+
+def describe_ranks(directory: str, nprocs: int, ages: bool = False) -> dict[int, str]:
+    """What each rank of a job was doing, from its heartbeat file (and, with `ages`, for how long,
+    and whether its process is stopped): the words of launch.run's timeouts and of the watchdog."""
+    where = {}
+    for r in range(nprocs):
+        path, text, age, state = os.path.join(directory, f"rank{r}.op"), "", None, ""
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            age = time.time() - os.path.getmtime(path)
+            with open(os.path.join(directory, f"rank{r}.pid")) as f, open(f"/proc/{int(f.read())}/stat") as st:
+                state = st.read().rsplit(")", 1)[1].split()[0]  # R running, S sleeping, T stopped
+        except (OSError, ValueError, IndexError):
+            pass
+        since = f" for {age:.0f}s" if ages and age is not None else ""
+        if not text:
+            desc = "had not reached a collective (starting up, or stuck in its own code)"
+        elif text.startswith("idle"):
+            desc = f"was in its own code, not a collective{since} ({text})"
+        else:
+            desc = f"in {text}{since}"
+        where[r] = desc + (" - its process is STOPPED (SIGSTOP, a debugger?)" if ages and state == "T" else "")
+    return where
 
 
 heartbeat = _Heartbeat()
 
 
 class Work:
-    """An async handle: `wait()` blocks until the op is done (and copies back, if needed)."""
+    """An async handle: `wait()` blocks until the op is done (and copies back, if needed).
+    `poll()`, when the backend gives one, says without blocking whether the op has finished."""
 
-    def __init__(self, waiter, op: str, on_done=None):
+    def __init__(self, waiter, op: str, on_done=None, poll=None):
         self._waiter = waiter    # blocks until the backend says the op is done
         self._op = op            # what the heartbeat reports while a rank waits here
         self._on_done = on_done  # the backend's finishing touch (avg's division, a copy back)
+        self._poll = poll        # non-blocking "done yet?" (MPI Test, torch is_completed), or None
         self._done = False
 
-    def wait(self):
+    def wait(self, sleep_s: float | None = None):
+        """Block until done. sleep_s: poll and sleep between polls instead of letting the backend
+        spin (MPICH busy-polls a core while it waits: with more ranks than cores, the spinning
+        ranks take the CPU from the ranks that compute)."""
         if not self._done:
             heartbeat.beat(self._op)
+            if sleep_s is not None and self._poll is not None:
+                while not self._poll():
+                    time.sleep(sleep_s)
             self._waiter()
             if self._on_done:
                 self._on_done()
@@ -61,6 +113,8 @@ class Work:
         return True
 
     def is_completed(self) -> bool:
+        if not self._done and self._poll is not None and self._poll():
+            self.wait()
         return self._done
 
 
@@ -134,10 +188,12 @@ class MPIBackend:
         return Work(self.mpi_comm.Ialltoall(self._view(inp), self._view(out)).Wait, "all_to_all")
 
     def isend(self, t, dst, tag):
-        return Work(self.mpi_comm.Isend(self._view(t), dest=dst, tag=tag).Wait, "send")
+        req = self.mpi_comm.Isend(self._view(t), dest=dst, tag=tag)
+        return Work(req.Wait, "send", poll=req.Test)
 
     def irecv(self, t, src, tag):
-        return Work(self.mpi_comm.Irecv(self._view(t), source=src, tag=tag).Wait, "recv")
+        req = self.mpi_comm.Irecv(self._view(t), source=src, tag=tag)
+        return Work(req.Wait, "recv", poll=req.Test)
 
     def barrier(self):
         self.mpi_comm.Barrier()
@@ -193,6 +249,8 @@ class TorchBackend:
     def all_to_all(self, out, inp):
         return Work(self.dist.all_to_all_single(out.detach(), inp.detach(), group=self.group, async_op=True).wait, "all_to_all")
 
+    # No poll: gloo's p2p work reports is_completed() only once wait() ran (so polling would never end),
+    # and its wait() sleeps on a condition variable instead of spinning, so it needs none.
     def isend(self, t, dst, tag):
         return Work(self.dist.isend(t.detach(), self.ranks[dst], group=self.group, tag=tag).wait, "send")
 
@@ -220,15 +278,28 @@ class TorchBackend:
         return mine
 
 
-def init_torch_distributed(device: torch.device):
-    """Bootstrap torch.distributed from MPI's rank/size: rank 0 picks a free port and
-    broadcasts it, so no MASTER_ADDR/PORT needs setting by hand under mpirun."""
+def init_torch_distributed(device: torch.device, timeout_s: float | None = None):
+    """Start torch.distributed (NCCL on CUDA, gloo on CPU) unless it runs already, from whichever
+    launcher started this process (communicator.launcher()):
+      * torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): its env:// rendezvous;
+      * mpirun: MPI's rank and size, rank 0 picks a free port and broadcasts it, so no
+        MASTER_ADDR/PORT needs setting by hand;
+      * nothing: a world of one on a free local port (WORLD_SIZE > 1 without the rest is an error).
+    A rendezvous that does not complete within `timeout_s` (MINIZERO_INIT_TIMEOUT_S, default 60)
+    is an error saying who was waited for, instead of torch's 30 minutes of silence."""
+    import datetime
+
     import torch.distributed as dist
+
+    from minizero.comm.communicator import launcher
     if dist.is_initialized():
         return
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        rank, size, url = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://"
-    else:
+    timeout_s = float(os.environ.get("MINIZERO_INIT_TIMEOUT_S", "60")) if timeout_s is None else timeout_s
+    which, env = launcher(), os.environ
+    if which == "torchrun":
+        rank, size, url = int(env["RANK"]), int(env["WORLD_SIZE"]), "env://"
+        where = f"MASTER_ADDR={env['MASTER_ADDR']} MASTER_PORT={env['MASTER_PORT']}"
+    elif which == "mpi":
         c = mpi_module().COMM_WORLD
         rank, size = c.Get_rank(), c.Get_size()
         addr_port = None
@@ -237,9 +308,27 @@ def init_torch_distributed(device: torch.device):
             s.bind(("127.0.0.1" if size == 1 else "", 0))
             port = s.getsockname()[1]
             s.close()
-            addr_port = (socket.gethostbyname(socket.gethostname()) if "MINIZERO_MULTINODE" in os.environ
+            addr_port = (socket.gethostbyname(socket.gethostname()) if "MINIZERO_MULTINODE" in env
                          else "127.0.0.1", port)
         addr, port = c.bcast(addr_port, root=0)
-        url = f"tcp://{addr}:{port}"
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=url,
-                            rank=rank, world_size=size)
+        url, where = f"tcp://{addr}:{port}", f"{addr}:{port} (from MPI rank 0)"
+    else:
+        if int(env.get("WORLD_SIZE", "1")) > 1:
+            missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in env]
+            raise RuntimeError(f"WORLD_SIZE={env['WORLD_SIZE']} but {', '.join(missing)} not set: start the ranks with "
+                               "`torchrun --nproc_per_node N ...` (it sets all four) or `mpirun -n N ...`, or unset "
+                               "WORLD_SIZE to run on one rank")
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        rank, size, url = 0, 1, f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        s.close()
+        where = url
+    try:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=url, rank=rank,
+                                world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001  torch raises several types for a failed rendezvous
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(f"rank {rank} of {size}: the torch.distributed rendezvous at {where} did not complete "
+                           f"within {timeout_s:g} s ({type(e).__name__}: {first}). Are all {size} ranks started, "
+                           "and can they reach that address? torchrun starts them all; a hand-set WORLD_SIZE needs "
+                           "every rank (MINIZERO_INIT_TIMEOUT_S sets the wait).") from None

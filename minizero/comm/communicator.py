@@ -16,12 +16,13 @@ everything this rank sent. `comm/mesh.py` builds the DP/PP/TP/node sub-communica
 """
 from __future__ import annotations
 
+import atexit
 import os
 
 import torch
 
 from minizero.comm.backends import MPIBackend, TorchBackend, Work, heartbeat, init_torch_distributed, mpi_module
-from minizero.comm.stats import CommStats
+from minizero.comm.stats import CommStats, ring_bytes_split
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -31,6 +32,30 @@ def local_rank() -> int:
     for var in ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK"):
         if var in os.environ:
             return int(os.environ[var])
+    return 0
+
+
+MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")  # set by mpirun / mpiexec
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")   # set by torchrun (all four)
+
+
+def launcher() -> str:
+    """Who started this process, read from its environment: "mpi" (mpirun/mpiexec: MPICH's PMI_*,
+    Open MPI's OMPI_*/PMIX_*), "torchrun" (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: torchrun,
+    or a script that sets them for mp.spawn), or "none" (plain python: one rank)."""
+    if any(v in os.environ for v in MPI_ENV):
+        return "mpi"
+    if all(v in os.environ for v in TORCHRUN_ENV):
+        return "torchrun"
+    return "none"
+
+
+def launched_rank() -> int:
+    """This process's rank as the launcher announced it (PMI_RANK, OMPI_COMM_WORLD_RANK, RANK), read
+    WITHOUT creating a communicator: lets rank 0 alone report an input error every rank finds."""
+    for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "RANK"):
+        if v in os.environ:
+            return int(os.environ[v])
     return 0
 
 
@@ -45,18 +70,20 @@ def select_backend_and_device(backend: str | None = None) -> tuple[str, torch.de
     """The single place that decides backend and device.
 
     CUDA present -> torch.distributed + NCCL, one rank per GPU (by local rank).
-    CPU          -> mpi (faster than gloo here), unless torch.distributed is already
-                    initialized (torchrun / mp.spawn), or MINIZERO_BACKEND says otherwise."""
+    CPU          -> mpi (faster than gloo here) under an MPI launcher only; torch.distributed +
+                    gloo under torchrun, in a group already initialized (mp.spawn), and in a
+                    plain `python` process (a world of one). MINIZERO_BACKEND overrides."""
     import torch.distributed as dist
     backend = backend or os.environ.get("MINIZERO_BACKEND")
+    if backend not in (None, "mpi", "torch"):
+        raise ValueError(f"unknown backend {backend!r}: use 'mpi' or 'torch'")
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
         return backend or "torch", device
     if backend is None:
-        backend = "torch" if dist.is_available() and dist.is_initialized() else "mpi"
-    if backend not in ("mpi", "torch"):
-        raise ValueError(f"unknown backend {backend!r}: use 'mpi' or 'torch'")
+        initialized = dist.is_available() and dist.is_initialized()
+        backend = "mpi" if launcher() == "mpi" and not initialized else "torch"
     return backend, torch.device("cpu")
 
 
@@ -74,6 +101,8 @@ class Communicator:
         self.rank = impl.rank     # this process's rank in THIS group
         self.size = impl.size     # ranks in this group
         self.stats = CommStats()  # bytes this rank sent through this group (comm/stats.py)
+        self.parent_ranks = None  # parent_ranks[i]: member i's rank in the parent (set by split)
+        self.node_of = None       # node_of[i]: the simulated node of member i (set_nodes; None: ask the parent)
         # debug: compare shapes/dtypes across ranks before every collective (one extra
         # small all-gather each time): turns a silent hang or garbage into a clear error.
         self.debug = bool(int(os.environ.get("MINIZERO_DEBUG", "0"))) if debug is None else debug
@@ -84,10 +113,28 @@ class Communicator:
         return f"Communicator({self.name}: rank {self.rank}/{self.size}, {self.backend}, {self.device})"
 
     # -- bookkeeping shared by every op
-    def _count(self, op, payload_bytes):
+    def set_nodes(self, node_of):
+        """Which simulated node each rank of this group is on (the Mesh calls it). Groups split
+        from this one inherit it; bytes are booked intra/cross-node from the next op on."""
+        if len(node_of) != self.size:
+            raise ValueError(f"set_nodes: {len(node_of)} entries for a group of {self.size}")
+        self.node_of = list(node_of)
+
+    def node_map(self):
+        """node_map()[i] = node of member i, from the nearest set_nodes up the parents; None: one node."""
+        members, c = list(range(self.size)), self
+        while c.node_of is None:
+            if c.parent is None:
+                return None
+            members, c = [c.parent_ranks[m] for m in members], c.parent
+        return [c.node_of[m] for m in members]
+
+    def _count(self, op, payload_bytes, peer=None):
+        nodes = self.node_map()
+        cross = 0.0 if nodes is None else ring_bytes_split(op, payload_bytes, nodes, self.rank, peer)[1]
         c = self
         while c is not None:
-            c.stats.add(op, payload_bytes, self.size)
+            c.stats.add(op, payload_bytes, self.size, cross)
             c = c.parent
 
     def _enter(self, op, *tensors, check=True):
@@ -109,7 +156,8 @@ class Communicator:
         self._count(op, payload)
         work = launch()
         work._op = self._where  # so a stuck wait() reports the op, its size and group
-        if async_op:
+        if async_op:  # launched, not waited for: this rank goes on computing
+            heartbeat.beat(f"idle (in flight: {self._where})")
             return work
         work.wait()
         heartbeat.beat(f"idle (last: {op})")
@@ -155,6 +203,21 @@ class Communicator:
         return self._run("broadcast", self._nbytes(tensor),
                          lambda: self._impl.broadcast(tensor, src), async_op)
 
+    @torch.no_grad()
+    def broadcast_tensors(self, tensors, src=0):
+        """Rank `src`'s values of many tensors (buffers, frozen weights): one broadcast per dtype of
+        all of them packed flat (as torch DDP coalesces its buffer broadcast), copied back in place.
+        Counted as one broadcast of their total bytes, (N-1)/N·S sent per rank."""
+        by_dtype = {}
+        for t in tensors:
+            if t.numel():
+                by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)
+            self.broadcast(flat, src=src)
+            for t, part in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(part.view(t.shape))
+
     def reduce(self, tensor, dst=0, op="sum", async_op=False):
         self._check_op("reduce", op)
         self._check_rank("reduce", dst)
@@ -180,9 +243,10 @@ class Communicator:
     def isend(self, tensor, dst, tag=0):
         self._check_rank("send", dst)
         self._enter("send", tensor, check=False)
-        self._count("send", self._nbytes(tensor))
+        self._count("send", self._nbytes(tensor), peer=dst)
         work = self._impl.isend(tensor, dst, tag)
         work._op = f"send to rank {dst} of {self.name} ({self._nbytes(tensor)} B)"
+        heartbeat.beat(f"idle (in flight: {work._op})")
         return work
 
     def irecv(self, tensor, src, tag=0):
@@ -191,6 +255,7 @@ class Communicator:
         self._count("recv", self._nbytes(tensor))
         work = self._impl.irecv(tensor, src, tag)
         work._op = f"recv from rank {src} of {self.name} ({self._nbytes(tensor)} B)"
+        heartbeat.beat(f"idle (in flight: {work._op})")
         return work
 
     def barrier(self):
@@ -201,7 +266,10 @@ class Communicator:
 
     def allgather_object(self, obj):
         """Small Python objects (pickled); not counted: metadata, not training traffic."""
-        return self._impl.allgather_obj(obj)
+        heartbeat.beat(f"allgather_object on {self.name}")
+        out = self._impl.allgather_obj(obj)
+        heartbeat.beat("idle (last: allgather_object)")
+        return out
 
     def check_replicated(self, named_tensors, who: str):
         """Raise if any tensor differs between ranks. A debug aid for wrappers that assume every
@@ -226,8 +294,10 @@ class Communicator:
         Every rank must call it (like MPI_Comm_split)."""
         key = self.rank if key is None else key
         impl = self._impl.split(color, key)
-        return Communicator(self.backend, impl, self.device, name or f"{self.name}/{color}",
-                            parent=self, debug=self.debug)
+        sub = Communicator(self.backend, impl, self.device, name or f"{self.name}/{color}",
+                           parent=self, debug=self.debug)
+        sub.parent_ranks = impl.allgather_obj(self.rank)  # metadata, once: who is who in the parent
+        return sub
 
     def new_group(self, ranks, name: str | None = None) -> "Communicator | None":
         """A sub-communicator of `ranks` (ranks of this communicator). All ranks call it;
@@ -259,7 +329,10 @@ def init(backend: str | None = None, debug: bool | None = None) -> Communicator:
     if backend == "mpi":
         impl = MPIBackend(mpi_module().COMM_WORLD)
     else:
-        init_torch_distributed(device)
+        import torch.distributed as dist
+        if not dist.is_initialized():  # we start it, so we end it: gloo aborts a process left with it
+            init_torch_distributed(device)
+            atexit.register(shutdown)
         impl = TorchBackend()
     _WORLD = Communicator(backend, impl, device, debug=debug)
     return _WORLD

@@ -18,6 +18,10 @@ A tp group must fit inside a node, so `node_size` must be a multiple of `tp`.
     mesh.tp.all_reduce(x)                          # the 2 ranks of this rank's tp group
     mesh.pp.send(act, mesh.pp_next)                # pipeline neighbour, a rank of mesh.pp
 
+The Mesh also tells `comm` which node each rank is on (`comm.set_nodes`): from then on every
+byte sent through `comm` or a group split from it is booked as intra- or cross-node in its
+stats (comm/stats.py says how). The last Mesh built on a communicator defines its nodes.
+
 The sub-communicators are built once, here, with `Communicator.split` (every rank calls every
 split, in the same order), and count their bytes into the world's stats as well as their own.
 The mesh is passed explicitly to whatever needs it, as `comm=` is: there is no global mesh.
@@ -76,6 +80,7 @@ class Mesh:
         self.node_index = comm.rank // node_size   # which server this rank is on
         self.local_rank = comm.rank % node_size    # its index inside that server
         d, p, t = coords
+        comm.set_nodes([r // node_size for r in range(world)])  # bytes booked intra/cross-node from now on
         # color = which line through the grid; key = position on it (becomes the sub-rank)
         self.dp = comm.split(p * tp + t, d, name=f"dp{self.grid[:, p, t].tolist()}")
         self.pp = comm.split(d * tp + t, p, name=f"pp{self.grid[d, :, t].tolist()}")

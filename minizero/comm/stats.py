@@ -10,6 +10,18 @@ bandwidth-optimal ring model of that op, with S the payload and N ranks:
     send                S                 recv, barrier: 0
 The same accounting is used whichever backend runs, so the two give identical `stats`
 (tests/test_comm.py checks both against these formulas, op by op).
+
+Intra-node vs cross-node (ZeRO++'s instrument, lesson 08). A Mesh tells its communicator which
+simulated node each rank is on; every byte a rank sends is then also booked as intra- or
+cross-node, by where it goes, under the same model (`ring_bytes_split`):
+  * ring ops (all_reduce, reduce_scatter, all_gather, broadcast, reduce): the ring visits the
+    group's members in rank order, and a rank sends ALL its bytes to the next member (the last
+    to the first). They are cross-node iff that neighbour is on another node. A group that spans
+    nodes in consecutive blocks crosses once per node: per node, (N-1)/N * S crosses for
+    an all-gather, whatever the node size (e.g. 4 ranks as 2 nodes x 2: ranks 1 -> 2 and 3 -> 0);
+  * all_to_all: a rank sends S/N to each member directly: cross-node = S/N x (members off its node);
+  * send: all of it to `dst`.
+Without nodes (no Mesh, or node_size = world) everything is intra-node.
 """
 from __future__ import annotations
 
@@ -28,11 +40,24 @@ def ring_bytes_sent(op: str, payload_bytes: int, n: int) -> float:
     return factor * (n - 1) / n * payload_bytes
 
 
+def ring_bytes_split(op: str, payload_bytes: int, nodes, index: int, peer: int | None = None) -> tuple[float, float]:
+    """(intra-node, cross-node) bytes that member `index` of a group sends for `op`, where
+    nodes[i] is the node of member i (see the module docstring); `peer`: a send's destination."""
+    sent = ring_bytes_sent(op, payload_bytes, len(nodes))
+    if op == "all_to_all":
+        cross = payload_bytes / len(nodes) * sum(node != nodes[index] for node in nodes)
+    else:
+        to = peer if op == "send" else (index + 1) % len(nodes)
+        cross = sent if nodes[to] != nodes[index] else 0.0
+    return sent - cross, cross
+
+
 @dataclass
 class OpStats:
     calls: int = 0
     payload_bytes: int = 0
     sent_bytes: float = 0.0
+    cross_node_bytes: float = 0.0  # the part of sent_bytes that left this rank's node
 
 
 class CommStats:
@@ -41,16 +66,27 @@ class CommStats:
     def __init__(self):
         self.ops: dict[str, OpStats] = defaultdict(OpStats)
 
-    def add(self, op: str, payload_bytes: int, n: int):
+    def add(self, op: str, payload_bytes: int, n: int, cross_node_bytes: float = 0.0):
         s = self.ops[op]
         s.calls += 1
         s.payload_bytes += payload_bytes
         s.sent_bytes += ring_bytes_sent(op, payload_bytes, n)
+        s.cross_node_bytes += cross_node_bytes
 
     def sent(self, op: str | None = None) -> float:
         if op is not None:
             return self.ops[op].sent_bytes if op in self.ops else 0.0
         return sum(s.sent_bytes for s in self.ops.values())
+
+    def cross_node(self, op: str | None = None) -> float:
+        """Bytes sent to ranks on other nodes (all of them, or of one op)."""
+        if op is not None:
+            return self.ops[op].cross_node_bytes if op in self.ops else 0.0
+        return sum(s.cross_node_bytes for s in self.ops.values())
+
+    def intra_node(self, op: str | None = None) -> float:
+        """Bytes sent to ranks on this rank's own node."""
+        return self.sent(op) - self.cross_node(op)
 
     def reset(self):
         self.ops.clear()
@@ -60,5 +96,6 @@ class CommStats:
 
     def __repr__(self):
         rows = [f"{op:>15}: {s.calls} calls, {s.payload_bytes / 1e6:.3f} MB payload, "
-                f"{s.sent_bytes / 1e6:.3f} MB sent" for op, s in sorted(self.ops.items())]
+                f"{s.sent_bytes / 1e6:.3f} MB sent ({s.cross_node_bytes / 1e6:.3f} MB cross-node)"
+                for op, s in sorted(self.ops.items())]
         return "CommStats(\n  " + "\n  ".join(rows) + "\n)" if rows else "CommStats()"
