@@ -5,9 +5,10 @@ Two halves that never look at each other, so that one can check the other:
 * the **estimator** evaluates the model-state formulas of the ZeRO paper
   (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
   Parameter Models", Sec. 3 and 5, Table 1), plus inference weights and the
-  Megatron activation estimate;
+  Megatron activation estimate (with tensor and sequence parallelism);
 * the **ledger** walks real tensors, de-duplicates their storages and adds up the
-  bytes by category and by where they live. It never calls the estimator.
+  bytes by category and by where they live; `SavedTensors` does the same for the
+  activations autograd saves during a forward. Neither calls the estimator.
 """
 from __future__ import annotations
 
@@ -141,22 +142,33 @@ def zero_paper_table1(num_params=7.5e9, k=12) -> list[Table1Row]:
             for n in (1, 4, 16, 64, 256, 1024)]
 
 
-def activation_bytes(batch, seq, hidden, layers, heads, bytes_per=2, checkpointing=False) -> float:
-    """Activation bytes kept for backward by a GPT-style transformer (no parallelism).
+def activation_bytes(batch, seq, hidden, layers, heads, bytes_per=2, checkpointing=False,
+                     tensor_parallel=1, sequence_parallel=False, dropout=True) -> float:
+    """Activation bytes a GPT-style transformer keeps for backward, per rank.
 
-    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-    Models", Sec. 4.1: per layer s·b·h·(34 + 5·a·s/h) bytes with 16-bit activations.
-    The 34 and 5 mix 2-byte activations with 1-byte dropout masks (two s·b·h masks,
-    one a·s²·b mask), so for other widths we keep the masks at 1 byte:
-        s·b·h·(16·bytes_per + 2) + a·s²·b·(2·bytes_per + 1)
-    which gives 34 and 5 back for bytes_per=2. With full activation checkpointing only
-    each layer's input is kept: bytes_per·s·b·h per layer (plus one layer's worth
-    recomputed during backward, not counted). Embeddings and the LM head are ignored.
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+    Sec. 4.1-4.2, per layer with 16-bit activations and 1-byte dropout masks:
+        no parallelism   s·b·h·(34 + 5·a·s/h)
+        t-way tensor p.  s·b·h·(10 + 24/t + 5·a·s/(h·t))
+        TP + sequence p. s·b·h/t·(34 + 5·a·s/h)
+    The terms, in units of s·b·h elements of bytes_per = w bytes: the two LayerNorm inputs and
+    the attention and MLP inputs (4w, whole on every rank under TP, split by SP), two dropout
+    masks (2 × 1 byte, likewise); q, k, v, the attention projection's input, the GeLU's input and
+    the second linear's input (12w, split by TP); per head a·s²·b: the softmax output (w), its
+    dropout mask (1) and the dropout output (w), split by TP. For w = 2: 34, 10 + 24/t, 5·a·s/h.
+    dropout=False drops the masks, and attention-times-V keeps the softmax output itself: w·a·s²·b.
+    With full activation checkpointing only each layer's input is kept: w·s·b·h per layer (÷t with
+    SP; plus one layer recomputed during backward, not counted). Embeddings and the LM head are
+    ignored, as are the LayerNorm statistics (see tensor's lesson for what they add).
     """
-    s, b, h, a = seq, batch, hidden, heads
+    s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
+    split_by_sp = t if sequence_parallel else 1
     if checkpointing:
-        return layers * bytes_per * s * b * h
-    return layers * (s * b * h * (16 * bytes_per + 2) + a * s * s * b * (2 * bytes_per + 1))
+        return layers * bytes_per * s * b * h / split_by_sp
+    mask = 1 if dropout else 0
+    whole = s * b * h * (4 * bytes_per + 2 * mask)  # what TP leaves whole on every rank, SP splits
+    split = 12 * bytes_per * s * b * h + a * s * s * b * (bytes_per + mask * (bytes_per + 1))
+    return layers * (whole / split_by_sp + split / t)
 
 
 # ------------------------------------------------------------------------ ledger
@@ -329,3 +341,119 @@ def measure(*objects, device=None) -> Ledger:
     if device.type == "cuda" and torch.cuda.is_available():
         ledger.cuda_max_allocated = torch.cuda.max_memory_allocated(device)
     return ledger
+
+
+class SavedTensors:
+    """The bytes autograd keeps for backward: activations, measured where they are kept.
+
+        with SavedTensors({f"h.{i}": block for i, block in enumerate(model.h)}, exclude=model) as saved:
+            loss = model(x, y)[1]
+        saved.bytes["h.0"]  # layer 0's activations; everything outside the labelled modules: "other"
+
+        meter = SavedTensors(exclude=stage.parameters())
+        with meter.hooks():                 # the saved-tensor hooks only (no labels)
+            out = stage(x)
+        meter.live, meter.peak              # bytes held now / at most; backward frees them
+
+    Every tensor autograd saves passes torch.autograd.graph.saved_tensors_hooks' pack hook, which
+    packs it into a small holder; autograd drops the holder when it frees that saved tensor (after
+    a backward without retain_graph, or when the graph dies), and the holder's __del__ says so.
+    Each storage counts once (q, k and v may be views of one fused output; a node's input is the
+    previous node's output), and the parameters of `exclude` (a module or tensors) not at all.
+      bytes[label]  saved bytes by the label whose module was running when the storage was first
+                    saved (a layer's input counts where a LayerNorm or matmul saves it);
+      live, peak    the bytes held now and their high-water mark (pipeline stages, micro-batches).
+    A DTensor counts its local shard. Framework-agnostic: it measures torch's own pipelining and
+    tensor parallelism exactly as minizero's. Hooks do not nest: only the innermost meter sees a
+    tensor. Never calls the formula (activation_bytes) it is compared with."""
+
+    def __init__(self, modules: dict | None = None, exclude=None):
+        params = exclude.parameters() if isinstance(exclude, torch.nn.Module) else (exclude or ())
+        self.modules = modules or {}           # label -> module whose forward's saves get that label
+        self.excluded = {self._key(p) for p in params}  # parameters: not activations
+        self.bytes: dict[str, int] = {}        # label -> saved bytes (storages counted once)
+        self.shapes: dict[str, list] = {}      # label -> (shape, dtype, bytes) of each new storage
+        self.live = 0                          # bytes autograd holds now
+        self.peak = 0                          # the most it held at once
+        self._seen: set = set()                # storages already labelled
+        self._refs: dict = {}                  # storage -> saved tensors holding it
+        self._nbytes: dict = {}                # storage -> its bytes, while held
+        self._stack = ["other"]
+        self._handles: list = []
+
+    @staticmethod
+    def _local(t: torch.Tensor) -> torch.Tensor:
+        return getattr(t, "_local_tensor", t)  # a DTensor (torch's TP, the bench's peer): its local shard
+
+    def _key(self, t: torch.Tensor):
+        t = self._local(t)
+        return (str(t.device), t.untyped_storage().data_ptr())
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor):
+        local = self._local(tensor)
+        if local.device.type == "meta":
+            return tensor
+        key = self._key(tensor)
+        if key in self.excluded:
+            return tensor
+        nbytes = local.untyped_storage().nbytes()
+        if key not in self._seen:
+            self._seen.add(key)
+            label = self._stack[-1]
+            self.bytes[label] = self.bytes.get(label, 0) + nbytes
+            self.shapes.setdefault(label, []).append((tuple(local.shape), str(local.dtype), nbytes))
+        if not self._refs.get(key):
+            self._nbytes[key] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        # detach: a saved OUTPUT's grad_fn owns its saved variable, so holding the tensor itself
+        # would make a cycle through C++ that no garbage collector sees (and never frees it)
+        return _Saved(tensor.detach(), key, self)
+
+    def _release(self, key):
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            self.live -= self._nbytes.pop(key)
+            del self._refs[key]
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def __enter__(self):
+        def enter(label):
+            return lambda *_: self._stack.append(label)  # None: the hook leaves the input alone
+
+        def leave(*_):
+            self._stack.pop()  # returns None: the hook leaves the output alone
+        for label, module in self.modules.items():
+            self._handles.append(module.register_forward_pre_hook(enter(label)))
+            self._handles.append(module.register_forward_hook(leave))
+        self._hooks = self.hooks()
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        return False
+
+
+class _Saved:
+    """What the pack hook returns: the saved tensor, and a word to the meter when autograd drops it."""
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor, key, meter):
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+def _unpack(packed):
+    return packed.tensor if isinstance(packed, _Saved) else packed

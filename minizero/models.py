@@ -58,11 +58,13 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x):
-        B, T, _ = x.shape
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)
-        # The head count comes from the tensor width, not the config: a
-        # column-parallel c_attn that returns [q | k | v] for its own heads only
-        # then runs through this code unchanged.
+        qkv = self.c_attn(x)
+        # The head count comes from the tensor width and B, T from c_attn's output,
+        # not from the config or x: a column-parallel c_attn that returns [q | k | v]
+        # for its own heads only, and a sequence-parallel one that receives s/t tokens
+        # and all-gathers the sequence, then run through this code unchanged.
+        B, T, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=-1)
         nh = q.size(-1) // self.head_dim
         q, k, v = (t.view(B, T, nh, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # Written out (not F.scaled_dot_product_attention) so students see every
@@ -149,16 +151,47 @@ class TinyGPT(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = GPTEmbed.forward(self, idx)  # the code the pipeline's first and last stage run (pipeline_parts)
         for block in self.h:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        logits = GPTHead.forward(self, x)
         return logits, token_loss(logits, targets)
 
     def num_params(self) -> int:
         """Parameters counted once each (a tied weight is one tensor in memory)."""
         return sum(p.numel() for p in self.parameters())
+
+    def pipeline_parts(self):
+        """This model as minizero.pipeline sees it: embed (wte + wpe), the blocks, head (ln_f +
+        lm_head) and the loss. The same modules, not copies: a tied lm_head stays the very Parameter
+        of wte, which is how the pipeline finds the pair it must keep in sync across stages."""
+        from minizero.pipeline import PipelineModel
+        return PipelineModel(GPTEmbed(self.wte, self.wpe), list(self.h), GPTHead(self.ln_f, self.lm_head),
+                             token_loss, (self.config.block_size, self.config.n_embd))
+
+
+class GPTEmbed(nn.Module):
+    """TinyGPT's input side, as a pipeline's first stage: token + position embeddings."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding):
+        super().__init__()
+        self.wte = wte
+        self.wpe = wpe
+
+    def forward(self, idx):
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+
+
+class GPTHead(nn.Module):
+    """TinyGPT's output side, as a pipeline's last stage: final LayerNorm and the LM head."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear):
+        super().__init__()
+        self.ln_f = ln_f
+        self.lm_head = lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
 
 
 class MLP(nn.Module):

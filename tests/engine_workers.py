@@ -75,6 +75,7 @@ def by_hand(comm, stage, opt, clip=0.0, steps=STEPS):
     from minizero.zero.sharded_optimizer import ShardedOptimizer
     from minizero.zero.shard_grad_op import ShardGradOp
     from minizero.zero.fsdp import FSDP
+    from minizero.zero.fsdp_optimizer import FSDPOptimizer
     cls, kw = optimizer_spec(OPT[opt])
     model, n = build_model("tiny-gpt", seed=0, **GPT), comm.size
     fwd = model
@@ -87,7 +88,7 @@ def by_hand(comm, stage, opt, clip=0.0, steps=STEPS):
         fwd = optim = ShardGradOp(model, cls, comm, bucket_numel=int(5e8), overlap=False, **kw)
     else:
         fwd = FSDP(model, comm, prefetch=True, persistence_threshold=PERSIST)
-        optim = cls([p for p in fwd.parameters() if p.requires_grad], **kw)
+        optim = FSDPOptimizer(fwd, cls, **kw)
     for step in range(steps):
         comm.stats.reset()
         for i in range(ACC):
@@ -102,8 +103,8 @@ def by_hand(comm, stage, opt, clip=0.0, steps=STEPS):
         elif stage in (1, 2) and clip:
             optim.clip_grad_norm_(clip)
         elif stage == 3 and clip:  # shards: squares summed over ranks; whole tensors: once
-            sharded = [u.shard.grad for u in fwd.units if u.shard is not None]
-            whole = [u.whole.grad for u in fwd.units if u.whole is not None]
+            sharded = [fwd.unit_grad(u, "shard") for u in fwd.units if u.shard is not None]
+            whole = [fwd.unit_grad(u, "whole") for u in fwd.units if u.whole is not None]
             sq = torch.zeros(1)
             for g in sharded:
                 sq += g.pow(2).sum()

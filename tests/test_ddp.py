@@ -74,9 +74,12 @@ def test_ddp_matches_single_process_and_torch_ddp(n):
 def test_bytes_per_step_match_ring_allreduce(n):
     r0 = results(n)[0]
     for name, cfg in MODELS.items():
-        psi = unique_trainable(build_model(name, seed=0, **cfg))
+        model = build_model(name, seed=0, **cfg)
+        psi = unique_trainable(model)
         assert r0[f"{name}/psi"] == psi
         want = 2 * (n - 1) / n * psi * 4  # fp32 gradients, all-reduced once per step
+        # + rank 0's buffers broadcast before each forward (torch DDP's broadcast_buffers=True)
+        want += (n - 1) / n * sum(b.numel() * b.element_size() for b in model.buffers())
         for opt in ("sgd", "adam"):
             for label in LABELS:
                 sent = r0[f"{name}/{opt}/{label}/sent"]
@@ -178,8 +181,9 @@ def test_torch_backend():
     """Everything above ran on the mpi backend; gloo's async handles work the same way."""
     res = launch.run(W + "torch_backend_smoke", nprocs=2, backend="torch", timeout=120)
     psi = unique_trainable(build_model("edge", seed=0))
+    buffers = sum(b.numel() * 4 for b in build_model("edge", seed=0).buffers())  # broadcast before each forward
     for out in res:
         assert out["backend"] == "torch"
         for mode in ("naive", "overlap"):
             assert out[mode]["atol_needed"] <= TOL["sgd"]
-            assert out[f"{mode}/sent"] == pytest.approx([2 * 1 / 2 * psi * 4] * 5, rel=1e-12)
+            assert out[f"{mode}/sent"] == pytest.approx([2 * 1 / 2 * psi * 4 + buffers / 2] * 5, rel=1e-12)

@@ -149,9 +149,13 @@ def no_collectives(monkeypatch):
 
 @pytest.mark.parametrize("bad, message", [
     ({"zero_optimization": {"stgae": 2}}, "unknown config key 'zero_optimization.stgae'. Did you mean 'stage'"),
-    ({"activation_checkpointing": {}}, "'activation_checkpointing' is a DeepSpeed key minizero does not implement"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
-     "zero_quantized_weights: not available yet: the ZeRO++ lesson (08)"),
+    ({"flops_profiler": {}}, "'flops_profiler' is a DeepSpeed key minizero does not implement"),
+    ({"activation_checkpointing": {"cpu_checkpointing": True}},
+     "'activation_checkpointing.cpu_checkpointing': True is not implemented"),
+    ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}},
+     "zero_optimization.zero_quantized_weights is ZeRO++, which needs stage 3"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.zero_quantized_gradients (ZeRO++) with offload_optimizer is not implemented"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "needs ZeRO stage 1, 2 or 3"),
     ({"optimizer": None}, "the engine needs an 'optimizer' section"),
 ])

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from minizero import memory
 from minizero.memory import (Ledger, activation_bytes, estimate, inference_bytes, measure,
                              transient, zero_paper_table1)
 
@@ -76,6 +77,17 @@ def test_activation_bytes_by_hand():
     assert activation_bytes(1, 2, 4, layers=3, heads=2, checkpointing=True) == 3 * 16
     # fp32 activations, dropout masks stay 1 byte: 8*(16*4+2) + 8*(2*4+1).
     assert activation_bytes(1, 2, 4, layers=1, heads=2, bytes_per=4) == 528 + 72
+
+
+def test_activation_bytes_with_tensor_and_sequence_parallelism_by_hand():
+    # Korthikanti et al.: TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh/t (34 + 5as/h); s=2, b=1, h=4, a=2, t=2
+    assert activation_bytes(1, 2, 4, layers=1, heads=2, tensor_parallel=2) == 8 * (10 + 12 + 2.5)
+    assert activation_bytes(1, 2, 4, layers=1, heads=2, tensor_parallel=2, sequence_parallel=True) == 8 / 2 * (34 + 5)
+    # without dropout, fp32: w(4sbh) whole + w(12sbh + as^2b)/t
+    assert activation_bytes(1, 2, 4, layers=1, heads=2, bytes_per=4, tensor_parallel=2, dropout=False) == \
+        4 * 4 * 8 + 4 * (12 * 8 + 8) / 2
+    assert activation_bytes(1, 2, 4, layers=2, heads=2, checkpointing=True, tensor_parallel=2, sequence_parallel=True) \
+        == 2 * 2 * 8 / 2
 
 
 # --------------------------------------------------------------------- ledger
@@ -218,3 +230,28 @@ def test_cuda_ledger_records_max_allocated():
     ledger = measure(model, opt)
     assert ledger.by_location["device"] >= 2 * (66 + 42 + 7 + 42 + 6) * 4
     assert ledger.cuda_max_allocated >= ledger.by_location["device"]
+
+
+def test_saved_tensors_meter_counts_what_autograd_keeps_until_it_frees_it():
+    import gc
+
+    from minizero.models import GPTConfig, TinyGPT
+    block = TinyGPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16)).h[0]
+    meter = memory.SavedTensors(exclude=block.parameters())
+    x1, x2 = (torch.randn(2, 16, 32, requires_grad=True) for _ in range(2))
+    with meter.hooks():
+        y1 = block(x1)
+    one = meter.live
+    assert one >= x1.numel() * 4 and meter.peak == one  # at least the block's input, saved by ln_1
+    with meter.hooks():
+        y2 = block(x2)
+        y3 = block(x2)  # the same input saved by a third graph: its storage is counted once
+    assert 2 * one < meter.live < 3 * one
+    y1.sum().backward()  # a backward frees its graph's saved tensors
+    y3.sum().backward()
+    assert meter.live == one
+    del y2
+    gc.collect()
+    assert meter.live == 0  # dropping a graph frees it too: no reference cycle left behind
+    w = block.attn.c_attn.weight
+    assert (str(w.device), w.untyped_storage().data_ptr()) in meter.excluded  # parameters are not activations

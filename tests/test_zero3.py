@@ -151,13 +151,16 @@ def test_bytes_per_step_are_one_and_a_half_ddp(n):
     for name in CFG:
         units = padded(unit_groups(name), n)
         psi_padded = sum(p for p, _ in units)
+        buffers = 4 * sum(b.numel() for b in build_model(name, seed=0, **CFG[name]).buffers())
         for opt in ("sgd", "adam"):
             for out in results(n):
                 facts, ddp = out[f"{name}/{opt}"], out[f"{name}/{opt}/ddp"]
                 for sent, ddp_sent in zip(facts["sent"], ddp["sent"]):
                     assert sent.get("all_gather", 0) == pytest.approx(2 * ring * psi_padded * 4, abs=1e-6)
                     assert sent.get("reduce_scatter", 0) == pytest.approx(ring * psi_padded * 4, abs=1e-6)
-                    assert set(sent) <= {"all_gather", "reduce_scatter"}
+                    # rank 0's buffers before each forward, as torch DDP (the edge model's `scale`)
+                    assert sent.get("broadcast", 0) == pytest.approx(ring * buffers, abs=1e-6)
+                    assert set(sent) <= {"all_gather", "reduce_scatter", "broadcast"}
                     if n > 1 and name == "tiny-gpt":  # padding is < 1e-3 of the GPT: 1.5x within 1%
                         assert sum(sent.values()) / ddp_sent == pytest.approx(1.5, rel=0.01)
                 assert facts["gather_full_sent"] == pytest.approx(ring * psi_padded * 4, abs=1e-6)

@@ -17,6 +17,7 @@ from minizero.dp.ddp import DDP
 from minizero.models import build_model
 from minizero.experiments.references import flat_params, global_batches, make_optimizer
 from minizero.zero.fsdp import FSDP
+from minizero.zero.fsdp_optimizer import FSDPOptimizer
 
 torch.set_num_threads(1)
 
@@ -47,7 +48,8 @@ def train_fsdp(comm, name, opt_name="sgd", steps=STEPS, batch=BATCH, **kw):
     model = build_model(name, seed=0, **cfg)
     originals = [weakref.ref(p) for p in model.parameters()]
     fsdp = FSDP(model, comm, wrap=wrap, **kw)
-    opt = make_optimizer(opt_name, fsdp.parameters(), LR[opt_name])
+    cls, kw = (torch.optim.SGD, {"momentum": 0.9}) if opt_name == "sgd" else (torch.optim.Adam, {})
+    opt = FSDPOptimizer(fsdp, cls, lr=LR[opt_name], **kw)  # make_optimizer's, on the flat shards
     gathered = []  # weakrefs to every forward-gathered buffer: are they really freed?
     for u in fsdp.units:  # registered after FSDP's own pre-hook, so u.buf is gathered here
         u.module.register_forward_pre_hook(lambda m, a, u=u: gathered.append(weakref.ref(u.buf)))

@@ -79,6 +79,12 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {name!r}; use 'sgd' or 'adam'")
 
 
+def buffer_bytes(model: nn.Module) -> int:
+    """Bytes of the model's buffers: what a data-parallel wrapper broadcasts from rank 0 before each
+    training forward (torch DDP's broadcast_buffers=True), (N-1)/N of it sent per rank."""
+    return sum(b.numel() * b.element_size() for b in model.buffers())
+
+
 def flat_params(model: nn.Module) -> torch.Tensor:
     """Every parameter (tied ones once, frozen ones too), detached, in one fp32 vector."""
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
@@ -86,20 +92,22 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 def train_torch_ddp(comm, model_name: str = "tiny-gpt", steps: int = 5, global_batch: int = 12,
                     lr: float = 0.1, seed: int = 0, optimizer: str = "sgd",
-                    model_kwargs: dict | None = None, data_seed: int = 0) -> dict:
+                    model_kwargs: dict | None = None, data_seed: int = 0, process_group=None) -> dict:
     """Train with torch's DistributedDataParallel (gloo on CPU) on comm's ranks.
 
     Returns {"losses": global mean loss per step, "params": final flat_params as a list}.
-    Needs `comm` to be the world communicator: torch DDP uses the default process group.
+    Needs `comm` to be the world communicator (torch DDP uses the default process group), or
+    `process_group` to be the torch group of comm's ranks (made with dist.new_group by every rank).
     """
     import torch.distributed as dist
 
     from minizero.comm import init_torch_distributed
     if comm.backend != "torch":  # the mpi backend leaves torch.distributed alone: start it
         init_torch_distributed(torch.device("cpu"))
-    if dist.get_world_size() != comm.size:
-        raise RuntimeError("train_torch_ddp needs the world communicator (torch DDP runs on the "
-                           f"default group of {dist.get_world_size()} ranks, comm has {comm.size})")
+    if dist.get_world_size(process_group) != comm.size:
+        raise RuntimeError("train_torch_ddp needs the world communicator, or the torch group of comm's ranks as "
+                           f"process_group (torch DDP would run on {dist.get_world_size(process_group)} ranks, comm "
+                           f"has {comm.size})")
     model = build_model(model_name, seed=seed, **(model_kwargs or {}))
     batches = global_batches(model, steps, global_batch, seed=data_seed)
     # torch DDP must be told about parameters that get no gradient, or its reducer waits
@@ -108,7 +116,7 @@ def train_torch_ddp(comm, model_name: str = "tiny-gpt", steps: int = 5, global_b
     trial = copy.deepcopy(model)
     trial(*batches[0])[1].backward()
     find_unused = any(p.grad is None for p in trial.parameters() if p.requires_grad)
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused, process_group=process_group)
     opt = make_optimizer(optimizer, ddp.parameters(), lr)
     losses = []
     for batch in batches:
@@ -120,5 +128,5 @@ def train_torch_ddp(comm, model_name: str = "tiny-gpt", steps: int = 5, global_b
         losses.append(loss.detach())
     # Local losses are per-shard means; their average over ranks is the global mean.
     losses = torch.stack(losses)
-    dist.all_reduce(losses)
+    dist.all_reduce(losses, group=process_group)
     return {"losses": (losses / comm.size).tolist(), "params": flat_params(model).tolist()}

@@ -7,12 +7,16 @@
     launch instead of four. A sub-group of n ranks is a real n-rank MPI communicator;
   * `lesson_zero1` / `lesson_zero2`: everything lesson 04 / 05 plots, in one 4-rank job.
 """
+import contextlib
+
 import torch
 
 from minizero import memory
 from minizero.data import shard
 from minizero.dp.ddp import DDP
-from minizero.experiments.references import global_batches, make_optimizer
+from minizero.experiments import loops
+from minizero.experiments.references import flat_params, global_batches, make_optimizer
+from minizero.experiments.timed_comm import TimedComm
 from minizero.models import build_model
 from minizero.zero.shard_grad_op import ShardGradOp
 from minizero.zero.sharded_optimizer import ShardedOptimizer
@@ -48,9 +52,13 @@ def build_ddp(model, comm, opt, lr, mixed):
 
 
 def side_by_side(comm, stage=1, cls=None, model="tiny-gpt", model_kwargs=None, opt="sgd", lr=None,
-                 steps=5, batch=12, bucket_numel=None, dtype="float32", seed=0):
+                 steps=5, batch=12, bucket_numel=None, dtype="float32", seed=0, micro=1):
     """Train DDP and ZeRO-`stage` (class `cls`, default: the reference) in lockstep; measure.
-    ZeRO-2's default buckets cut each model into 5 to 7 (so they straddle shard boundaries)."""
+    ZeRO-2's default buckets cut each model into 5 to 7 (so they straddle shard boundaries).
+    micro > 1: each step accumulates that many micro-batches (loss / micro each) before the
+    step; DDP runs all but the last under no_sync(). ZeRO talks through a TimedComm whose clock
+    counts the gradients ready so far: `handles` says whether its collectives were in flight
+    while backward went on (overlap seen through the handles, not through timing)."""
     if cls is None:
         cls = ShardedOptimizer if stage == 1 else ShardGradOp
     model_kwargs = GPT if model_kwargs is None and model == "tiny-gpt" else (model_kwargs or {})
@@ -59,39 +67,67 @@ def side_by_side(comm, stage=1, cls=None, model="tiny-gpt", model_kwargs=None, o
     bucket_numel = bucket_numel or SMALL_BUCKET_BYTES.get(model, 25_000_000) // dt.itemsize
     ref, mine = (build_model(model, seed=seed, **model_kwargs).to(dt) for _ in range(2))
     ddp, ddp_opt = build_ddp(ref, comm, opt, lr, dt != torch.float32)
-    fwd, step, zero_grad, measured, layout, wrapper = build_zero(stage, cls, mine, comm, opt, lr, bucket_numel)
+    ready = []  # one entry per gradient that backward produced (the logical clock)
+    zcomm = TimedComm(comm, lambda: len(ready))
+    fwd, step, zero_grad, measured, layout, wrapper = build_zero(stage, cls, mine, zcomm, opt, lr, bucket_numel)
+    in_flight_at_grad = []  # per gradient: ZeRO's reduces still in flight when it arrived
+
+    def note(p):  # registered after the wrapper's hooks, so it runs after them
+        in_flight_at_grad.append(len(zcomm.in_flight("reduce")))
+        ready.append(id(p))
+    for p in mine.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(note)
     names = [n for n, _ in mine.named_parameters()]
     out = {"losses": [], "ddp_losses": [], "sent": [], "ddp_sent": [], "diffs": [], "worst": None,
            "layout": {"numel": layout.numel, "padded_numel": layout.padded_numel, "shard_numel": layout.shard_numel}}
     for s, b in enumerate(global_batches(mine, steps, batch, seed=seed)):
+        before = [flat_params(m) for m in (mine, ref)]  # how far each step moves the weights
         x, y = shard(b, comm.rank, comm.size)
+        parts = list(zip(x.chunk(micro), y.chunk(micro)))  # the micro-batches of this step
         comm.stats.reset()  # ZeRO first: a lab stub fails before DDP does any work
         memory.transient.reset()
-        loss = fwd(x, y)[1]
-        loss.backward()
+        zcomm.records.clear()
+        ready.clear()
+        in_flight_at_grad.clear()
+        loss = 0.0
+        for xm, ym in parts:
+            part_loss = fwd(xm, ym)[1] / micro
+            part_loss.backward()
+            loss += part_loss.item()
         out["backward_peak"] = memory.transient.peak
         out["grads_left"] = sum(p.grad is not None for p in mine.parameters())
         step()
+        reduces = [r for r in zcomm.records if r["op"] == "reduce"]
+        out["handles"] = {"reduces": len(reduces), "blocking_reduces": sum(not r["async"] for r in reduces),
+                          "in_flight_at_a_gradient": sum(n > 0 for n in in_flight_at_grad),
+                          "never_waited": [r["op"] for r in zcomm.in_flight()]}
         out["sent"].append(comm.stats.sent())
         out["sent_by_op"] = {op: v["sent_bytes"] for op, v in comm.stats.as_dict().items()}
         out["ledger"] = memory.measure(*measured).by_category  # after step: state exists
         zero_grad()
         comm.stats.reset()
-        ref_loss = ddp(x, y)[1]
-        ref_loss.backward()
+        ref_loss = 0.0
+        for i, (xm, ym) in enumerate(parts):
+            with ddp.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                part_loss = ddp(xm, ym)[1] / micro
+                part_loss.backward()
+            ref_loss += part_loss.item()
         ddp.finish_gradient_synchronization()
         ddp_opt.step()
         out["ddp_sent"].append(comm.stats.sent())
         out["ddp_ledger"] = memory.measure(ddp, ddp_opt).by_category
         ddp_opt.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
-        out["ddp_losses"].append(ref_loss.item())
+        out["losses"].append(loss)
+        out["ddp_losses"].append(ref_loss)
         worst = None  # the parameter furthest from DDP after this step
         for name, p, q in zip(names, mine.parameters(), ref.parameters()):
             d = (p.detach().float() - q.detach().float()).abs()
             excess = (d - 1e-6 * q.detach().float().abs()).max().item()  # atol needed at rtol 1e-6
             if worst is None or not excess <= worst["atol_needed"]:  # NaN wins
                 worst = {"step": s, "param": name, "max_diff": d.max().item(), "atol_needed": excess}
+        moved = [(flat_params(m) - b).norm().item() for m, b in zip((mine, ref), before)]
+        worst["update_ratio"] = moved[0] / moved[1] if moved[1] else float("nan")  # |ZeRO's step| / |DDP's|
         out["diffs"].append(worst)
         if out["worst"] is None or not worst["atol_needed"] <= out["worst"]["atol_needed"]:
             out["worst"] = worst
@@ -123,10 +159,12 @@ def sweep(comm, sizes=(1, 2, 3, 4), **kwargs):
 def lesson_zero1(comm, stage=1, memory_steps=2, loss_steps=20):
     """Lesson 04/05's measurements in ONE 4-rank job. Memory and bytes for N = 1..4 with the
     paper's setting (bf16 parameters and gradients, fp32 master + Adam: 2 + 2 + 12 bytes), on
-    the default TinyGPT; then fp32 loss curves of DDP and ZeRO at N=4."""
+    the default TinyGPT; then fp32 loss curves of DDP and ZeRO at N=4, and the DDP and ZeRO
+    training loops a student writes (experiments/loops.py), at N=4."""
     tiny = dict(model="tiny-gpt", model_kwargs={}, opt="adam")
     return {"sweep": sweep(comm, stage=stage, dtype="bfloat16", steps=memory_steps, **tiny),
-            "curves": side_by_side(comm, stage=stage, steps=loss_steps, batch=16, lr=3e-3, **tiny)}
+            "curves": side_by_side(comm, stage=stage, steps=loss_steps, batch=16, lr=3e-3, **tiny),
+            "loops": loops.all_strategies(comm, ("ddp", f"zero{stage}"))}
 
 
 def bucket_sweep(comm, numels=(1250, 5000, 12_500, 25_000, 50_000, 250_000)):

@@ -12,8 +12,10 @@ from minizero import memory
 from minizero.data import shard
 from minizero.dp.ddp import DDP
 from minizero.models import build_model
+from minizero.experiments import loops, sleepy_barrier
 from minizero.experiments.references import global_batches
 from minizero.zero.fsdp import FSDP
+from minizero.zero.fsdp_optimizer import FSDPOptimizer
 
 LESSON_GPT = dict(n_layer=4)  # GPTConfig defaults otherwise: vocab 64, block 32, n_embd 64
 MICRO = 4  # sequences per rank: a fixed micro-batch, as train_micro_batch_size_per_gpu
@@ -22,25 +24,9 @@ MICRO = 4  # sequences per rank: a fixed micro-batch, as train_micro_batch_size_
 def saved_activation_bytes(model, x, y):
     """Bytes autograd saves for backward in a forward of the PLAIN model, parameters excluded:
     the activations, which no ZeRO stage shards (they scale with the micro-batch per rank)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with memory.SavedTensors(exclude=model) as saved:
         model(x, y)
-    return sum(seen.values())
-
-
-def _sleepy_barrier():
-    """A barrier that sleeps instead of spinning: ranks left out of a sub-group wait here, and
-    MPICH's busy-polling would otherwise take the 2 cores from the ranks that work."""
-    from mpi4py import MPI
-    req = MPI.COMM_WORLD.Ibarrier()
-    while not req.Test():
-        time.sleep(0.002)
+    return saved.total
 
 
 def _lesson_step(sub, model, opt, batch, measure_with):
@@ -72,13 +58,14 @@ def lesson_sweep(comm, steps=2):
     groups = {n: comm.new_group(list(range(n)), name=f"first{n}") for n in range(1, comm.size + 1)}
     for n, sub in groups.items():
         if sub is None:
-            _sleepy_barrier()
+            sleepy_barrier()
             continue
         row = {}
         for kind in ("ddp", "zero3"):
             model = build_model("tiny-gpt", seed=0, **LESSON_GPT)
             wrapped = DDP(model, sub) if kind == "ddp" else FSDP(model, sub)
-            opt = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
+            opt = torch.optim.Adam(wrapped.parameters(), lr=1e-3) if kind == "ddp" else \
+                FSDPOptimizer(wrapped, torch.optim.Adam, lr=1e-3)
             batches = global_batches(model, steps, MICRO * n)
             for b in batches:  # the last step is measured: optimizer state exists by then
                 ledger, sent, calls, peak = _lesson_step(sub, wrapped, opt, b, (wrapped, opt))
@@ -88,12 +75,12 @@ def lesson_sweep(comm, steps=2):
         plain = build_model("tiny-gpt", seed=0, **LESSON_GPT)
         row["activations"] = saved_activation_bytes(plain, *shard(batches[0], sub.rank, n))
         out["sweep"][n] = row
-        _sleepy_barrier()
+        sleepy_barrier()
         out["timing"].append((f"N={n}", time.perf_counter() - t_start))
     # prefetch on / off on all ranks: step time (median of 8 after 2 warm-up), and the schedule
     for prefetch in (True, False):
         fsdp = FSDP(build_model("tiny-gpt", seed=0, **LESSON_GPT), comm, prefetch=prefetch)
-        opt = torch.optim.Adam(fsdp.parameters(), lr=1e-3)
+        opt = FSDPOptimizer(fsdp, torch.optim.Adam, lr=1e-3)
         times = []
         for b in global_batches(fsdp.module, 10, MICRO * comm.size):
             comm.barrier()
@@ -106,10 +93,12 @@ def lesson_sweep(comm, steps=2):
     # persistence threshold on all ranks: bytes by op, collective calls, parameter bytes per rank
     for threshold in (0, 65, 257, 10 ** 9):
         fsdp = FSDP(build_model("tiny-gpt", seed=0, **LESSON_GPT), comm, persistence_threshold=threshold)
-        opt = torch.optim.Adam(fsdp.parameters(), lr=1e-3)
+        opt = FSDPOptimizer(fsdp, torch.optim.Adam, lr=1e-3)
         for b in global_batches(fsdp.module, 2, MICRO * comm.size):
             ledger, sent, calls, peak = _lesson_step(comm, fsdp, opt, b, (fsdp, opt))
         out[f"persist={threshold}"] = {"ledger": ledger, "sent": sent, "calls": calls, "peak": peak,
                                        "whole": sum(u.persistent_numel for u in fsdp.units)}
     out["timing"].append(("persistence", time.perf_counter() - t_start))
+    out["loops"] = loops.all_strategies(comm, ("ddp", "zero3"))  # the loops a student writes, N=4
+    out["timing"].append(("loops", time.perf_counter() - t_start))
     return out

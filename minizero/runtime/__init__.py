@@ -2,6 +2,7 @@
 
     engine.py       initialize(model, config) -> Engine: composes DDP / ZeRO-1/2/3, precision,
                     accumulation, clipping and schedulers from a DeepSpeed JSON config
+    pipeline_engine.py  PipelineEngine: the engine when pipeline.stages > 1 (train_batch, as DeepSpeed's)
     config.py       the DeepSpeed config subset: defaults, types, "auto", clear errors
     checkpoint.py   sharded "universal" checkpoints that reshard across world sizes and stages
     schedulers.py   DeepSpeed's LR schedulers (WarmupLR, ...)

@@ -59,27 +59,42 @@ class CheckpointError(RuntimeError):
 
 # ---------------------------------------------------------------------------- what a rank owns
 def _groups(e):
-    """[(fp32 tensor the optimizer steps, that optimizer, [(name, lo, hi, offset)], replicated)]:
-    tensor[offset:offset + hi - lo] (flattened) holds elements [lo, hi) of parameter `name`."""
-    names, rank, opt = [n for n, _ in e.param_shapes], e.comm.rank, e.optimizer
+    """[(fp32 tensor the optimizer steps, that optimizer, [(name, lo, hi, offset, stepped)], replicated)]:
+    tensor[offset:offset + hi - lo] (flattened) holds elements [lo, hi) of parameter `name`; `stepped`
+    is False for a parameter never stepped yet (no gradient so far), which has no state in torch."""
+    opt, name_of = e.optimizer, e.param_names
+    if getattr(e, "offload", None) is not None:
+        return _offload_groups(e)
     if e.stage == 0:
-        tensors, inner = (opt.masters, opt.optimizer) if e.half else (e.wrapped.params, opt)
-        return [(t, inner, [(n, 0, t.numel(), 0)], True) for n, t in zip(names, tensors)]
+        params, tensors, inner = (opt.params, opt.masters, opt.optimizer) if e.half else \
+            (e.wrapped.params, e.wrapped.params, opt)
+        return [(t, inner, [(name_of[id(p)], 0, t.numel(), 0, t in inner.state)], True)
+                for p, t in zip(params, tensors)]
+    # stages 1-3: the runs of the flat shards (zero/flat_shard_optimizer.py), one state per run
+    return [(run.tensor, opt.optim, [(name_of[id(opt.params[i])], lo, hi, off, i in opt.stepped)
+                                     for i, lo, hi, off in run.pieces], run.replicated) for run in opt.runs]
+
+
+def _offload_groups(e):
+    """_groups under offload_optimizer: the host optimizer (zero/offload.py, zero/infinity.py) steps whole
+    flat shards, as DeepSpeed does, every element every step; its state is keyed by the device tensor."""
+    rank, host = e.comm.rank, e.offload
     if e.stage in (1, 2):
-        segs = [(names[pc.index], pc.lo, pc.hi, pc.shard_lo) for pc in opt.layout.pieces(rank)]
-        return [(opt.master, opt.optim, segs, False)]
+        opt = e.optimizer  # ShardedOptimizer: opt.master is the host master now
+        return [(opt.master, host, [(e.param_names[id(opt.params[pc.index])], pc.lo, pc.hi, pc.shard_lo, True)
+                                    for pc in opt.layout.pieces(rank)], False)]
     groups = []
     for u in e.wrapped.units:
         first = [fqns[0] for _, _, fqns in u.entries]
         if u.gathered_numel:
-            groups.append((u.shard, opt, [(first[pc.index], pc.lo, pc.hi, pc.shard_lo)
-                                          for pc in u.layout.pieces(rank)], False))
+            groups.append((u.shard, host, [(first[pc.index], pc.lo, pc.hi, pc.shard_lo, True)
+                                           for pc in u.layout.pieces(rank)], False))
         if u.persistent_numel:
             segs, off = [], 0
             for (shape, _, _), name in zip(u.entries[u.n_sharded:], first[u.n_sharded:]):
-                segs.append((name, 0, math.prod(shape), off))
+                segs.append((name, 0, math.prod(shape), off, True))
                 off += math.prod(shape)
-            groups.append((u.whole, opt, segs, True))
+            groups.append((u.whole, host, segs, True))
     return groups
 
 
@@ -99,8 +114,11 @@ def _record(e, client_state=None) -> dict:
                 if torch.is_tensor(v) and v.dim() > 0 and v.shape == t.shape}
         other = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items() if k not in flat}
         tf = t.detach().reshape(-1)
-        for name, lo, hi, off in segs:
+        for name, lo, hi, off, stepped in segs:
             sl = slice(off, off + hi - lo)
+            if not stepped:  # never had a gradient: no optimizer state, as torch keeps none for it
+                pieces.setdefault(name, []).append((lo, hi, {"master": tf[sl].clone()}))
+                continue
             pieces.setdefault(name, []).append((lo, hi, {"master": tf[sl].clone(),
                                                          **{k: v[sl].clone() for k, v in flat.items()}}))
             scalars[name] = other
@@ -275,23 +293,32 @@ def _same(a, b) -> bool:
     return a.keys() == b.keys() and all(torch.equal(v, b[k]) if torch.is_tensor(v) else v == b[k] for k, v in a.items())
 
 
+def _stateful(full, name) -> bool:
+    return bool(set(full[name]) - {"master"})
+
+
 def _plan(e, full, scalars):
-    """The new (master, optimizer state) of every tensor this rank steps; touches nothing."""
+    """The new (master, optimizer state) of every tensor this rank steps; touches nothing. A parameter
+    saved without state (never stepped) gets zeros in a shared flat state, and none of its own."""
     plan = []
     for t, optim, segs, _ in _groups(e):
-        names = [s[0] for s in segs] or list(full)[:1]  # a shard of padding only: state like any other
-        keys = {frozenset(full[n]) - {"master"} for n in names}
-        if len(keys) > 1 or any(not _same(scalars.get(names[0], {}), scalars.get(n, {})) for n in names):
-            raise CheckpointError(f"parameters {names[:3]}... carry different optimizer state (e.g. Adam steps) "
+        names = [s[0] for s in segs]
+        ref = [n for n in names if _stateful(full, n)] or (  # a shard of padding only: state like any other
+            [] if names else [n for n in full if _stateful(full, n)][:1])
+        keys = {frozenset(full[n]) - {"master"} for n in ref}
+        if len(keys) > 1 or any(not _same(scalars.get(ref[0], {}), scalars.get(n, {})) for n in ref):
+            raise CheckpointError(f"parameters {ref[:3]}... carry different optimizer state (e.g. Adam steps) "
                                   "and cannot share one flat shard here: load it with the stage it was saved with")
         master = torch.zeros(t.numel(), dtype=t.dtype)
-        state = {k: torch.zeros(t.numel(), dtype=full[names[0]][k].dtype) for k in keys.pop()}
-        for name, lo, hi, off in segs:
+        state = {k: torch.zeros(t.numel(), dtype=full[ref[0]][k].dtype) for k in (keys.pop() if keys else ())}
+        for name, lo, hi, off, _ in segs:
             master[off:off + hi - lo] = full[name]["master"][lo:hi]
             for k, v in state.items():
-                v[off:off + hi - lo] = full[name][k][lo:hi]
+                if _stateful(full, name):
+                    v[off:off + hi - lo] = full[name][k][lo:hi]
         state = {k: v.view(t.shape).to(t.device) for k, v in state.items()}
-        state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.get(names[0], {}).items()})
+        if ref:
+            state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.get(ref[0], {}).items()})
         plan.append((t, optim, master.view(t.shape).to(t.device), state))
     return plan
 
@@ -321,8 +348,13 @@ def load(e, load_dir, tag=None):
             for p, m in zip(e.optimizer.params, e.optimizer.masters):
                 p.copy_(m)
         elif e.stage in (1, 2):  # every rank holds the full (16-bit) flat parameters
-            for (name, _), v in zip(e.param_shapes, e.optimizer.layout.views(e.optimizer.flat)):
-                v.copy_(full[name]["master"].view(v.shape))
+            opt = e.optimizer
+            for p, v in zip(opt.params, opt.layout.views(opt.flat)):
+                v.copy_(full[e.param_names[id(p)]]["master"].view(v.shape))
+        if e.stage > 0 and getattr(e, "offload", None) is None:  # which parameters have state now: the ones the
+            # checkpoint holds state for (the host optimizer of offload steps every element)
+            opt = e.optimizer
+            opt.stepped = {i for i, p in enumerate(opt.params) if _stateful(full, e.param_names[id(p)])}
         for name, t in _extras(e).items():
             t.copy_(records[0]["extras"][name])
     r0 = records[0]

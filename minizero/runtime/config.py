@@ -71,15 +71,30 @@ SCHEMA = {
                               "dpu_warmup_steps": None},
         "offload_param": {"device": "none", "nvme_path": None, "pin_memory": False,
                           "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9},
-        "zero_quantized_weights": False,
-        "zero_hpz_partition_size": 1,
-        "zero_quantized_gradients": False,
+        "zero_quantized_weights": False,      # ZeRO++ qwZ: int8 weight all-gathers (stage 3)
+        "zero_hpz_partition_size": 1,         # ZeRO++ hpZ: ranks per node holding a secondary partition; 1 = off
+        "zero_quantized_gradients": False,    # ZeRO++ qgZ: int4 hierarchical all-to-all gradient reduce
     },
     # DeepSpeed's async I/O for nvme offload; here plain files through a thread pool
     "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
             "overlap_events": True, "use_gds": False},
-    "pipeline": {"stages": 1, "partition": "parameters", "micro_batches": None},
-    "tensor_parallel": {"autotp_size": 1},
+    # DeepSpeed's section with its keys and defaults. Present = minizero's engine checkpoints every
+    # block (activation_checkpointing.py); in DeepSpeed the model calls deepspeed.checkpointing.checkpoint
+    # itself (Megatron's --checkpoint-activations). Only the defaults are implemented (CHECKPOINTING_NOT_IMPLEMENTED).
+    "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                 "contiguous_memory_optimization": False, "number_checkpoints": None,
+                                 "synchronize_checkpoint_boundary": False, "profile": False},
+    "pipeline": {
+        "stages": 1,                          # pipeline stages; the rest of the world is data parallel
+        "partition": "parameters",            # DeepSpeed's partition_method: "parameters" or "uniform" (see below)
+        "micro_batches": None,                # = gradient_accumulation_steps, as in DeepSpeed's PipelineEngine
+        "schedule": "1f1b",                   # minizero extra: gpipe, 1f1b, interleaved_1f1b or zb_h1
+        "chunks": 1,                          # minizero extra: model chunks per rank (Megatron's virtual stages)
+    },
+    "tensor_parallel": {
+        "autotp_size": 1,                     # t: ranks that split every layer (Megatron TP); must divide the world
+        "sequence_parallel": False,           # minizero extra: Megatron's SP (LayerNorms on s/t tokens), needs t > 1
+    },
 }
 
 # "auto" means "pick the documented default". Keys whose auto value depends on the model
@@ -98,7 +113,6 @@ AUTO_DEFAULTS = {
 
 # Real DeepSpeed keys minizero does not implement (yet). Each maps to what to do instead.
 NOT_IMPLEMENTED = {
-    "activation_checkpointing": "use torch.utils.checkpoint in your model (lesson 00 measures what it saves)",
     "flops_profiler": "use torch.profiler",
     "tensorboard": "read the JSON-lines log that `minizero train` writes",
     "wandb": "read the JSON-lines log that `minizero train` writes",
@@ -136,6 +150,16 @@ NOT_IMPLEMENTED = {
     "bf16.immediate_grad_update": "remove it",
 }
 
+# activation_checkpointing keys whose DeepSpeed meaning minizero does not implement: only the default is accepted.
+CHECKPOINTING_NOT_IMPLEMENTED = {
+    "partition_activations": "splitting the kept block inputs across the tensor-parallel ranks",
+    "cpu_checkpointing": "moving the kept block inputs to the CPU (DeepSpeed: with partition_activations)",
+    "contiguous_memory_optimization": "copying the kept block inputs into one preallocated buffer",
+    "number_checkpoints": "the size of that contiguous buffer",
+    "synchronize_checkpoint_boundary": "torch.cuda.synchronize() at each block boundary",
+    "profile": "timing each checkpointed block's forward and recompute",
+}
+
 # Keys that look like DeepSpeed's but are not (seen in the wild; seed 001 uses the first).
 NOT_DEEPSPEED = {
     "zero_optimization.offload_gradients": "DeepSpeed has no such key: with offload_optimizer set, "
@@ -163,6 +187,74 @@ NO_EFFECT = {
     "zero_optimization.stage3_gather_16bit_weights_on_model_save":
         "checkpoints hold fp32 masters; `python -m minizero consolidate` writes the full weights",
 }
+
+
+# DeepSpeed's type of each value (its config docs and pydantic models). Not listed: the type of the
+# default in SCHEMA (bool, int, or "number" for a float). JSON's 5e8 is a float, so an "int" may be
+# written as an integral float, as DeepSpeed's own configs do; true/false are never numbers, and
+# "false" (a string) is never a boolean.
+TYPES = {
+    # the batch triple: null (or "auto") = derived from the other two (_resolve_batch)
+    "train_batch_size": "int?", "train_micro_batch_size_per_gpu": "int?", "gradient_accumulation_steps": "int?",
+    "optimizer.type": "str", "scheduler.type": "str", "optimizer.params": "object", "scheduler.params": "object",
+    "fp16.loss_scale": "number", "fp16.min_loss_scale": "number",
+    "zero_optimization.overlap_comm": "bool",
+    **{f"zero_optimization.{k}": "int" for k in (
+        "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+        "sub_group_size")},
+    **{f"zero_optimization.{s}.{k}": t for s in ("offload_optimizer", "offload_param")
+       for k, t in (("device", "str"), ("nvme_path", "str?"), ("buffer_size", "int"), ("max_in_cpu", "int"))},
+    "pipeline.micro_batches": "int?", "pipeline.partition": "str",
+}
+# The optimizer's and scheduler's params that minizero knows (torch's names); others reach torch,
+# which names an unexpected one.
+PARAM_TYPES = {
+    "lr": "number", "weight_decay": "number", "eps": "number", "momentum": "number", "dampening": "number",
+    "betas": "pair", "nesterov": "bool", "amsgrad": "bool", "adam_w_mode": "bool", "torch_adam": "bool",
+    "warmup_min_lr": "number", "warmup_max_lr": "number", "warmup_min_ratio": "number", "cos_min_ratio": "number",
+    "warmup_num_steps": "int", "total_num_steps": "int", "warmup_type": "str",
+}
+# Lower bounds of the values whose range the config alone decides: (bound, inclusive).
+MINIMUM = {
+    "gradient_clipping": (0, True), "steps_per_print": (1, True),
+    "zero_optimization.reduce_bucket_size": (0, False), "zero_optimization.allgather_bucket_size": (0, False),
+    "zero_optimization.stage3_prefetch_bucket_size": (0, True),
+    "zero_optimization.stage3_param_persistence_threshold": (0, True),
+    "zero_optimization.zero_hpz_partition_size": (1, True),
+    "pipeline.stages": (1, True),  # tensor_parallel.autotp_size: its own check names the world size too
+}
+_WORDS = {"bool": "a boolean (true or false)", "int": "an integer", "number": "a number", "str": "a string",
+          "object": "a JSON object", "pair": "a list of two numbers", "str?": "a string or null",
+          "int?": "an integer or null"}
+
+
+def _is(kind: str, value) -> bool:
+    if kind.endswith("?"):
+        return value is None or _is(kind[:-1], value)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "int":
+        return _is("number", value) and float(value).is_integer()
+    if kind == "pair":
+        return isinstance(value, (list, tuple)) and len(value) == 2 and all(_is("number", v) for v in value)
+    return isinstance(value, {"str": str, "object": dict}[kind])
+
+
+def check_type(path: str, value, kind: str):
+    if not _is(kind, value):
+        raise ConfigError(f"'{path}' must be {_WORDS[kind]}, got {value!r} ({type(value).__name__})")
+
+
+def _kind(path: str, default) -> str | None:
+    if path in TYPES:
+        return TYPES[path]
+    if isinstance(default, bool):
+        return "bool"
+    return "int" if isinstance(default, int) else "number" if isinstance(default, float) else \
+        "str" if isinstance(default, str) else None
 
 
 class ConfigWarning(UserWarning):
@@ -201,6 +293,17 @@ def _check_keys(given: dict, schema: dict, where: str, out: dict):
                     raise ConfigError(f"'{path}' does not accept \"auto\" in minizero; give a value "
                                       f"(the ones that do: {', '.join(sorted(AUTO_DEFAULTS))}).")
                 value = AUTO_DEFAULTS[path]
+            if _kind(path, default):
+                check_type(path, value, _kind(path, default))
+            if key == "params":
+                for name, v in value.items():
+                    if name in PARAM_TYPES:
+                        check_type(f"{path}.{name}", v, PARAM_TYPES[name])
+            if path in MINIMUM and not (value > MINIMUM[path][0] or MINIMUM[path][1] and value == MINIMUM[path][0]):
+                raise ConfigError(f"'{path}' must be {'at least' if MINIMUM[path][1] else 'more than'} "
+                                  f"{MINIMUM[path][0]}, got {value!r}")
+            if _kind(path, default) in ("int", "int?") and isinstance(value, float):
+                value = int(value)  # DeepSpeed's 5e8: an integer written as a JSON float
             if path in NO_EFFECT and value != default:
                 warnings.warn(f"'{path}': {value!r} has no effect in minizero: {NO_EFFECT[path]}.",
                               ConfigWarning, stacklevel=2)
@@ -211,7 +314,7 @@ def _fill_defaults(schema: dict, out: dict, where=""):
     for key, default in schema.items():
         path = f"{where}.{key}" if where else key
         if isinstance(default, dict) and key != "params":
-            if key in ("optimizer", "scheduler") and key not in out:
+            if key in ("optimizer", "scheduler", "activation_checkpointing") and key not in out:
                 out[key] = None  # optional sections: absent means none
                 continue
             _fill_defaults(default, out.setdefault(key, {}), path)
@@ -253,20 +356,124 @@ def _resolve_batch(cfg: dict, world_size: int):
     cfg.update(train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=acc)
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")  # minizero.pipeline.SCHEDULES
+
+# Why DeepSpeed refuses ZeRO-2/3 with a pipeline (its PipelineEngine asserts stage < 2), and minizero too.
+PP_ZERO_MSG = (
+    "zero_optimization.stage {stage} cannot be combined with pipeline parallelism (pipeline.stages = {stages}). "
+    "A pipeline accumulates every micro-batch's gradient until the step, but ZeRO-2 keeps only a shard of the "
+    "gradient: each of the {m} micro-batches' backwards would be reduce-scattered on its own ({m}x the gradient "
+    "traffic of ZeRO-1, measured in lesson 09), and the tied embedding's gradient would be gone before the "
+    "first and last stage can sum it; ZeRO-3 would also re-gather each stage's parameters for every "
+    "micro-batch. PP + ZeRO-2 is slower and no smaller than ZeRO-2 alone. Use stage 0 or 1 with a pipeline, "
+    "or ZeRO-3 without one if memory is short.")
+
+
+def _data_parallel_size(cfg: dict, world_size: int) -> int:
+    """The ranks that split the batch: the world over the pipeline stages and the tensor-parallel
+    ranks (DeepSpeed's dp world)."""
+    stages, tp = cfg["pipeline"]["stages"], cfg["tensor_parallel"]["autotp_size"]
+    if world_size % (stages * tp):
+        raise ConfigError(f"pipeline.stages = {stages} x tensor_parallel.autotp_size = {tp} does not divide the world "
+                          f"size {world_size}: launch a multiple of {stages * tp} ranks (the ranks beyond one "
+                          "pipeline are data parallel)")
+    return world_size // (stages * tp)
+
+
+def _check_pipeline(cfg: dict):
+    pipe, zero = cfg["pipeline"], cfg["zero_optimization"]
+    stages = pipe["stages"]
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ConfigError(f"pipeline.stages must be a positive integer, got {stages!r}")
+    if stages > 1 and zero["stage"] in (2, 3):
+        m = cfg["gradient_accumulation_steps"] or pipe["micro_batches"] or "m"
+        raise ConfigError(PP_ZERO_MSG.format(stage=zero["stage"], stages=stages, m=m))
+    micro_batches = pipe["micro_batches"]
+    if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
+                                      or micro_batches < 1):
+        raise ConfigError(f"pipeline.micro_batches must be a positive integer, got {micro_batches!r}")
+    if micro_batches is not None and cfg["gradient_accumulation_steps"] is None:
+        cfg["gradient_accumulation_steps"] = micro_batches  # the same number, DeepSpeed's name
+    if pipe["schedule"] not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"pipeline.schedule {pipe['schedule']!r} is not a schedule; valid schedules: "
+                          f"{', '.join(PIPELINE_SCHEDULES)}")
+    if pipe["partition"] not in ("parameters", "uniform"):
+        raise ConfigError(f"pipeline.partition {pipe['partition']!r}: minizero cuts the blocks into stages of "
+                          "equal block count ('uniform'; 'parameters' is accepted when the blocks are of equal "
+                          "size, which the engine checks); DeepSpeed's 'type:' partitions are not implemented")
+    chunks = pipe["chunks"]
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ConfigError(f"pipeline.chunks must be a positive integer, got {chunks!r}")
+    if (chunks > 1) != (pipe["schedule"] == "interleaved_1f1b"):
+        raise ConfigError(f"pipeline.chunks = {chunks} with schedule {pipe['schedule']!r}: interleaved_1f1b needs "
+                          "chunks >= 2 model chunks per rank, the other schedules run one")
+
+
+def _check_micro_batches(cfg: dict):
+    pipe, gas = cfg["pipeline"], cfg["gradient_accumulation_steps"]
+    if pipe["micro_batches"] is not None and pipe["micro_batches"] != gas:
+        raise ConfigError(f"pipeline.micro_batches = {pipe['micro_batches']!r} but gradient_accumulation_steps = "
+                          f"{gas}: a pipeline's micro-batches are the accumulation steps (DeepSpeed); give one of them")
+    pipe["micro_batches"] = gas
+
+
+def _check_zeropp(zero: dict, world_size: int, tp_size: int = 1):
+    """ZeRO++'s keys, as DeepSpeed reads them: stage 3 only; hpZ groups must tile the world."""
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if not isinstance(zero[key], bool):
+            raise ConfigError(f"zero_optimization.{key} must be true or false, got {zero[key]!r}")
+    hpz = zero["zero_hpz_partition_size"]
+    if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size must be a positive integer (ranks per node; "
+                          f"1 = off), got {hpz!r}")
+    on = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if zero[k]] + \
+        (["zero_hpz_partition_size"] if hpz > 1 else [])
+    if on and zero["stage"] != 3:
+        raise ConfigError(f"zero_optimization.{on[0]} is ZeRO++, which needs stage 3 (as in DeepSpeed: it changes how "
+                          f"sharded parameters are gathered and gradients reduce-scattered); got stage "
+                          f"{zero['stage']}. Set \"stage\": 3 or remove it")
+    offloaded = [s for s in ("offload_optimizer", "offload_param") if zero[s]["device"] != "none"]
+    if on and offloaded:
+        raise ConfigError(f"zero_optimization.{on[0]} (ZeRO++) with {offloaded[0]} is not implemented in minizero: "
+                          f"ZeroPP's gathers and reduces bypass the offload hooks; use ZeRO++ or offload, not both")
+    if on and tp_size > 1:
+        raise ConfigError(f"zero_optimization.{on[0]} (ZeRO++) with tensor_parallel.autotp_size={tp_size} is not "
+                          f"implemented in minizero: ZeroPP shards over every rank of the world; set autotp_size 1 "
+                          f"or turn ZeRO++ off")
+    if world_size % hpz:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} does not divide the world size "
+                          f"{world_size}: hpZ's groups (simulated nodes) must tile the ranks; use a divisor of "
+                          f"{world_size}")
+
+
 def load_config(config, world_size: int = 1) -> dict:
     """A dict or a JSON path -> a complete, validated config (see module docstring)."""
     if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            try:
+        try:
+            with open(config) as f:
                 config = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{config}: not valid JSON ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{config}: not valid JSON ({e})") from None
+        except OSError as e:
+            raise ConfigError(f"{config}: cannot read it ({e.strerror})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
     cfg: dict = {}
     _check_keys(config, SCHEMA, "", cfg)
     _fill_defaults(SCHEMA, cfg)
-    _resolve_batch(cfg, world_size)
+    tp = cfg["tensor_parallel"]["autotp_size"]
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tensor_parallel.autotp_size must be a positive integer, got {tp!r}")
+    if world_size % tp:
+        raise ConfigError(f"tensor_parallel.autotp_size={tp} does not divide the world size {world_size}: the "
+                          f"world is (world / t) data-parallel groups of t tensor-parallel ranks. Launch a multiple "
+                          f"of {tp} ranks, or choose a t that divides {world_size}")
+    if not isinstance(cfg["tensor_parallel"]["sequence_parallel"], bool):
+        raise ConfigError("tensor_parallel.sequence_parallel must be true or false, got "
+                          f"{cfg['tensor_parallel']['sequence_parallel']!r}")
+    _check_pipeline(cfg)  # before the batch: the data-parallel size depends on the stages
+    _resolve_batch(cfg, _data_parallel_size(cfg, world_size))  # DeepSpeed: split over the data-parallel ranks only
+    _check_micro_batches(cfg)
     if cfg["optimizer"] is not None and cfg["optimizer"]["type"] not in OPTIMIZERS:
         raise ConfigError(f"optimizer.type {cfg['optimizer']['type']!r} is not one of {', '.join(OPTIMIZERS)}")
     if cfg["scheduler"] is not None and cfg["scheduler"]["type"] not in SCHEDULERS:
@@ -278,20 +485,29 @@ def load_config(config, world_size: int = 1) -> dict:
         zero["overlap_comm"] = zero["stage"] == 3
     if cfg["fp16"]["enabled"] and cfg["bf16"]["enabled"]:
         raise ConfigError("fp16 and bf16 are both enabled; choose one")
-    if cfg["pipeline"]["stages"] > 1 and zero["stage"] >= 2:
-        raise ConfigError(f"ZeRO stage {zero['stage']} cannot be combined with pipeline parallelism "
-                          f"(gradients/parameters sharded across the micro-batches of a pipeline would be "
-                          f"re-gathered every micro-batch); use stage 0 or 1 with pipeline.stages > 1")
     for section in ("offload_optimizer", "offload_param"):
         dev = zero[section]["device"]
         if dev not in ("none", "cpu", "nvme"):
             raise ConfigError(f"zero_optimization.{section}.device must be none, cpu or nvme, got {dev!r}")
         if dev == "nvme" and not zero[section]["nvme_path"]:
             raise ConfigError(f"zero_optimization.{section}.device is nvme but nvme_path is not set")
+    _check_zeropp(zero, world_size, tp)
     if zero["offload_param"]["device"] != "none" and zero["stage"] != 3:
         raise ConfigError("zero_optimization.offload_param needs stage 3 (only stage 3 partitions parameters)")
     _check_offload(zero)
+    _check_activation_checkpointing(cfg["activation_checkpointing"])
     return cfg
+
+
+def _check_activation_checkpointing(section):
+    """Present: every block is checkpointed. A key set away from DeepSpeed's default asks for something
+    minizero does not do: an error naming it, never a setting silently ignored."""
+    defaults = SCHEMA["activation_checkpointing"]
+    for key, value in (section or {}).items():
+        if value != defaults[key]:
+            raise ConfigError(f"'activation_checkpointing.{key}': {value!r} is not implemented in minizero "
+                              f"(in DeepSpeed it means {CHECKPOINTING_NOT_IMPLEMENTED[key]}); remove it. "
+                              "The section itself turns on torch.utils.checkpoint for every block.")
 
 
 def _check_offload(zero: dict):

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from minizero import memory
-from minizero.zero.offload import HostOptimizer, Traffic, cpu_optimizer, host_empty
+from minizero.zero.offload import IMPLEMENTATION, HostOptimizer, Traffic, cpu_optimizer, host_empty
 
 
 class DiskError(OSError):
@@ -221,7 +221,7 @@ class DiskOptimizer(HostOptimizer):
 
     def step(self):
         for front, back in zip(self.param_groups, self.optim.param_groups):
-            back.update(front)
+            back.update((k, v) for k, v in front.items() if k not in IMPLEMENTATION)
         self.steps += 1
         self.cpu_step(self.grads)
         self.params_to_device()

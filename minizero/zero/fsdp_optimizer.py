@@ -1,0 +1,96 @@
+"""FSDPOptimizer: the optimizer of a ZeRO-3 model, stepping its flat fp32 shards in place.
+
+    model = FSDP(TinyGPT(cfg))
+    opt = FSDPOptimizer(model, torch.optim.AdamW, lr=1e-3)           # or param groups:
+    opt = FSDPOptimizer(model, torch.optim.AdamW, [{"params": decay, "weight_decay": 0.1},
+                                                   {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)
+    loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
+
+A plain `torch.optim.AdamW(model.parameters())` works too: FSDP's parameters are this rank's local
+parts (views of the shards) with .grad views of the reduce-scattered gradient, so torch steps them
+one by one, exactly as it would the whole ones. FSDPOptimizer steps the same elements, in ONE run
+per unit shard and param group (flat_shard_optimizer.py) instead of one tensor per parameter:
+fewer, larger kernels, and optimizer state of exactly (padded) Ψ/N elements per state tensor, the
+ZeRO paper's K·Ψ/N, with one Adam step counter per unit (the ledger tests count these bytes).
+
+Param groups may hold the model's parameters as FSDP shows them (model.named_parameters(): local
+parts under the original names) or the ORIGINAL Parameters of the plain model, collected before
+wrapping, as nanoGPT's configure_optimizers does and DeepSpeed's initialize(model_parameters=)
+accepts: each maps to the local part that took its name. A parameter in no group is not stepped.
+Persistent (whole) parameters are stepped whole on every rank, the same on each (their gradients
+are all-reduced). A step needs no communication: the gradients are already reduced, and the
+next forward gathers the updated shards.
+"""
+from __future__ import annotations
+
+import torch
+
+from minizero.zero.flat_shard_optimizer import FlatShardOptimizer
+
+
+def _map_groups(fsdp, params):
+    """Param groups (or tensors) with every tensor replaced by fsdp.local_parameter(tensor)."""
+    if params is None:
+        return [{"params": list(fsdp.parameters())}]
+    groups = list(params)
+    if groups and isinstance(groups[0], dict):
+        return [{**g, "params": [fsdp.local_parameter(p) for p in
+                                 ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])]}
+                for g in groups]
+    return [{"params": [fsdp.local_parameter(p) for p in groups]}]
+
+
+class FSDPOptimizer(FlatShardOptimizer):
+    """`optimizer_cls` on the fp32 shards of an FSDP model (ZeRO-3), torch's optimizer interface."""
+
+    def __init__(self, fsdp, optimizer_cls, params=None, **optimizer_kwargs):
+        super().__init__(_map_groups(fsdp, params), optimizer_cls, optimizer_kwargs)
+        self.fsdp = fsdp        # the model whose shards this steps
+        self.comm = fsdp.comm   # its ranks (for the state dict's layout)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        masters = []
+        for unit in fsdp.units:
+            for part, master in (("shard", unit.shard), ("whole", unit.whole)):
+                if master is None:
+                    continue
+                pieces = [(index[id(unit.visible[j])], lo, lo + numel, offset) for j, offset, numel, lo in unit.slots[part]
+                          if numel and id(unit.visible[j]) in index]
+                data_end = sum(numel for _, _, numel, _ in unit.slots[part])  # the rank's elements, then padding
+                masters.append((master, pieces, data_end, part == "whole"))
+        self.parts = [(unit, part) for unit in fsdp.units for part in ("shard", "whole")
+                      if getattr(unit, part) is not None]  # masters[i] is parts[i]'s tensor
+        self._build_runs(masters)
+
+    def grads(self) -> list:
+        """Per master (unit part): its flat fp32 gradient, or None when it has none."""
+        return [self.fsdp.unit_grad(unit, part) for unit, part in self.parts]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for master, grad in zip(self.masters, self.grads()):
+            master.grad = grad
+        try:
+            self.step_masters({i for i, p in enumerate(self.params) if p.grad is not None})
+        finally:
+            for master in self.masters:
+                master.grad = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params:
+            if set_to_none:
+                p.grad = None  # the last view of a unit's flat gradient gone: the buffer is freed
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def memory_tensors(self):
+        """The optimizer state only; the shards and their gradients are the model's (FSDP.memory_tensors)."""
+        yield from self.optimizer_state_tensors()
+
+    def __repr__(self):
+        return (f"FSDPOptimizer({self.optimizer_cls.__name__}, rank {self.comm.rank}/{self.comm.size}, "
+                f"{len(self.runs)} runs over {len(self.masters)} shards, {len(self.param_groups)} groups)")
