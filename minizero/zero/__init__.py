@@ -7,21 +7,29 @@ is named after what it shards (the stage numbers are DeepSpeed's `zero_optimizat
     1      ShardedOptimizer  sharded_optimizer.py  optimizer state (P_os)          DeepSpeed stage 1
     2      ShardGradOp       shard_grad_op.py      + gradients (P_os+g)            FSDP SHARD_GRAD_OP
     3      FSDP              fsdp.py               + parameters (P_os+g+p)         FSDP FULL_SHARD
+    3      ZeroPP            zeropp.py             ZeRO-3, less cross-node traffic DeepSpeed ZeRO++ (qwZ/hpZ/qgZ)
 
-    flat_layout.py  FlatLayout: the parameters as views into one flat buffer padded to N shards
-    offload.py      HostOptimizer: ZeRO-Offload, the optimizer step on the host (+ DPU)    Ren et al. 2021
-    infinity.py     DiskOptimizer: ZeRO-Infinity, masters and state in files by sub-group  Rajbhandari et al. 2021
-    init.py         Init: `with zero.Init(): model = ...` builds a ZeRO-3 model on the meta device
+    flat_layout.py          FlatLayout: the parameters as views into one flat buffer padded to N shards
+    flat_shard_optimizer.py FlatShardOptimizer: a torch.optim.Optimizer (param groups, schedulers,
+                            state_dict, torch's skip of grad-None parameters) over flat shards
+    fsdp_optimizer.py       FSDPOptimizer: that optimizer on an FSDP model's shards (ZeRO-3)
+    quantize.py             block-wise int8/int4 quantization and ZeRO++'s quantized collectives (lab 08)
+    offload.py              HostOptimizer: ZeRO-Offload, the optimizer step on the host (+ DPU)  Ren et al. 2021
+    infinity.py             DiskOptimizer: ZeRO-Infinity, masters and state in files by sub-group
+                            (Rajbhandari et al. 2021)
+    init.py                 Init: `with zero.Init(): model = ...` builds a ZeRO-3 model on the meta device
 """
 from minizero.zero.flat_layout import FlatLayout
 from minizero.zero.infinity import DiskOptimizer
 from minizero.zero.init import Init
 from minizero.zero.offload import HostOptimizer, Traffic
 from minizero.zero.fsdp import FSDP
+from minizero.zero.fsdp_optimizer import FSDPOptimizer
 from minizero.zero.shard_grad_op import ReduceBucket, ShardGradOp
 from minizero.zero.sharded_optimizer import ShardedOptimizer
+from minizero.zero.zeropp import ZeroPP
 
 STAGES = {1: ShardedOptimizer, 2: ShardGradOp, 3: FSDP}
 
-__all__ = ["DiskOptimizer", "FSDP", "FlatLayout", "HostOptimizer", "Init", "ReduceBucket", "STAGES", "ShardGradOp",
-           "ShardedOptimizer", "Traffic"]
+__all__ = ["DiskOptimizer", "FSDP", "FSDPOptimizer", "FlatLayout", "HostOptimizer", "Init", "ReduceBucket", "STAGES",
+           "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]

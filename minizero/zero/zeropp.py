@@ -1,0 +1,158 @@
+"""minizero.zero.zeropp: ZeRO++ (Wang et al. 2023), ZeRO-3 with its cross-node traffic cut three ways.
+
+    mesh = Mesh(comm, node_size=2)                    # 4 ranks as 2 simulated nodes x 2 ranks
+    model = ZeroPP(TinyGPT(cfg), mesh)                # qwZ + hpZ + qgZ; otherwise FSDP's API
+    opt = torch.optim.Adam(model.parameters(), lr)
+    loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
+
+ZeRO-3 (fsdp.py) moves three collectives of M (the model's bytes in the compute dtype) per
+step over all N ranks: all-gather in forward, all-gather again in backward, reduce-scatter of the
+gradients. On a cluster the slow links are the ones between nodes, and ZeRO++ shrinks what
+crosses them:
+  qwZ  quantized_weights: the all-gathers carry int8 codes plus one fp32 scale per block of
+       weight_block_numel elements (quantize.quantized_all_gather): M -> 0.5M for 16-bit weights.
+       Forward and backward compute with the dequantized weights w' (|w - w'| <= scale/2); the
+       optimizer steps the exact fp32 shards (a straight-through estimate, as in DeepSpeed).
+  hpZ  hpz: a secondary partition inside each node. When a unit is gathered from the primary
+       shards, each rank keeps the 1/k of the full (dequantized) unit that its k node-mates will
+       need, and backward gathers the unit from those copies over mesh.node only: M -> 0 across
+       nodes, for Ψ/k more parameter memory per rank (the ledger counts it as "parameters").
+       A copy is used only between a forward and its backward: every forward() forgets them and
+       so does any change to a shard (its version counter), so a resumed, loaded or edited model
+       rebuilds them on its next forward instead of reading stale weights.
+  qgZ  quantized_gradients: the reduce-scatter becomes quantize.hierarchical_reduce_scatter, two
+       int4 all-to-alls, inside the node and then across: M -> 0.25M (of the node-summed gradient).
+Cross-node bytes per node per step (ring model, comm/stats.py) with nodes of k ranks, N ranks:
+      ZeRO-3      (N-1)/N (M + M + M)                                 paper (large N): 3M
+      + qwZ       (N-1)/N (0.5M + 0.5M + M)                                           2M
+      + hpZ       (N-1)/N (M + 0 + M)                                                 2M
+      + qgZ       (N-1)/N (M + M) + (nodes-1)/nodes 0.25M                             2.25M
+      all three   (N-1)/N 0.5M + (nodes-1)/nodes 0.25M                                0.75M
+plus 4 bytes per quantization block, and each unit's padding to a multiple of N (lesson 08
+measures it). Persistent parameters stay whole and are all-reduced unquantized, as in FSDP.
+
+Nodes are the Mesh's (node_size consecutive ranks), and ZeroPP shards over all of mesh.world
+(a Mesh with pp = tp = 1). node_size = 1 is legal, but then no rank has a node-mate to share a
+secondary partition with: hpZ is switched off with a warning. `quantizer`: any object with
+quantize.py's functions (lab 08 grades a student's file through it; a CUDA kernel fits there).
+`errors` holds this step's quantization error on this rank: weights always (the dequantized
+copy of its own shard against the shard), gradients only with measure_error=True, which runs
+the exact reduce-scatter as well (its bytes are counted: do not measure traffic with it on).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from minizero import memory
+from minizero.zero import quantize
+from minizero.zero.fsdp import FSDP
+from minizero.zero.quantize import Pending, check_block_numel
+
+
+class ZeroPPWarning(UserWarning):
+    pass
+
+
+class ZeroPP(FSDP):
+    def __init__(self, module, mesh, quantized_weights: bool = True, hpz: bool = True,
+                 quantized_gradients: bool = True, weight_block_numel: int = 2048, grad_block_numel: int = 512,
+                 quantizer=None, measure_error: bool = False, **fsdp_kwargs):
+        check_block_numel(weight_block_numel, "weight_block_numel")
+        check_block_numel(grad_block_numel, "grad_block_numel")
+        if mesh.pp_size * mesh.tp_size != 1:
+            raise ValueError(f"ZeroPP shards over all {mesh.world.size} ranks of the mesh: build it with pp=1 and "
+                             f"tp=1 (got pp={mesh.pp_size}, tp={mesh.tp_size})")
+        if hpz and mesh.node_size == 1 and mesh.world.size > 1:
+            warnings.warn("ZeroPP: node_size=1, every rank is its own node: hpZ has no node-mates to share a "
+                          "secondary partition with, so it is off (a no-op). Build the Mesh with node_size > 1 "
+                          "(e.g. the ranks per server) to use it.", ZeroPPWarning, stacklevel=2)
+            hpz = False
+        super().__init__(module, mesh.world, **fsdp_kwargs)
+        self.mesh = mesh                                   # nodes: mesh.node (hpZ, qgZ hop 1), mesh.cross_node
+        self.quantized_weights = bool(quantized_weights)   # qwZ: int8 all-gathers from the primary shards
+        self.hpz = bool(hpz)                               # hpZ: backward gathers inside the node
+        self.quantized_gradients = bool(quantized_gradients)  # qgZ: int4 hierarchical all-to-all reduce
+        self.weight_block_numel = weight_block_numel       # elements per int8 scale (DeepSpeed: ~4-8K)
+        self.grad_block_numel = grad_block_numel           # elements per int4 scale
+        self.quantizer = quantizer or quantize             # where the quantized collectives come from
+        self.measure_error = measure_error                 # also run exact reduce-scatters, to compare
+        # hpZ: a unit's gathered part is N = nodes * k shards, so each node-mate keeps an exact 1/k of it
+        self.secondary = {unit: torch.zeros(unit.gathered_numel // mesh.node_size, dtype=self.dtype,
+                                            device=self.comm.device)
+                          for unit in self.units if self.hpz and unit.gathered_numel}
+        self._filled = {}   # unit -> its shard's version when this forward filled its secondary partition
+        self.errors = {}    # this step's quantization error on this rank (see quantization_error)
+
+    # ------------------------------------------------------------------ weights: qwZ, hpZ
+    def forward(self, *args, **kwargs):
+        self._filled.clear()  # a secondary partition lives from a forward to its backward
+        self.errors = {"weights": [0.0, 0.0, 0.0], "gradients": [0.0, 0.0, 0.0]}  # err², ref², max |err|
+        return super().forward(*args, **kwargs)
+
+    def _gather_shards(self, unit, buf, src):
+        secondary = self.secondary.get(unit)
+        if secondary is not None and self._filled.get(unit) == unit.shard._version:
+            # hpZ: the weights have not changed since this forward gathered them: stay in the node
+            memory.transient.alloc(f"{self._tag}/{unit.name}", buf)
+            unit.work = self.mesh.node.all_gather(buf[:unit.gathered_numel], secondary, async_op=True)
+            return
+        if self.quantized_weights and unit.gathered_numel:
+            memory.transient.alloc(f"{self._tag}/{unit.name}", buf)
+            work = self.quantizer.quantized_all_gather(self.comm, buf[:unit.gathered_numel], unit.shard.detach(),
+                                                       self.weight_block_numel, async_op=True)
+        else:
+            super()._gather_shards(unit, buf, src)
+            work = unit.work
+        if work is not None:
+            unit.work = Pending(lambda: self._gathered(unit, buf, work))
+
+    def _gathered(self, unit, buf, work):
+        """After a gather from the primary shards: note the error, keep hpZ's slice."""
+        work.wait()
+        if self.quantized_weights:
+            mine = buf[self.comm.rank * unit.layout.shard_numel:][:unit.layout.shard_numel].float()
+            self._add_error("weights", mine, unit.shard.detach())
+        secondary = self.secondary.get(unit)
+        if secondary is not None:
+            start = self.mesh.node.rank * secondary.numel()
+            secondary.copy_(buf[start:start + secondary.numel()])
+            self._filled[unit] = unit.shard._version
+
+    # ------------------------------------------------------------------ gradients: qgZ
+    def _reduce_shard_grad(self, unit, g):
+        if not (self.quantized_gradients and unit.gathered_numel):
+            return super()._reduce_shard_grad(unit, g)
+        shard_grad = torch.empty(unit.layout.shard_numel, dtype=torch.float32, device=g.device)
+        self.quantizer.hierarchical_reduce_scatter(self.mesh.node, self.mesh.cross_node, shard_grad,
+                                                   g[:unit.gathered_numel], self.grad_block_numel)
+        if self.measure_error:
+            self._add_error("gradients", shard_grad, super()._reduce_shard_grad(unit, g))
+        return shard_grad
+
+    # ------------------------------------------------------------------ measurements
+    def _add_error(self, kind, approx, exact):
+        if kind not in self.errors:  # gathered before any forward (e.g. a prefetch): not a step's
+            return
+        err = (approx - exact).float()
+        acc = self.errors[kind]
+        acc[0] += float(err.square().sum())
+        acc[1] += float(exact.float().square().sum())
+        acc[2] = max(acc[2], float(err.abs().max())) if err.numel() else acc[2]
+
+    def quantization_error(self) -> dict:
+        """This step, this rank: {"weights"|"gradients": (relative L2 error, max |error|) or None}."""
+        return {kind: (acc[0] ** 0.5 / max(acc[1], 1e-30) ** 0.5, acc[2]) if acc[1] else None
+                for kind, acc in self.errors.items()}
+
+    def memory_tensors(self):
+        """FSDP's, plus hpZ's secondary partitions (parameters this rank holds for its node-mates)."""
+        yield from super().memory_tensors()
+        for secondary in self.secondary.values():
+            yield "parameters", secondary, None
+
+    def extra_repr(self) -> str:
+        return (f"qwZ={self.quantized_weights} (block {self.weight_block_numel}), hpZ={self.hpz} (node of "
+                f"{self.mesh.node_size}), qgZ={self.quantized_gradients} (block {self.grad_block_numel}), "
+                + super().extra_repr())
