@@ -1,0 +1,93 @@
+"""Workers the pipeline tests launch: several configurations per launch (start-up dominates)."""
+import torch
+
+from minizero.experiments.pipeline import GPT, train
+
+
+def suite(comm, configs, steps=5):
+    """Every configuration of tests/test_pipeline.py, then torch DDP on the whole world with the
+    global batch of the dp x pp = 2 x 2 configurations (micro 2 x m 4 x dp 2 = 16), then the engine."""
+    from minizero.experiments.references import train_torch_ddp
+    runs = [train(comm, schedule, p, m, v, steps=steps, dp_mode=dp_mode, return_params=(p, m, dp_mode) == (2, 4, "ddp"))
+            for schedule, p, m, v, dp_mode in configs]
+    cfg = {**GPT, "n_layer": 2}
+    ref = train_torch_ddp(comm, "tiny-gpt", steps=steps, global_batch=16, lr=0.1, seed=0, optimizer="sgd",
+                          model_kwargs=cfg, data_seed=1)
+    return {"runs": runs, "torch_ddp_params": ref["params"], "engine": engine_runs(comm), "verbose": verbose_trace(comm)}
+
+
+def verbose_trace(comm):
+    """What verbose=True prints on this rank for one ZB-H1 step at p = 4, m = 2 (picotron's VERBOSE)."""
+    import contextlib
+    import io
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train(comm, "zb_h1", 4, 2, steps=1, reference=False, verbose=True)
+    return printed.getvalue()
+
+
+def dies_mid_pipeline(comm, kill_rank=1, kill_microbatch=2):
+    """Rank `kill_rank` is killed by the OS (SIGKILL: no traceback) in the forward of a micro-batch."""
+    import os
+    import signal
+
+    from minizero.comm import Mesh
+    from minizero.experiments.references import global_batches
+    from minizero.models import GPTConfig, TinyGPT
+    from minizero.pipeline import PipelineRuntime, PipelineStage
+    mesh = Mesh(comm, pp=comm.size)
+    cfg = GPTConfig(**{**GPT, "n_layer": comm.size})
+    full = TinyGPT(cfg)
+    seen = []
+
+    def hook(module, args):
+        seen.append(1)
+        if comm.rank == kill_rank and len(seen) == kill_microbatch + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    full.h[kill_rank].register_forward_pre_hook(hook)
+    stage = PipelineStage(full.pipeline_parts(), mesh, (2, cfg.block_size, cfg.n_embd))
+    x, y = global_batches(full, 1, 8)[0]
+    PipelineRuntime(stage, "1f1b", 4).step(x, y)
+    return "finished"
+
+
+def engine_runs(comm, steps=3, clip=0.05):
+    """minizero.initialize with a pipeline section (dp 2 x pp 2), SGD + gradient clipping, against one
+    process clipping with torch.nn.utils.clip_grad_norm_: the largest parameter difference per run."""
+    import minizero
+    from minizero.data import shard
+    from minizero.experiments.references import global_batches, make_optimizer
+    from minizero.models import GPTConfig, TinyGPT
+    runs = [({"stage": 0}, {"stages": 2, "schedule": "1f1b"}),
+            ({"stage": 1}, {"stages": 2, "schedule": "zb_h1"}),
+            ({"stage": 1}, {"stages": 2, "schedule": "interleaved_1f1b", "chunks": 2})]
+    out = []
+    for zero, pipeline in runs:
+        cfg = GPTConfig(**{**GPT, "n_layer": 4})
+        config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": clip,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                  "zero_optimization": zero, "pipeline": pipeline}
+        model = TinyGPT(cfg)
+        names = {id(q): n for n, q in model.named_parameters()}
+        engine = minizero.initialize(model, config, comm=comm)
+        ref = TinyGPT(cfg)
+        opt = make_optimizer("sgd", ref.parameters(), 0.1)
+        losses, ref_losses, norms, ref_norms = [], [], [], []
+        for x, y in global_batches(ref, steps, 16, seed=3):
+            mine = shard((x, y), engine.mesh.dp_rank, engine.mesh.dp_size)
+            micro = list(zip(mine[0].chunk(4), mine[1].chunk(4)))
+            losses.append(engine.train_batch(iter(micro)).item())
+            norms.append(engine.get_global_grad_norm())
+            loss = ref(x, y)[1]
+            loss.backward()
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ref_losses.append(loss.item())
+        want = dict(ref.named_parameters())
+        worst = max(((q.detach() - want[names[id(q)]].detach()).abs() - 1e-6 * want[names[id(q)]].detach().abs()).max().item()
+                    for q in engine.pipeline.parameters())
+        out.append({"config": [zero, pipeline], "atol_needed": worst, "losses": losses, "ref_losses": ref_losses,
+                    "norms": norms, "ref_norms": ref_norms})
+    return out

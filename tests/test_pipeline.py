@@ -1,0 +1,179 @@
+"""Pipeline parallelism on real ranks: one 4-rank launch trains every schedule at p = 2 (x dp 2)
+and p = 4 with m = 1, p, 2p micro-batches and checks, against measurements of that run,
+  * the parameters after 5 SGD steps: one process on the whole batch (rtol 1e-6), torch DDP;
+  * activations held per stage (the runtime's report to the memory ledger) vs the schedule's formula;
+  * bytes sent per step (comm.stats, counted where sent) vs p2p theory + the tied all-reduce;
+  * the measured timeline: each rank ran its action list, receives after the matching send.
+Schedules as data (complete, deadlock-free, bubble formulas) are in test_pipeline_schedules.py."""
+import pytest
+
+from minizero import launch
+from minizero.experiments.pipeline import GPT
+from minizero.models import GPTConfig, TinyGPT
+from minizero.pipeline import SCHEDULES, in_flight_formula, make_schedule
+
+CONFIGS = [[name, p, m, 2 if name == "interleaved_1f1b" else 1, "ddp"]
+           for name in SCHEDULES for p in (2, 4) for m in (1, p, 2 * p)]
+CONFIGS += [["1f1b", 2, 4, 1, "zero1"], ["interleaved_1f1b", 2, 4, 2, "zero1"]]  # PP + ZeRO-1 over the dp axis
+TOL = 2e-7  # atol at rtol 1e-6, as for DDP and ZeRO against one process (DESIGN.md §7)
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return launch.run("tests/pipeline_workers.py:suite", nprocs=4, args={"configs": CONFIGS}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def suite(launched):
+    return [[rank["runs"][i] for rank in launched] for i in range(len(CONFIGS))], launched[0]["torch_ddp_params"]
+
+
+def _label(run):
+    c = run["config"]
+    return f"{c['schedule']} p={c['p']} m={c['m']} v={c['v']} dp={c['dp']}"
+
+
+def test_every_schedule_trains_like_one_process(suite):
+    runs, _ = suite
+    assert len(runs) == len(CONFIGS) == 26
+    for ranks in runs:
+        for r in ranks:
+            ref = r["reference"]
+            assert ref["atol_needed"] <= TOL, f"{_label(r)}: rank {r['rank']} `{ref['param']}` is {ref['max_diff']:.3g} " \
+                                              "from one process"
+            if r["pp_rank"] == r["config"]["p"] - 1:  # the last stage reports the loss, the others None
+                assert all(isinstance(loss, float) for loss in r["losses"])
+            else:
+                assert r["losses"] == [None] * 5
+
+
+def test_dp_x_pp_equals_torch_ddp(suite):
+    """1F1B on dp 2 x pp 2 (minizero DDP over the dp axis) against torch's DistributedDataParallel on
+    the 4 ranks with the same global batch of 16: every parameter, the tied wte/lm_head included."""
+    runs, torch_flat = suite
+    model = TinyGPT(GPTConfig(**{**GPT, "n_layer": 2}))
+    offsets, at = {}, 0
+    for name, q in model.named_parameters():
+        offsets[name] = (at, at + q.numel())
+        at += q.numel()
+    assert at == len(torch_flat)
+    (ranks,) = [rs for rs, c in zip(runs, CONFIGS) if c == ["1f1b", 2, 4, 1, "ddp"]]
+    seen = set()
+    for r in ranks:
+        for name, values in r["params"].items():
+            lo, hi = offsets[name]
+            worst = max(abs(a - b) - 1e-6 * abs(b) for a, b in zip(values, torch_flat[lo:hi]))
+            assert worst <= TOL, f"rank {r['rank']}: `{name}` differs from torch DDP by {worst:.3g} (above rtol 1e-6)"
+            seen.add(name)
+    assert seen == set(offsets)  # the two stages hold the whole model between them
+
+
+def test_activations_held_per_stage_match_the_schedule(suite):
+    """The runtime meters the tensors autograd keeps for backward (memory.SavedTensors: each saved
+    tensor is reported when autograd frees it) and reports the live bytes to memory.transient after
+    every action. Peak count = the schedule's formula (GPipe m, 1F1B min(p-r, m), ...), and for
+    GPipe and 1F1B the ledger's peak bytes = count x one micro-batch's bytes (the first and last
+    stage's micro-batches differ by a few bytes: between count x the smallest and x the largest)."""
+    runs, _ = suite
+    exact = 0
+    for ranks in runs:
+        for r in ranks:
+            c = r["config"]
+            want = in_flight_formula(c["schedule"], c["p"], c["m"], r["pp_rank"], c["v"])
+            assert r["peak_in_flight"] == [want] * 5, _label(r)
+            sizes = sorted(set(r["activation_bytes"].values()))
+            assert sizes[0] > 0
+            if c["schedule"] in ("gpipe", "1f1b"):
+                for peak in r["transient_peak"]:
+                    assert want * sizes[0] <= peak <= want * sizes[-1], _label(r)
+                exact += len(sizes) == 1 and r["transient_peak"] == [want * sizes[0]] * 5
+    assert exact >= 8  # every middle stage, to the byte
+    gpipe, one_f = (next(rs for rs, c in zip(runs, CONFIGS) if c[:3] == [n, 4, 8]) for n in ("gpipe", "1f1b"))
+    assert [r["peak_in_flight"][0] for r in gpipe] == [8] * 4
+    assert [r["peak_in_flight"][0] for r in one_f] == [4, 3, 2, 1]
+
+
+def test_bytes_sent_are_p2p_theory_plus_the_tied_all_reduce(suite):
+    """Per step a rank sends m·A per virtual stage it holds that is not the last (activations) and
+    m·A per one that is not the first (gradients); the first and last stage all-reduce the tied
+    embedding's gradient (2(N-1)/N·S, N = 2: S bytes); DDP over dp 2 all-reduces the stage's gradients."""
+    runs, _ = suite
+    for (_, _, _, _, dp_mode), ranks in zip(CONFIGS, runs):
+        for r in ranks:
+            c = r["config"]
+            micro_bytes = 2 * GPT["block_size"] * GPT["n_embd"] * 4
+            chunks = [k * c["p"] + r["pp_rank"] for k in range(c["v"])]
+            last = c["p"] * c["v"] - 1
+            want = c["m"] * micro_bytes * sum((s != last) + (s != 0) for s in chunks)
+            assert r["p2p_theory"] == want
+            assert r["tied_numel"] == (GPT["vocab_size"] * GPT["n_embd"] if r["pp_rank"] in (0, c["p"] - 1) else 0)
+            tied = 4 * r["tied_numel"]
+            if dp_mode == "zero1":  # (N-1)/N of the padded flat gradient, then of the parameters, N = 2
+                dp = {"reduce_scatter": 4 * r["padded_numel"] / 2, "all_gather": 4 * r["padded_numel"] / 2}
+            else:  # DDP: 2(N-1)/N of the stage's gradients, N = 2
+                dp = {"all_reduce": 4 * r["numel"] if c["dp"] == 2 else 0}
+            for ops in r["sent_by_op"]:
+                assert ops.get("send", 0) == want, _label(r)
+                assert ops.get("all_reduce", 0) == tied + dp.get("all_reduce", 0), _label(r)
+                for op in ("reduce_scatter", "all_gather"):
+                    assert ops.get(op, 0) == dp.get(op, 0), _label(r)
+
+
+def test_the_measured_timeline_is_the_schedule(suite):
+    """Events are real per-rank start/stop times on one clock: each rank ran exactly its action list,
+    actions do not overlap, and a stage starts computing F(k) only after the previous one did."""
+    runs, _ = suite
+    for ranks in runs:
+        c = ranks[0]["config"]
+        schedule = make_schedule(c["schedule"], c["p"], c["m"], c["v"])
+        by_stage = {}
+        for r in ranks:
+            if r["dp_rank"]:
+                continue
+            for step in r["events"]:
+                assert [e[0] for e in step] == [str(a) for a in schedule.actions[r["pp_rank"]]], _label(r)
+                assert all(t0 <= t1 <= t2 for _, t0, t1, t2 in step)
+                assert all(a[3] <= b[1] for a, b in zip(step, step[1:]))
+            by_stage[r["pp_rank"]] = {e[0]: e for e in r["events"][-1]}
+        for s in range(1, c["p"]):
+            for k in range(c["m"]):
+                assert by_stage[s][f"F{k}"][2] >= by_stage[s - 1][f"F{k}"][2], _label(ranks[0])
+
+
+def test_verbose_prints_each_action_as_it_runs(launched):
+    """verbose=True: one line per action, in the rank's order, with its wait, compute and the
+    micro-batches held after it (ZB-H1: B keeps its micro-batch until W)."""
+    schedule = make_schedule("zb_h1", 4, 2)
+    for pp_rank, rank in enumerate(launched):  # p = 4 on 4 ranks: dp 1, pp rank = rank
+        lines = rank["verbose"].splitlines()
+        actions = schedule.actions[pp_rank]
+        assert [line.split()[2] for line in lines] == [str(a) for a in actions], rank["verbose"]
+        assert all(line.startswith(f"[pp {pp_rank}] ") and " wait " in line and " compute " in line for line in lines)
+        held, want = [int(line.rsplit("held", 1)[1]) for line in lines], []
+        for a in actions:
+            want.append((want[-1] if want else 0) + {"F": 1, "B": 0, "W": -1}[a.kind])
+        assert held == want, rank["verbose"]
+
+
+def test_a_rank_dying_mid_pipeline_is_named_with_its_action():
+    """Rank 1 is SIGKILLed (no traceback) in the forward of micro-batch 2: the job ends by itself,
+    before its timeout (a LaunchError, not a LaunchTimeout), naming the rank and its pipeline action."""
+    with pytest.raises(launch.LaunchError) as e:
+        launch.run("tests/pipeline_workers.py:dies_mid_pipeline", nprocs=2, timeout=120)
+    assert not isinstance(e.value, launch.LaunchTimeout), str(e.value)
+    msg = str(e.value).splitlines()[0]
+    assert msg.startswith("rank 1 died without a Python traceback"), msg
+    assert "during pipeline action F2 on stage 1" in msg.split("The other ranks")[0], msg
+
+
+def test_engine_with_a_pipeline_section_trains_like_one_process(launched):
+    """minizero.initialize with pipeline.stages = 2 on 4 ranks (dp 2): ZeRO-0 (DDP over dp) with 1F1B,
+    ZeRO-1 with ZB-H1 and with interleaved 1F1B, SGD and gradient clipping at 0.05 (active: the norms
+    are ~1): parameters, losses and the global gradient norm equal one process clipping with
+    torch.nn.utils.clip_grad_norm_ (the tied embedding counted once)."""
+    for rank in launched:
+        for run in rank["engine"]:
+            assert run["atol_needed"] <= TOL, run["config"]
+            assert run["losses"] == pytest.approx(run["ref_losses"], rel=1e-6)  # on every rank, every stage
+            assert run["norms"] == pytest.approx(run["ref_norms"], rel=1e-6)
+            assert min(run["ref_norms"]) > 0.5
