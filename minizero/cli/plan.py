@@ -1,17 +1,27 @@
-"""`python -m minizero plan`: memory per GPU before you launch anything.
+"""`python -m minizero plan`: memory per GPU and bytes per link before you launch anything.
 
     python -m minizero plan --table zero-paper        # ZeRO paper Table 1, recomputed
-    python -m minizero plan --params 7e9 --gpus 4     # DDP vs ZeRO-1/2/3, inference
+    python -m minizero plan --params 7e9 --gpus 4     # DDP vs ZeRO-1/2/3 model states, inference
+    python -m minizero plan --layers 24 --hidden 2048 --heads 16 --seq 1024 --vocab 50304 \
+        --gpus 16 --tp 2 --pp 2 --zero 1 --micro-batch 4 --micro-batches 8 [--sp] [--checkpointing] [--json]
+    python -m minizero plan --params 1.5e9 --gpus 16 --global-batch 64 --fit 40 --hardware a100-eth
 
-Numbers are model states only (the ZeRO paper's accounting): no activations, no
-temporary buffers, no fragmentation. GB = 1e9 bytes, as in the paper.
+The first two print the ZeRO paper's model states. Any shape or strategy flag asks the planner
+(minizero/planner/): per-rank memory by category (model states, activations, the largest transient
+buffers) per pipeline stage and the bytes each rank sends per step by link class; --fit lists the
+layouts that fit, ranked by the alpha-beta + FLOP step-time estimate. GB = 1e9 bytes.
 """
 from __future__ import annotations
 
 import argparse
 import re
 
+import json
+import sys
+from dataclasses import replace
+
 from minizero.memory import PAPER_TABLE1, estimate, inference_bytes, zero_paper_table1
+from minizero.planner import HARDWARE, ModelShape, PlanError, Strategy, fit, plan, step_time
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -71,6 +81,65 @@ def print_plan(num_params: float, gpus: int, k: float) -> None:
         print(f"{dtype:<10}{inference_bytes(num_params, dtype) / 1e9:>10.2f} GB")
 
 
+def print_stages(p, times=None) -> None:
+    s = p.strategy
+    print(f"{s.name()}: {p.shape.num_params() / 1e9:.3g}B parameters on {s.world} GPUs (dp {s.dp} x pp {s.pp} x tp "
+          f"{s.tp}, {s.node_size} per node), micro-batch {s.micro_batch} x {s.micro_batches}, {s.precision}, {s.optimizer}")
+    for st in p.stages:
+        cells = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.memory.items() if v)
+        host = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.host.items() if v)
+        print(f"  stage {st.stage}: {st.params / 1e6:.4g}M params/rank; device GB: {cells}"
+              + (f"; transient: " + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.transient.items()) if st.transient else "")
+              + f"; total {st.device_total / 1e9:.3g}" + (f"; host GB: {host}" if host else ""))
+        sent = ", ".join(f"{g} {b / 1e9:.3g} ({st.link[g]})" for g, b in st.sent.items())
+        links = st.sent_by_link
+        print(f"    sent per step GB: {sent or 'nothing'}; intra-node {links['intra-node'] / 1e9:.3g}, "
+              f"cross-node {links['cross-node'] / 1e9:.3g}")
+    if times:
+        print("  estimated step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
+
+
+def _planner(args, parser) -> int:
+    if args.layers is not None:
+        missing = [f"--{n}" for n in ("hidden", "heads", "seq", "vocab") if getattr(args, n) is None]
+        if missing:
+            parser.error(f"--layers needs {' '.join(missing)} too (or give --params alone)")
+        shape = ModelShape(args.layers, args.hidden, args.heads, args.seq, args.vocab, args.tied)
+    elif args.params is not None:
+        shape = ModelShape.from_params(args.params, hidden=args.hidden, seq=args.seq or 1024,
+                                       vocab=args.vocab or 50257, heads=args.heads)
+    else:
+        parser.error("give the model: --params N, or --layers --hidden --heads --seq --vocab")
+    hw = replace(HARDWARE[args.hardware], **{k: v for k, v in (("flops", args.flops), ("mfu", args.mfu),
+                 ("intra_bw", args.intra_bw), ("inter_bw", args.inter_bw)) if v is not None})
+    world = args.gpus or 1
+    try:
+        if args.fit is not None:
+            ranked = fit(shape, world, args.fit * 1e9, hw, args.global_batch or args.micro_batch * world,
+                         args.node_size, args.micro_batch, args.precision, args.optimizer)
+            if args.json:
+                json.dump([{**p.as_dict(), "step_time": t} for p, t in ranked[:args.top]], sys.stdout, indent=1)
+                return 0
+            print(f"{len(ranked)} layouts fit in {args.fit:g} GB on {hw.name}; fastest first:")
+            for p, t in ranked[:args.top]:
+                print(f"  {p.strategy.name():<34} {p.peak_device_bytes / 1e9:8.3g} GB  step {t['total'] * 1e3:9.1f} ms "
+                      f"(compute {t['compute'] * 1e3:.1f}, comm {t['comm'] * 1e3:.1f}, offload {t['offload'] * 1e3:.1f})")
+            return 0
+        if args.dp is not None and args.dp * args.tp * args.pp != world:
+            raise PlanError(f"dp {args.dp} x pp {args.pp} x tp {args.tp} = {args.dp * args.pp * args.tp} is not the "
+                            f"world size {world} (--gpus)")
+        p = plan(shape, Strategy(world, args.node_size, args.tp, args.pp, args.sp, args.zero or 0, args.offload,
+                                 args.micro_batch, args.micro_batches, args.schedule, args.checkpointing,
+                                 args.precision, args.optimizer))
+    except PlanError as e:
+        parser.error(str(e))
+    if args.json:
+        json.dump({**p.as_dict(), "step_time": step_time(p, hw)}, sys.stdout, indent=1)
+    else:
+        print_stages(p, step_time(p, hw))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="minizero plan",
@@ -82,7 +151,42 @@ def main(argv: list[str] | None = None) -> int:
                         help="data-parallel degree N (default 1)")
     parser.add_argument("--k", type=_nonnegative, default=12.0,
                         help="optimizer bytes per parameter (12 = mixed-precision Adam)")
+    shape = parser.add_argument_group("model shape (the planner)")
+    for name, what in (("layers", "transformer blocks"), ("hidden", "width h"), ("heads", "attention heads"),
+                       ("seq", "sequence length"), ("vocab", "vocabulary")):
+        shape.add_argument(f"--{name}", type=_positive_int, help=what)
+    shape.add_argument("--tied", action="store_true", help="lm_head shares wte's weight")
+    strat = parser.add_argument_group("strategy (the planner)")
+    strat.add_argument("--node-size", type=_positive_int, default=8, help="GPUs per node (default 8)")
+    for name in ("tp", "pp"):
+        strat.add_argument(f"--{name}", type=_positive_int, default=1, help=f"{name} size (default 1)")
+    strat.add_argument("--dp", type=_positive_int, help="data-parallel size (default: gpus / (tp x pp))")
+    strat.add_argument("--zero", type=int, choices=range(4), help="ZeRO stage over the DP group")
+    strat.add_argument("--offload", action="store_true", help="ZeRO-Offload of the optimizer to the host")
+    strat.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    strat.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
+    strat.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per rank per micro-batch")
+    strat.add_argument("--micro-batches", type=_positive_int, default=1, help="accumulation = pipeline micro-batches")
+    strat.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    strat.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="bf16")
+    strat.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    search = parser.add_argument_group("--fit: which layouts fit, fastest first")
+    search.add_argument("--fit", type=_nonnegative, metavar="MEMORY_GB", help="device memory per GPU, GB")
+    search.add_argument("--global-batch", type=_positive_int, help="sequences per step (default micro-batch x gpus)")
+    search.add_argument("--top", type=_positive_int, default=10, help="how many to list")
+    search.add_argument("--hardware", choices=sorted(HARDWARE), default="h100-ib",
+                        help="; ".join(f"{k}: {v.name}" for k, v in HARDWARE.items()))
+    for name, what in (("flops", "peak FLOP/s per GPU"), ("mfu", "fraction of peak reached"),
+                       ("intra-bw", "intra-node bytes/s"), ("inter-bw", "cross-node bytes/s")):
+        search.add_argument(f"--{name}", type=float, help=f"override the hardware's {what}")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (for notebooks)")
     args = parser.parse_args(argv)
+    planner_flags = (args.layers, args.zero, args.fit, args.dp, args.global_batch)
+    if any(v is not None for v in planner_flags) or args.json or args.checkpointing or args.offload or args.sp \
+            or args.tp > 1 or args.pp > 1 or args.micro_batches > 1:
+        if args.table:
+            parser.error("--table prints the ZeRO paper's table; leave out the planner's flags")
+        return _planner(args, parser)
     if args.params is None and args.gpus is not None:
         parser.error("--gpus needs --params (how many parameters?)")
     if args.table is None and args.params is None:

@@ -1,0 +1,264 @@
+"""The planner: what one rank holds and sends for a model shape, a batch, a world and a strategy.
+
+    shape = ModelShape(layers=24, hidden=2048, heads=16, seq=1024, vocab=50257)
+    p = plan(shape, Strategy(world=16, node_size=8, tp=2, pp=2, zero=1, micro_batch=4, micro_batches=8))
+    p.stages[0].memory["activations"], p.stages[0].sent_by_link["cross-node"]
+
+Everything is a formula of minizero's own layouts, so a run of the same configuration can check it
+(tests/test_planner_validation.py compares it with the ledger and comm.stats):
+
+* The grid is the Mesh's, arange(world).view(dp, pp, tp), tp fastest; "node" = node_size consecutive
+  ranks. A group whose ranks all sit on one node talks over the intra-node link, any other over the
+  cross-node one (a ring is as fast as its slowest link). Ranks of one pipeline stage hold and send
+  the same, so the plan has one entry per stage.
+* Parameters per rank: TinyGPT's tensors (block = 12h² + 13h; wte V·h, wpe s·h, ln_f 2h, lm_head V·h
+  unless tied). PP: blocks cut uniformly, the first stages one longer (pipeline.partition); the
+  embeddings on the first stage, ln_f and lm_head on the last. TP (Megatron): the four matrices and
+  the column biases split by t (12h² + 7h), row biases and LayerNorms whole (6h); wte and lm_head
+  split over the vocabulary.
+* Model states over the DP group: memory.estimate_by_location (ZeRO stages, offload), at the peak
+  (after backward): stage 0 holds its gradients twice there (DDP's buckets and autograd's .grad,
+  until the step makes .grad views into the buckets; torch's DDP without gradient_as_bucket_view
+  does the same). Padding (at most dp-1 elements per flat buffer) is not counted.
+* Activations: memory.activation_bytes (Korthikanti et al. 2022, no dropout: minizero's models have
+  none) per layer held, times the micro-batches in flight (no PP: 1; GPipe: m; 1F1B: min(p - stage, m)), plus
+  the head on the last stage: the LN and LM-head inputs and the log-softmax, w·s·b·(2h + V/t)
+  (with SP the two inputs are sequence shards: 2h/t).
+* Bytes sent per step (comm.stats' ring model, f = (N-1)/N of the group): DP stage 0 all-reduce
+  2f·Ψ·b_g (with gradient clipping, ZeRO 1-2 add one float's all-reduce); stage 1 reduce-scatter + all-gather f·Ψ(b_g + b_p); stage 2 reduce every micro-batch
+  m·f·Ψ·b_g + all-gather f·Ψ·b_p; stage 3 (every unit gathered in forward and again in backward,
+  reduce-scattered, per micro-batch) 3·m·f·Ψ·b_c. TP: the tensor package's own count
+  (tensor.parallel_gpt.collectives_per_step): 4 all-reduces of s·b·h per layer per micro-batch (2
+  forward g, 2 backward f; SP: reduce-scatter/all-gather pairs, 2 re-gathers in backward and the
+  replicated gradients' all-reduces), the embedding's g, lm_head's f, the loss's 3 scalars per token;
+  checkpointing repeats each layer's forward collectives but the last (torch's early stop: measured).
+  (For pp > 1 the embedding's share goes to the first stage, the head's and the loss's to the last.)
+  PP: m·A per pipe (activations forward unless last, gradients back unless first), A = w·s·b·h,
+  and the tied embedding's all-reduce between the first and last stage (V·h·4/t).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from minizero import memory
+
+DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2}
+STATE_BYTES = {"adam": 8, "sgd": 4}   # per element: Adam's m and v; SGD's momentum
+SCHEDULES = ("gpipe", "1f1b")
+
+
+class PlanError(ValueError):
+    """A layout that cannot run, said with the sizes and what to change."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int              # sequence length (TinyGPT's block_size: wpe has this many rows)
+    vocab: int
+    tied: bool = False    # lm_head.weight IS wte.weight
+
+    def block_params(self) -> int:
+        return 12 * self.hidden ** 2 + 13 * self.hidden
+
+    def num_params(self) -> int:
+        h, v = self.hidden, self.vocab
+        return self.layers * self.block_params() + v * h * (1 if self.tied else 2) + self.seq * h + 2 * h
+
+    @classmethod
+    def from_params(cls, num_params: float, hidden=None, seq=1024, vocab=50257, heads=None) -> "ModelShape":
+        """A GPT of about `num_params` parameters: hidden from the count (GPT-3's width ladder)
+        unless given, layers = what fills the rest, heads = hidden / 128."""
+        if hidden is None:
+            hidden = next((w for w, top in ((768, 2e8), (1024, 5e8), (2048, 2e9), (4096, 1e10), (8192, 1e11))
+                           if num_params <= top), 12288)
+        rest = num_params - 2 * vocab * hidden - seq * hidden
+        layers = max(1, round(rest / (12 * hidden ** 2 + 13 * hidden)))
+        return cls(layers, hidden, heads or max(1, hidden // 128), seq, vocab)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    world: int
+    node_size: int = 8            # ranks per node: groups inside one are "intra-node"
+    tp: int = 1                   # tensor-parallel size (Megatron), inside a node
+    pp: int = 1                   # pipeline stages
+    sp: bool = False              # sequence parallelism with TP
+    zero: int = 0                 # ZeRO stage over the DP group (0 = DDP)
+    offload: bool = False         # ZeRO-Offload: masters, fp32 grads and optimizer state on the host
+    micro_batch: int = 1          # sequences per rank per micro-batch
+    micro_batches: int = 1        # gradient accumulation steps = pipeline micro-batches m
+    schedule: str = "1f1b"
+    checkpointing: bool = False   # activation checkpointing per block
+    precision: str = "bf16"       # fp32, fp16 or bf16 (16 bits: fp32 masters)
+    optimizer: str = "adam"
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    def name(self) -> str:
+        parts = [f"dp{self.dp}", f"pp{self.pp}" if self.pp > 1 else "", f"tp{self.tp}" if self.tp > 1 else "",
+                 "sp" if self.sp else "", f"zero{self.zero}", "offload" if self.offload else "",
+                 "ckpt" if self.checkpointing else ""]
+        return "-".join(p for p in parts if p)
+
+
+@dataclass
+class StagePlan:
+    stage: int
+    params: int                                     # parameter elements on each rank of this stage
+    memory: dict = field(default_factory=dict)      # category -> bytes on the device
+    host: dict = field(default_factory=dict)        # category -> bytes on the host (offload)
+    transient: dict = field(default_factory=dict)   # largest short-lived buffers -> bytes
+    sent: dict = field(default_factory=dict)        # group (dp, tp, pp, tied) -> bytes per step
+    link: dict = field(default_factory=dict)        # group -> "intra-node" | "cross-node"
+
+    @property
+    def device_total(self) -> float:
+        return sum(self.memory.values()) + max(self.transient.values(), default=0)
+
+    @property
+    def sent_by_link(self) -> dict:
+        out = {"intra-node": 0.0, "cross-node": 0.0}
+        for group, nbytes in self.sent.items():
+            out[self.link[group]] += nbytes
+        return out
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    strategy: Strategy
+    stages: list
+
+    @property
+    def peak_device_bytes(self) -> float:
+        return max(s.device_total for s in self.stages)
+
+    def as_dict(self) -> dict:
+        return {"shape": asdict(self.shape), "strategy": {**asdict(self.strategy), "dp": self.strategy.dp},
+                "name": self.strategy.name(), "num_params": self.shape.num_params(),
+                "peak_device_bytes": self.peak_device_bytes,
+                "stages": [{**asdict(s), "device_total": s.device_total, "sent_by_link": s.sent_by_link}
+                           for s in self.stages]}
+
+
+def check(shape: ModelShape, s: Strategy) -> None:
+    """Every reason this layout cannot run, as one PlanError naming the sizes."""
+    for name, value in (("world", s.world), ("node_size", s.node_size), ("tp", s.tp), ("pp", s.pp),
+                        ("micro_batch", s.micro_batch), ("micro_batches", s.micro_batches)):
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} must be a positive whole number, got {value!r}")
+    if s.world % (s.tp * s.pp):
+        raise PlanError(f"tp {s.tp} x pp {s.pp} = {s.tp * s.pp} does not divide the world size {s.world}: "
+                        "dp x pp x tp must equal the number of ranks")
+    if s.tp > s.node_size or s.node_size % s.tp:
+        raise PlanError(f"tp {s.tp} does not fit in a node of {s.node_size} ranks: tensor parallelism talks "
+                        "every layer, keep it inside a node (tp <= node size, dividing it)")
+    if shape.heads % s.tp:
+        raise PlanError(f"{shape.heads} attention heads do not divide by tp {s.tp}: each rank owns whole heads")
+    if shape.vocab % s.tp:
+        raise PlanError(f"vocabulary {shape.vocab} does not divide by tp {s.tp} (vocab-parallel embedding)")
+    if s.zero not in (0, 1, 2, 3):
+        raise PlanError(f"zero stage must be 0, 1, 2 or 3, got {s.zero!r}")
+    if s.pp > 1 and s.zero >= 2:
+        raise PlanError(f"ZeRO stage {s.zero} with pipeline parallelism: gradients (and parameters) sharded "
+                        "across the micro-batches would be re-reduced every micro-batch; use zero 0 or 1 with pp > 1")
+    if s.pp > shape.layers:
+        raise PlanError(f"{s.pp} pipeline stages but only {shape.layers} layers: at most one stage per layer")
+    if s.offload and s.zero == 0:
+        raise PlanError("offload needs ZeRO stage 1, 2 or 3 (there is no shard to offload at stage 0)")
+    if s.sp and s.tp == 1:
+        raise PlanError("sequence parallelism needs tp > 1")
+    if s.schedule not in SCHEDULES or s.precision not in DTYPES or s.optimizer not in STATE_BYTES:
+        raise PlanError(f"schedule in {SCHEDULES}, precision in {tuple(DTYPES)}, optimizer in "
+                        f"{tuple(STATE_BYTES)}; got {s.schedule!r}, {s.precision!r}, {s.optimizer!r}")
+
+
+def _link(ranks: list, node_size: int) -> str:
+    return "intra-node" if len({r // node_size for r in ranks}) == 1 else "cross-node"
+
+
+def plan(shape: ModelShape, s: Strategy) -> Plan:
+    check(shape, s)
+    h, v, t, w = shape.hidden, shape.vocab, s.tp, DTYPES[s.precision]
+    b, sq, m = s.micro_batch, shape.seq, s.micro_batches
+    dp, f_dp, f_tp = s.dp, (s.dp - 1) / s.dp, (t - 1) / t
+    sizes, extra = divmod(shape.layers, s.pp)
+    stages = []
+    for stage in range(s.pp):
+        layers = sizes + (stage < extra)
+        first, last = stage == 0, stage == s.pp - 1
+        params = layers * ((12 * h * h + 7 * h) // t + 6 * h)
+        params += (v * h // t + sq * h) if first else 0
+        params += (2 * h + (0 if shape.tied and first else v * h // t)) if last else 0
+        sp = StagePlan(stage, params)
+        states = memory.estimate_by_location(params, dp, s.zero, param_bytes=4 if s.zero == 3 else w,
+                                             grad_bytes=w, state_bytes=STATE_BYTES[s.optimizer],
+                                             offload_optimizer="cpu" if s.offload else "none")
+        for category, where in states.items():
+            sp.memory[category] = where["device"]
+            sp.host[category] = where["host"]
+        if s.zero == 0:  # DDP's buckets AND autograd's .grad until the step makes .grad views into them
+            sp.memory["gradients"] *= 2
+        in_flight = 1 if s.pp == 1 else m if s.schedule == "gpipe" else min(s.pp - stage, m)
+        acts = memory.activation_bytes(b, sq, h, layers, shape.heads, bytes_per=w, checkpointing=s.checkpointing,
+                                       tensor_parallel=t, sequence_parallel=s.sp, dropout=False)
+        head = w * sq * b * (2 * h / (t if s.sp else 1) + v / t) if last else 0  # SP: ln_f, lm_head see s/t
+        sp.memory["activations"] = in_flight * acts + head
+        unit = (12 * h * h + 13 * h) * w  # one block's parameters, gathered (ZeRO-3) or bucketed
+        sp.transient = {"zero3 gathered units (this + prefetched)": 2 * unit / t} if s.zero == 3 else {}
+        if s.pp > 1:
+            sp.transient["pipeline receive buffer"] = w * sq * b * h
+        _comm(sp, s, params, stage, first, last, layers, f_dp, f_tp, shape)
+        stages.append(sp)
+    return Plan(shape, s, stages)
+
+
+def _comm(sp: StagePlan, s: Strategy, params, stage, first, last, layers, f_dp, f_tp, shape):
+    """Bytes this stage's ranks send per optimizer step, by group, and each group's link class."""
+    w = DTYPES[s.precision]
+    m, act = s.micro_batches, w * shape.seq * s.micro_batch * shape.hidden
+    grid = [[[d * s.pp * s.tp + p * s.tp + k for k in range(s.tp)] for p in range(s.pp)] for d in range(s.dp)]
+    dp_ranks = [grid[d][stage][0] for d in range(s.dp)]
+    dp_bytes = {0: 2 * f_dp * params * w, 1: f_dp * params * 2 * w, 2: (m + 1) * f_dp * params * w,
+                3: 3 * m * f_dp * params * w}[s.zero]
+    if s.dp > 1:
+        sp.sent["dp"], sp.link["dp"] = dp_bytes, _link(dp_ranks, s.node_size)
+    if s.tp > 1:
+        sp.sent["tp"], sp.link["tp"] = _tp_bytes(s, shape, layers, first, last), _link(grid[0][stage], s.node_size)
+    if s.pp > 1:
+        sp.sent["pp"] = m * act * ((not last) + (not first))
+        sp.link["pp"] = _link([grid[0][p][0] for p in range(s.pp)], s.node_size)
+        if shape.tied and (first or last):
+            sp.sent["tied"] = shape.vocab * shape.hidden * 4 / s.tp
+            sp.link["tied"] = _link([grid[0][0][0], grid[0][-1][0]], s.node_size)
+
+
+def _tp_bytes(s: Strategy, shape: ModelShape, layers, first, last) -> float:
+    """The tp group's bytes per step, from the tensor package's own count of its collectives
+    (tensor.parallel_gpt.collectives_per_step, ring model as comm.stats): per layer and pass, plus the
+    embedding (first stage) and the LM head and loss (last stage). Checkpointing repeats each layer's
+    forward collectives in the recompute."""
+    from minizero.comm.stats import ring_bytes_sent
+    from minizero.tensor.parallel_gpt import collectives_per_step
+    w, t = DTYPES[s.precision], s.tp
+    count = collectives_per_step(layers, s.micro_batch, shape.seq, shape.hidden, shape.seq, t, s.sp, bytes_per=w)
+
+    def sent(ops):
+        return sum(ring_bytes_sent(op, payload, t) for op, (_, payload) in ops.items())
+    forward, backward = sent(count["per_layer"]["forward"]), sent(count["per_layer"]["backward"])
+    extras = sent(count["forward"]) + sent(count["backward"]) - layers * (forward + backward)
+    act = w * shape.seq * s.micro_batch * shape.hidden
+    embedding = ring_bytes_sent("all_reduce", act, t)  # g (SP: reduce-scatter, and its all-gather back)
+    if s.sp:  # wpe's gradient, seen by s/t tokens per rank, is all-reduced
+        embedding += ring_bytes_sent("all_reduce", shape.seq * shape.hidden * w, t)
+    ends = extras if s.pp == 1 else (embedding if first else 0) + (extras - embedding if last else 0)
+    # the recompute repeats a layer's forward collectives but the last (the block output's g: torch's
+    # early stop ends the recompute once every saved tensor is back, and nothing saved needs it)
+    last_g = ring_bytes_sent("reduce_scatter" if s.sp else "all_reduce", act, t)
+    per_micro = layers * (forward + backward) + (layers * (forward - last_g) if s.checkpointing else 0) + ends
+    return s.micro_batches * per_micro
