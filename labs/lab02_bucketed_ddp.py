@@ -44,6 +44,10 @@ Decisions, and why:
     each object once). Frozen parameters (requires_grad=False) are never reduced.
   * After finish, each p.grad IS a view into its bucket (torch's gradient_as_bucket_view):
     the buckets are the gradient memory, held for the life of the wrapper, not a copy.
+  * Buffers (BatchNorm's running statistics) are updated by each rank's forward from its own
+    batch: rank 0's are broadcast before every forward under grad mode, as torch DDP's
+    broadcast_buffers=True does ((N-1)/N of their bytes, counted), so they cannot drift apart.
+    broadcast_buffers=False turns it off; a forward under no_grad (evaluation) never broadcasts.
   * One wrapper per model at a time. The parameter hooks hold the wrapper weakly, so a
     dropped wrapper goes quiet; two live wrappers of one model would both reduce.
 """
@@ -98,7 +102,8 @@ def _hook(ddp_ref, i):
 
 class DDP(nn.Module):
     def __init__(self, module: nn.Module, comm: comm_mod.Communicator | None = None,
-                 bucket_numel: int | None = 6_250_000, overlap: bool = True, mode: str | None = None):
+                 bucket_numel: int | None = 6_250_000, overlap: bool = True, mode: str | None = None,
+                 broadcast_buffers: bool = True):
         super().__init__()
         self.module = module
         self.comm = comm or comm_mod.get()
@@ -108,6 +113,7 @@ class DDP(nn.Module):
         if self.mode != "naive" and not (bucket_numel and bucket_numel > 0):
             raise ValueError(f"mode {self.mode!r} needs bucket_numel > 0, got {bucket_numel!r}")
         self.bucket_numel = bucket_numel  # gradients per bucket (a bigger parameter gets its own)
+        self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward, as torch DDP
         self._broadcast_from_rank0()
         # Unique trainable parameters. parameters() yields a tied weight once.
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -129,15 +135,10 @@ class DDP(nn.Module):
             p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), i))
 
     # ------------------------------------------------------------------ construction
-    @torch.no_grad()
     def _broadcast_from_rank0(self):
         """Every rank starts from rank 0's weights and buffers, frozen ones too: ranks that
         built the model with different seeds would otherwise train different models."""
-        for t in [*self.module.parameters(), *self.module.buffers()]:
-            buf = t.detach() if t.is_contiguous() else t.detach().contiguous()
-            self.comm.broadcast(buf, src=0)
-            if buf.data_ptr() != t.data_ptr():
-                t.copy_(buf)
+        self.comm.broadcast_tensors([*self.module.parameters(), *self.module.buffers()])
 
     def _make_buckets(self, bucket_numel: int) -> list[GradBucket]:
         buckets, current, numel = [], [], 0
@@ -155,6 +156,11 @@ class DDP(nn.Module):
 
     # ------------------------------------------------------------------ torch conventions
     def forward(self, *args, **kwargs):
+        # Buffers a forward changes (BatchNorm's running statistics, computed from each rank's own
+        # batch) would drift apart: rank 0's win before every training forward, as in torch DDP
+        # (broadcast_buffers=True). Not under no_grad: an evaluation on one rank must not wait for the others.
+        if self.broadcast_buffers and torch.is_grad_enabled():
+            self.comm.broadcast_tensors(list(self.module.buffers()))
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs):

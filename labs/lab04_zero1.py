@@ -15,7 +15,10 @@ scatter them (each rank receives the average of only the 1/N it owns), step that
 all-gather the updated parameters: (N-1)/N·Ψ + (N-1)/N·Ψ = 2(N-1)/N·Ψ elements, the ring all-
 reduce's volume. minizero.comm counts exactly this (see tests/test_zero12.py).
 
-    opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)   # or param groups:
+    opt = ShardedOptimizer([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                           torch.optim.AdamW, lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 100)   # a torch.optim.Optimizer: schedulers take it
     loss = model(x_shard, y_shard)[1]; loss.backward()
     opt.clip_grad_norm_(1.0)         # optional: the GLOBAL norm, across shards
     opt.step(); opt.zero_grad()
@@ -40,13 +43,19 @@ Decisions, and why:
     step() p.grad holds this rank's LOCAL gradient; the average exists only as the shard.
   * gradients_reduced=True: the gradients were already averaged (e.g. by minizero.dp.ddp.DDP);
     step() just slices its shard out of p.grad. Comm is then all-reduce + all-gather.
-  * A flat shard cannot skip a parameter whose grad is None the way torch does: it steps it
-    with a zero gradient. Identical for a parameter never used (Adam/SGD move nothing from
-    zero state), but momentum keeps moving a parameter used earlier and unused now, and
-    weight decay shrinks it. DeepSpeed behaves the same way.
-  * One param group. LR schedulers drive `.optim`, the inner torch optimizer. fp16 loss
-    scaling is the caller's: reduce_gradients() is the averaged shard, unscale and check it
-    (minizero.precision), then step(), or zero_grad() to skip the step.
+  * A torch.optim.Optimizer (flat_shard_optimizer.py): param groups with their own lr /
+    weight_decay (nanoGPT's decay / no-decay pair), torch's LR schedulers, state_dict(). The
+    flat buffer lays the groups out one after another: ONE buffer, one reduce-scatter and one
+    all-gather per step whatever the number of groups, and one padding; the inner optimizer
+    steps each group's run of this rank's shard.
+  * A parameter without a gradient (unused in this step on every rank) is left alone, as torch
+    does: no weight decay, no momentum. "Unused" = no local gradient on this rank AND an exactly
+    zero averaged gradient in this rank's piece (DDP's rule). The flat step is masked for it
+    (flat_shard_optimizer.py says how, and the one difference left: Adam's step counter is one
+    per run, so a parameter skipped in earlier steps gets that run's bias correction).
+    DeepSpeed instead steps it with a zero gradient (weight decay shrinks it, momentum moves it).
+  * fp16 loss scaling is the caller's: reduce_gradients() is the averaged shard, unscale and
+    check it (minizero.precision), then step(), or zero_grad() to skip the step.
 """
 from __future__ import annotations
 
@@ -55,34 +64,7 @@ import torch
 from minizero import comm as comm_mod
 from minizero import memory, precision
 from minizero.zero.flat_layout import FlatLayout
-
-# Torch optimizers whose update of one element depends on other elements of its tensor.
-NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
-
-
-def unique_trainable(params) -> list[torch.nn.Parameter]:
-    """Trainable parameters, each object once (a tied weight appears twice in some lists)."""
-    out, seen = [], set()
-    for p in params:
-        if isinstance(p, dict):
-            raise TypeError("param groups are not supported: pass one iterable of parameters")
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    if not out:
-        raise ValueError("no trainable parameters: the params list is empty, or every parameter "
-                         "has requires_grad=False")
-    return out
-
-
-def check_optimizer_class(optimizer_cls):
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        raise TypeError(f"pass an optimizer CLASS such as torch.optim.Adam (it is built on this rank's "
-                        f"shard only); got a {type(optimizer_cls).__name__} object")
-    if optimizer_cls.__name__ in NOT_ELEMENTWISE:
-        raise ValueError(f"{optimizer_cls.__name__} is not elementwise: its update of one element reads "
-                         "other elements of the tensor, so it cannot step a flat shard cut through "
-                         "tensors. Use SGD, Adam, AdamW, RMSprop, Adagrad, ...")
+from minizero.zero.flat_shard_optimizer import FlatShardOptimizer
 
 
 @torch.no_grad()
@@ -104,21 +86,20 @@ def clip_shard_grad_norm_(comm, grad_shard: torch.Tensor, max_norm: float, norm_
     return total[0]
 
 
-class ShardedOptimizer:
-    """ZeRO-1: `optimizer_cls(shard, **optimizer_kwargs)` on this rank's 1/N of the flat parameters."""
+class ShardedOptimizer(FlatShardOptimizer):
+    """ZeRO-1: `optimizer_cls` on this rank's 1/N of the flat parameters, one run per param group."""
 
     def __init__(self, params, optimizer_cls, comm: comm_mod.Communicator | None = None,
                  gradients_reduced: bool = False, debug: bool | None = None, **optimizer_kwargs):
-        check_optimizer_class(optimizer_cls)
+        super().__init__(params, optimizer_cls, optimizer_kwargs)  # groups and values checked: nothing changed yet
         self.comm = comm or comm_mod.get()
-        self.params = unique_trainable(params)
+        dtypes = {(p.dtype, p.device) for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"one flat buffer holds one dtype on one device; got {sorted(map(str, dtypes))}")
         if (self.comm.debug if debug is None else debug) and self.comm.size > 1:
             # rank 0's values win below; debug says so loudly instead of training rank 0's model
             self.comm.check_replicated([(f"params[{i}]", p) for i, p in enumerate(self.params)], "ShardedOptimizer")
         self.gradients_reduced = gradients_reduced
-        dtypes = {(p.dtype, p.device) for p in self.params}
-        if len(dtypes) > 1:
-            raise ValueError(f"one flat buffer holds one dtype on one device; got {sorted(map(str, dtypes))}")
         self.layout = FlatLayout([p.shape for p in self.params], self.comm.size)
         # The full flat parameter buffer: every rank holds all of it (ZeRO-1 shards only the
         # optimizer). Rank 0's values win, so every replica starts identical.
@@ -129,7 +110,11 @@ class ShardedOptimizer:
         self.shard = self.layout.shard(self.flat, self.comm.rank)
         self.mixed = self.flat.dtype != torch.float32
         self.master = self.shard.float() if self.mixed else self.shard  # fp32: no redundant copy
-        self.optim = optimizer_cls([self.master], **optimizer_kwargs)
+        rank, shard_numel = self.comm.rank, self.layout.shard_numel
+        data_end = min(shard_numel, max(0, self.layout.numel - rank * shard_numel))  # then padding
+        self._build_runs([(self.master, [(pc.index, pc.lo, pc.hi, pc.shard_lo) for pc in self.layout.pieces(rank)],
+                           data_end, False)])
+        self.had_grad = [False] * len(self.params)  # this rank produced params[i].grad since zero_grad
         self.flat_grad, self._grad_shard = None, None
         if not gradients_reduced:
             self.flat_grad = torch.zeros_like(self.flat)
@@ -144,7 +129,9 @@ class ShardedOptimizer:
         p, slot = self.params[i], self.grad_views[i]
         if p.grad is None:
             slot.zero_()  # unused this step: contributes zeros (the same collectives everywhere)
-        elif p.grad.data_ptr() != slot.data_ptr():
+            return
+        self.had_grad[i] = True
+        if p.grad.data_ptr() != slot.data_ptr():
             slot.copy_(p.grad)
             p.grad = slot  # autograd's own tensor is freed now
 
@@ -160,6 +147,7 @@ class ShardedOptimizer:
         shard = torch.zeros(self.layout.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
         memory.transient.alloc("zero1.grad_shard", shard)
         if self.gradients_reduced:  # already averaged: copy out only the pieces this rank owns
+            self.had_grad = [h or p.grad is not None for h, p in zip(self.had_grad, self.params)]
             for pc in self.layout.pieces(self.comm.rank):
                 g = self.params[pc.index].grad
                 if g is not None:
@@ -188,16 +176,24 @@ class ShardedOptimizer:
         memory.transient.free("zero1.grad_shard")
         return loss
 
+    def used(self, grad_shard: torch.Tensor) -> set:
+        """Parameters (indices) with a piece in this shard that got a gradient in this step: a local
+        one (had_grad), or a nonzero average, so some other rank used it (DDP's rule)."""
+        return {pc.index for pc in self.layout.pieces(self.comm.rank)
+                if self.had_grad[pc.index] or bool(grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo].any())}
+
     @torch.no_grad()
     def step_shard(self, grad_shard: torch.Tensor):
         """Step this rank's 1/N with the averaged gradient of that 1/N, then all-gather the
         updated shards so every rank holds the full parameters for the next forward.
         ZeRO-2 calls this too, with the gradient shard it reduced during backward."""
+        used = self.used(grad_shard)
         # mixed precision: the fp32 copy of the gradient shard lives only during the step
         with memory.transient.hold("zero1.fp32_grad_shard", grad_shard.numel() * 4 if self.mixed else 0):
             # TODO(lab 4): step the shard.
             #   Give self.master the gradient `grad_shard` (cast to the master's dtype: fp32),
-            #   run self.optim.step(), then drop the gradient again (set it to None).
+            #   run self.step_masters(used) (the inner optimizer's step on this shard, which leaves
+            #   parameters outside `used` alone), then drop the gradient again (set it to None).
             raise NotImplementedError('lab 4: not implemented yet: step the shard')
         # TODO(lab 4): all-gather the updated parameters into self.flat.
         #   Copy self.master into a new send buffer of self.flat's dtype (MPI may not send from
@@ -205,6 +201,7 @@ class ShardedOptimizer:
         raise NotImplementedError('lab 4: not implemented yet: all-gather the updated parameters into self.flat')
 
     def zero_grad(self, set_to_none: bool = True):
+        self.had_grad = [False] * len(self.params)
         for p in self.params:
             if set_to_none:
                 p.grad = None
@@ -215,27 +212,19 @@ class ShardedOptimizer:
             memory.transient.free("zero1.grad_shard")
 
     # ------------------------------------------------------------------ torch conventions
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
     def state_dict(self) -> dict:
-        """This rank's shard only (consolidating all shards into one file is a later step).
-        fp32: the parameters themselves are the model's; the master IS them, so not saved."""
-        sd = {"world_size": self.comm.size, "rank": self.comm.rank, "numel": self.layout.numel,
-              "optimizer": self.optim.state_dict()}
+        """This rank's shard only, in torch's format (flat_shard_optimizer.py); the engine's
+        checkpoints reshard. fp32: the master IS the model's parameters, so it is not saved."""
+        sd = super().state_dict()
         if self.mixed:
             sd["master"] = self.master.clone()
         return sd
 
-    def load_state_dict(self, sd: dict):
-        got, want = (sd["world_size"], sd["rank"], sd["numel"]), (self.comm.size, self.comm.rank, self.layout.numel)
-        if got != want:
-            raise ValueError(f"state dict of rank {got[1]}/{got[0]} for {got[2]} params; this is rank "
-                             f"{want[1]}/{want[0]} with {want[2]}: shards only load on the same layout")
-        self.optim.load_state_dict(sd["optimizer"])
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict):
+        super().load_state_dict(state_dict)
         if self.mixed:
-            self.master.copy_(sd["master"])
+            self.master.copy_(state_dict["master"])
 
     def memory_tensors(self):
         """For memory.measure: the full flat parameters, the full flat gradients (ZeRO-1 keeps
@@ -245,10 +234,9 @@ class ShardedOptimizer:
             yield "gradients", self.flat_grad, None
         if self.mixed:
             yield "master_params", self.master, None
-        for state in self.optim.state.values():
-            for v in state.values():
-                if torch.is_tensor(v):
-                    yield "optimizer_state", v, None
+        if self.master.grad is not None:  # a gradient kept past step(): Ψ/N more bytes, really held
+            yield "gradients", self.master.grad, None
+        yield from self.optimizer_state_tensors()
 
     def __repr__(self):
         layout = self.layout

@@ -40,6 +40,9 @@ How, and why:
   * The end of backward is found with an autograd callback queued by the first hook (as
     torch DDP does): it zero-fills the slots no hook filled (unused parameters: no hook fires,
     yet every rank must issue the same reduces), launches what is left and waits for all.
+  * Param groups (params=...) with their own lr / weight_decay: ShardedOptimizer's runs; a
+    parameter without a gradient is not decayed or moved (sharded_optimizer.py). Buffers: rank
+    0's before every forward (broadcast_buffers, as torch DDP).
   * Frozen parameters are not in the flat buffer. A tied weight is one slot: its hook fires
     once, after autograd has summed both uses (a second firing in one backward is an error).
   * Gradient accumulation, two ways. Plain: several backwards before step(); each one reduces
@@ -58,7 +61,8 @@ from torch.autograd.variable import Variable
 
 from minizero import comm as comm_mod
 from minizero import memory
-from minizero.zero.sharded_optimizer import ShardedOptimizer, check_optimizer_class, clip_shard_grad_norm_
+from minizero.zero.flat_shard_optimizer import check_optimizer_class, covering_param_groups
+from minizero.zero.sharded_optimizer import ShardedOptimizer, clip_shard_grad_norm_
 
 
 class ReduceBucket:
@@ -82,23 +86,25 @@ class ShardGradOp(nn.Module):
 
     def __init__(self, module: nn.Module, optimizer_cls, comm: comm_mod.Communicator | None = None,
                  bucket_numel: int = 6_250_000, overlap: bool = True, debug: bool | None = None,
-                 **optimizer_kwargs):
+                 params=None, broadcast_buffers: bool = True, **optimizer_kwargs):
+        """params: param groups of `module`'s parameters (nanoGPT's decay / no-decay pair), every
+        trainable parameter in one of them; default: one group of module.parameters()."""
         super().__init__()
         check_optimizer_class(optimizer_cls)
         if not bucket_numel or bucket_numel <= 0:
             raise ValueError(f"bucket_numel must be > 0, got {bucket_numel!r}")
+        groups = covering_param_groups(module, module.parameters() if params is None else params, "ShardGradOp")
         self.module = module              # the wrapped model (torch's convention: .module)
         self.comm = comm or comm_mod.get()
         if (self.comm.debug if debug is None else debug) and self.comm.size > 1:
             self.comm.check_replicated(module.named_parameters(), "ShardGradOp")
         self.overlap = overlap            # reduce each bucket during backward (else all at its end)
         self.bucket_numel = bucket_numel  # gradients per bucket; a bigger parameter gets its own
-        with torch.no_grad():  # frozen parameters and buffers: rank 0's (the flat buffer is broadcast below)
-            for t in [*(p for p in module.parameters() if not p.requires_grad), *module.buffers()]:
-                self.comm.broadcast(t.data, src=0)
+        self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward (torch DDP's default)
         # The sharded step of ZeRO-1, told that gradients arrive reduced (it allocates none).
-        self.optim = ShardedOptimizer(module.parameters(), optimizer_cls, self.comm,
-                                      gradients_reduced=True, **optimizer_kwargs)
+        self.optim = ShardedOptimizer(groups, optimizer_cls, self.comm, gradients_reduced=True, **optimizer_kwargs)
+        # frozen parameters and buffers: rank 0's (the flat buffer was broadcast by the optimizer)
+        self.comm.broadcast_tensors([*(p for p in module.parameters() if not p.requires_grad), *module.buffers()])
         self.params = self.optim.params   # unique trainable parameters, in flat-buffer order
         self.layout = self.optim.layout   # where each parameter sits in the flat buffer
         # this rank's averaged gradient: the only gradient memory that outlives backward
@@ -132,6 +138,8 @@ class ShardGradOp(nn.Module):
 
     # ------------------------------------------------------------------ torch conventions
     def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and torch.is_grad_enabled():  # BatchNorm's statistics stay rank 0's
+            self.comm.broadcast_tensors(list(self.module.buffers()))
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs):
@@ -165,6 +173,7 @@ class ShardGradOp(nn.Module):
         if i in bucket.filled:
             raise RuntimeError(f"ShardGradOp: parameter {i} {tuple(self.params[i].shape)} got two gradients in "
                                "one backward")
+        self.optim.had_grad[i] = True  # a local gradient: used (torch steps it)
         self._fill(bucket, i)
         while self.overlap and self._next < len(self.buckets) and self._full(self.buckets[self._next]):
             self._launch(self.buckets[self._next])
@@ -214,6 +223,7 @@ class ShardGradOp(nn.Module):
         for bucket in self.buckets[self._next:]:
             for i in bucket.params:
                 if i not in bucket.filled:  # unused now (a no_sync grad in p.grad still counts)
+                    self.optim.had_grad[i] |= self.params[i].grad is not None
                     self._fill(bucket, i)
             self._launch(bucket)
         if self._in_flight is not None:
@@ -244,6 +254,7 @@ class ShardGradOp(nn.Module):
     def zero_grad(self, set_to_none: bool = True):
         self.grad_shard.zero_()
         self._has_grad = False
+        self.optim.had_grad = [False] * len(self.params)
         for p in self.params:  # only no_sync leaves full gradients behind
             p.grad = None
 

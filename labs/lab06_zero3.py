@@ -11,7 +11,7 @@ all-gather (forward) + all-gather (backward) + reduce-scatter = 3(N-1)/N·Ψ·b 
 1.5x DDP's all-reduce 2(N-1)/N·Ψ·b.
 
     model = FSDP(TinyGPT(cfg))                        # the same seed on every rank
-    opt = torch.optim.Adam(model.parameters(), lr)    # sees this rank's fp32 shards only
+    opt = FSDPOptimizer(model, torch.optim.Adam, lr=lr)   # or torch.optim.Adam(model.parameters(), lr)
     loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
     full = model.gather_full_params()                 # a collective: every rank calls it
 
@@ -29,12 +29,12 @@ and have their gradients all-reduced: a collective per tiny bias would be all la
 A step, for unit unit: the forward pre-hook all-gathers unit's shards into a fresh flat buffer (or
 waits for its prefetch) and points the module's parameter attributes at views of it; the
 post-hook frees it; backward gathers unit again when it first needs one of unit's weights; when unit's
-gradient is complete it is reduce-scattered (avg) into unit.shard.grad and unit is freed. How, with
+gradient is complete it is reduce-scattered (avg) into the parameters' .grad and unit is freed. How, with
 public torch 2.13 API, the same on CPU and CUDA:
   * the buffer enters autograd through _Gather, a Function of the shard whose backward is the
     transpose of an all-gather, a reduce-scatter. The views are split()s of its output, so unit's
     gradients meet in ONE node, run once when complete (unused parameters and padding get
-    zeros from SplitBackward), and autograd accumulates its result into unit.shard.grad;
+    zeros from SplitBackward), and _accumulate adds its result into the parameters' .grad;
   * saved_tensors_hooks see every tensor autograd saves: a view of a gathered buffer is saved as
     a _ParamRef (unit + strides), so after forward nothing holds the buffer, and unpacking one
     gathers unit again. (Hooks on module outputs fire too early or never; resizing storage to 0,
@@ -48,17 +48,34 @@ compute_dtype (bf16/fp16): shards are cast BEFORE the all-gather (half the bytes
 and gradients are reduce-scattered, in it; the fp32 shards are the master copy ("master_params"
 in the ledger) and 16-bit weights exist only while gathered. Buffers and frozen params keep theirs.
 
+The model's parameters, as a user sees them (torch's conventions; FSDP2 and FSDP1's
+use_orig_params=True do the same): named_parameters() / parameters() yield every parameter under
+its ORIGINAL name (no "module." prefix), each sharded one as this rank's local part, a 1-D view
+of unit.shard holding the elements this rank owns (maybe none): p.shape and p.numel() count
+this rank's elements, `p.full_shape` is the shape before sharding, and the local parts of all
+ranks add up to Ψ (padding is no parameter's). A persistent one is its whole self, a view of
+unit.whole. Their .grad are views of one flat fp32 gradient per unit (freed with the last of
+them); a parameter no rank used keeps .grad None, so torch's optimizers skip it, as they would
+without FSDP. A plain torch optimizer on model.parameters() therefore works; FSDPOptimizer
+(fsdp_optimizer.py) steps the same elements as one run per unit. The owner module's attribute
+(module.fc1.weight) is a full-shape tensor: the gathered view in forward and backward, between
+steps a meta-device placeholder, so code reading weight.shape (an extra_repr, print(model))
+works while reading its values fails loudly; use gather_full_params() or state_dict()
+(collectives: the full values under the original names) and load_state_dict().
+
 Rules: every rank builds the same model (debug=True checks) and runs the same units in the same
 order, so all issue the same collectives, also for a parameter unused in a step (a zero slice
 of its unit's gradient). A unit whose weights no backward op reads (only biases) is not gathered
-again: fewer bytes than 3(N-1)/N·Ψ. Buffers stay replicated (rank 0's, broadcast at construction
-like DDP). Between steps the module's sharded attributes are empty: use gather_full_params(),
-state_dict() (collectives) and load_state_dict().
+again: fewer bytes than 3(N-1)/N·Ψ. Buffers stay replicated: rank 0's at construction and, with
+broadcast_buffers (the default, as torch DDP), before every forward under grad mode, so BatchNorm
+statistics cannot drift apart ((N-1)/N of the buffers' bytes per forward, counted as "broadcast").
 """
 from __future__ import annotations
 
 import itertools
+import math
 import time
+import weakref
 
 import torch
 import torch.nn as nn
@@ -110,6 +127,13 @@ class _Unit:
         self.whole = nn.Parameter(torch.empty(self.persistent_numel, device=comm.device)) if self.persistent_numel else None
         tensors = [p for p, _, _ in sharded + persistent]
         self.load([materialize(t) for t in tensors] if materialize else tensors, comm.rank)  # zero.Init: one unit
+        self.originals = [weakref.ref(p) for p, _, _ in sharded + persistent]  # the user's, not kept alive
+        self.visible = []        # per entry: the Parameter now registered under its original name(s)
+        self.slots = {}          # "shard"/"whole" -> [(entry, offset, numel, lo)]: visible one's place, and
+                                 # where its elements start in the flattened full parameter
+        self.placeholders = []   # per entry: a full-shape meta tensor, the module attribute between steps
+        self.used = set()        # entries whose gathered view got a gradient in this backward
+        self.grads = {}          # "shard"/"whole" -> weakref to the flat gradient the visible .grads view
         self.buf = None          # the gathered buffer, while it exists
         self.work = None         # the in-flight all-gather into it
         self.src = None          # the shard cast to compute_dtype, while its gather is in flight
@@ -134,7 +158,8 @@ class _Unit:
 
 class FSDP(nn.Module):
     def __init__(self, module: nn.Module, comm: comm_mod.Communicator | None = None, compute_dtype=None,
-                 prefetch: bool = True, persistence_threshold: int = 0, wrap=None, debug: bool | None = None):
+                 prefetch: bool = True, persistence_threshold: int = 0, wrap=None, debug: bool | None = None,
+                 broadcast_buffers: bool = True):
         super().__init__()
         if isinstance(module, FSDP) or any(getattr(m, "_zero3_wrapped", False) for m in module.modules()):
             raise ValueError("FSDP: this module is already wrapped by FSDP (its parameters are flat shards "
@@ -147,26 +172,21 @@ class FSDP(nn.Module):
         self.prefetch = prefetch  # gather the next unit while this one computes
         self.dtype = compute_dtype or torch.float32  # what the units compute and reduce in
         self.debug = self.comm.debug if debug is None else debug
+        self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward (torch DDP's default)
         self._tag = f"zero3#{next(_IDS)}"
-        self._empty = torch.empty(0, dtype=self.dtype, device=self.comm.device)  # a freed attribute
         self._init = built_with_init(module)  # built under zero.Init: materialized here, one unit at a time
         if self._init is not None:
             self._init.materialize_replicated(module)  # buffers and frozen parameters: small, whole everywhere
         elif self.debug and self.comm.size > 1:
             self._check_same_params()
-        with torch.no_grad():  # buffers: replicated, rank 0's win (as in DDP)
-            for b in module.buffers():
-                self.comm.broadcast(b.data if b.is_contiguous() else b.data.contiguous(), src=0)
+        self.comm.broadcast_tensors(list(module.buffers()))  # replicated: rank 0's win (as in DDP)
         # state_dict() order: parameter names (tied ones under every name) and buffers
         self._keys = list(module.state_dict().keys())
         self.units = self._build_units(module, wrap, persistence_threshold)
-        for i, unit in enumerate(self.units):
-            for name, p in (("shard", unit.shard), ("whole", unit.whole)):
-                if p is not None:
-                    self.register_parameter(f"{name}_{i}", p)
-            for _, slots, _ in unit.entries:  # the originals leave the module: plain attributes now
-                for mod, attr in slots:
-                    mod._parameters.pop(attr, None)
+        self._visible_ids = set()       # id() of every Parameter _expose registered
+        self._replaced = {}             # id(original Parameter) -> (weakref to it, its local Parameter)
+        for unit in self.units:
+            self._expose(unit)          # the originals leave the module; their local parts take their names
             self._install(unit, None)
             unit.module.register_forward_pre_hook(lambda m, args, unit=unit: self._pre_forward(unit))
             unit.module.register_forward_hook(lambda m, args, out, unit=unit: self._post_forward(unit))
@@ -177,8 +197,55 @@ class FSDP(nn.Module):
         self.counters = {"gathers": 0, "prefetch_hits": 0}
         self.events = []                # this step's schedule: (seconds, what, unit)
         self.fetch_shard = None         # offload_param: fn(unit, shard) -> a device copy, before each all-gather
+        self._forwarding = False        # inside forward(); a unit run outside it (an activation-checkpoint
+                                        # recompute in backward) gathers itself but neither records nor prefetches
+        self.grad_sink = None           # offload: fn(unit, part, flat fp32 grad) takes each reduced gradient
 
     # ------------------------------------------------------------------ construction
+    @torch.no_grad()
+    def _expose(self, unit):
+        """Register each of unit's parameters under its original name(s) as this rank's local part:
+        the elements of it this rank's shard holds (flattened, maybe none), a view of unit.shard, or
+        for a persistent one the whole tensor, a view of unit.whole. `p.full_shape` is the full shape."""
+        pieces = {pc.index: pc for pc in unit.layout.pieces(self.comm.rank)}
+        unit.slots = {"shard": [], "whole": []}
+        offset = 0
+        for j, (shape, slots, _) in enumerate(unit.entries):
+            if j < unit.n_sharded:
+                pc = pieces.get(j)
+                lo, numel = (pc.shard_lo, pc.hi - pc.lo) if pc else (0, 0)
+                unit.slots["shard"].append((j, lo, numel, pc.lo if pc else 0))
+                p = nn.Parameter(unit.shard.detach()[lo:lo + numel])
+            else:
+                numel = math.prod(shape)
+                unit.slots["whole"].append((j, offset, numel, 0))
+                p = nn.Parameter(unit.whole.detach()[offset:offset + numel].view(shape))
+                offset += numel
+            p.full_shape = torch.Size(shape)
+            unit.visible.append(p)
+            unit.placeholders.append(torch.empty(shape, dtype=self.dtype, device="meta"))
+            self._visible_ids.add(id(p))
+            self._replaced[id(unit.originals[j]())] = (unit.originals[j], p)
+            for mod, attr in slots:
+                mod._parameters[attr] = p  # named_parameters() and the owner's state_dict() see it
+
+    def local_parameter(self, p: torch.Tensor) -> torch.Tensor:
+        """The Parameter this model trains in place of `p`: p itself if it is one of
+        named_parameters() (a local part, or a frozen one), or the local part that took the name of
+        an original Parameter of the wrapped model (param groups built before wrapping map here)."""
+        if id(p) in self._visible_ids or any(q is p for q in self.module.parameters()):
+            return p
+        ref, local = self._replaced.get(id(p), (None, None))
+        if ref is None or ref() is not p:
+            raise ValueError(f"a tensor of shape {tuple(p.shape)} is not a parameter of this FSDP model")
+        return local
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The wrapped model's parameters under their ORIGINAL names (no "module." prefix, as FSDP2):
+        each sharded one is this rank's local part (p.shape, p.numel() count only what this rank
+        holds; p.full_shape is the full shape), frozen ones are whole. parameters() yields the same."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
     def _check_same_params(self):
         self.comm.check_replicated(self.module.named_parameters(), "FSDP")
 
@@ -218,15 +285,20 @@ class FSDP(nn.Module):
             src = src.to(self.dtype)  # cast BEFORE communicating: half the bytes
             memory.transient.alloc(f"{self._tag}/{unit.name}/cast", src)
         buf = torch.empty(unit.gathered_numel + unit.persistent_numel, dtype=self.dtype, device=self.comm.device)
+        self._gather_shards(unit, buf, src)
+        if unit.persistent_numel:
+            buf[unit.gathered_numel:].copy_(unit.whole.detach())
+        unit.buf, unit.src = buf, src  # MPI reads src until the gather completes: keep it alive
+
+    def _gather_shards(self, unit, buf, src):
+        """Start gathering every rank's shard `src` into buf; the handle goes to unit.work.
+        (An extension point: ZeRO++ gathers int8 codes, or from its intra-node copy, here.)"""
         # TODO(lab 6): pre-forward gather: start the all-gather of this unit.
         #   Record `buf` with memory.transient.alloc(f"{self._tag}/{unit.name}", buf).
         #   When unit.gathered_numel > 0: all-gather this rank's shard `src` into
         #     buf[:unit.gathered_numel] with async_op=True, and keep the handle in unit.work
         #     (the wait comes later, in _wait).
         raise NotImplementedError('lab 6: not implemented yet: pre-forward gather')
-        if unit.persistent_numel:
-            buf[unit.gathered_numel:].copy_(unit.whole.detach())
-        unit.buf, unit.src = buf, src  # MPI reads src until the gather completes: keep it alive
 
     def _wait(self, unit):
         if unit.work is not None:
@@ -260,14 +332,20 @@ class FSDP(nn.Module):
             unit.prefetched = True
 
     def _install(self, unit, full):
-        """Point every owner's attribute at its view of `full` (None: at an empty placeholder)."""
-        views = unit.split(full) if full is not None else [self._empty] * len(unit.entries)
-        for (_, slots, _), v in zip(unit.entries, views):
+        """Point every owner's attribute at its view of `full` (None: at the full-shape meta
+        placeholders, so code reading weight.shape between steps, like an extra_repr, still works).
+        The attribute lives in the module's __dict__, in front of the local part in _parameters."""
+        views = unit.split(full) if full is not None else unit.placeholders
+        for j, ((_, slots, _), v) in enumerate(zip(unit.entries, views)):
+            if full is not None and v.requires_grad:  # a gradient reaches it: used in this step
+                v.register_hook(lambda grad, j=j: unit.used.add(j))
             for mod, attr in slots:
                 object.__setattr__(mod, attr, v)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and torch.is_grad_enabled():  # BatchNorm's statistics stay rank 0's
+            self.comm.broadcast_tensors(list(self.module.buffers()))
         for unit in self.units:  # a prefetch nobody consumed (a unit that did not run): drop it
             if unit.buf is not None:
                 self._wait(unit)
@@ -275,13 +353,19 @@ class FSDP(nn.Module):
                 unit.prefetched = False
         self._order, self._record, self.events = self._record or self._order, [], []
         self._t0 = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return self.module(*args, **kwargs)
+        self._forwarding = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return self.module(*args, **kwargs)
+        finally:
+            self._forwarding = False
 
     def _pre_forward(self, unit):
         self._need(unit)
         self._saved_from[unit.buf.untyped_storage().data_ptr()] = unit
         self._install(unit, _Gather.apply(self, unit, unit.shard, unit.whole))
+        if not self._forwarding:  # a recompute: the forward order and the next unit's prefetch are the forward's
+            return
         unit.visited = False
         self._record.append(unit)
         i = self._order.index(unit) if unit in self._order else len(self._order)
@@ -311,24 +395,64 @@ class FSDP(nn.Module):
 
     @torch.no_grad()
     def _reduce_grads(self, unit, g):
-        """unit's whole flat gradient g: its average over ranks, as (shard grad, whole grad)."""
-        shard_grad = whole_grad = None
+        """unit's whole flat gradient g: its average over ranks, added into the local parameters'
+        .grad (_accumulate). Returns no gradient for autograd to add anywhere."""
+        whole_grad = None
         memory.transient.alloc(f"{self._tag}/{unit.name}/grad", g)
         if unit.buf is not None:  # backward is done with unit's parameters
             self._wait(unit)
             self._free(unit)
         self._event("reduce", unit)
-        # TODO(lab 6): gradient reduce-scatter: each rank keeps the average of its own shard.
-        #   When unit.gathered_numel > 0: shard_grad = a new tensor of unit.layout.shard_numel
-        #     elements in g's dtype; reduce-scatter (op="avg") g[:unit.gathered_numel] into it.
-        #   Return it as fp32 (autograd adds it into unit.shard.grad).
-        raise NotImplementedError('lab 6: not implemented yet: gradient reduce-scatter')
+        shard_grad = self._reduce_shard_grad(unit, g)
         if unit.persistent_numel:  # persistent parameters: whole everywhere, so all-reduce their gradients
             whole_grad = g[unit.gathered_numel:].clone()
             self.comm.all_reduce(whole_grad, op="avg")
             whole_grad = whole_grad.float()
         memory.transient.free(f"{self._tag}/{unit.name}/grad")
-        return shard_grad, whole_grad
+        for part, grad in (("shard", shard_grad), ("whole", whole_grad)):
+            if grad is not None and self.grad_sink is not None:
+                self.grad_sink(unit, part, grad)  # offload: straight to the host, no device .grad
+            elif grad is not None:
+                self._accumulate(unit, part, grad)
+        unit.used = set()
+        return None, None
+
+    def _reduce_shard_grad(self, unit, g):
+        """This rank's shard of the average over ranks of g (fp32), or None when nothing is sharded.
+        (An extension point: ZeRO++'s quantized hierarchical reduce replaces it.)"""
+        shard_grad = None
+        # TODO(lab 6): gradient reduce-scatter: each rank keeps the average of its own shard.
+        #   When unit.gathered_numel > 0: shard_grad = a new tensor of unit.layout.shard_numel
+        #     elements in g's dtype; reduce-scatter (op="avg") g[:unit.gathered_numel] into it.
+        #   Return it as fp32 (the caller adds it into the parameters' .grad).
+        raise NotImplementedError('lab 6: not implemented yet: gradient reduce-scatter')
+        return shard_grad
+
+    def _accumulate(self, unit, part, grad):
+        """Add this backward's averaged flat gradient into the local parameters' .grad, which are
+        views of ONE flat buffer per unit part (as FSDP1's use_orig_params): the buffer lives as long
+        as one of them does, so zero_grad(set_to_none=True) frees it. A parameter that got no
+        gradient (not used here, and an exactly zero average: no rank used it) keeps .grad None,
+        so optimizers skip it as torch's do."""
+        flat = self.unit_grad(unit, part)
+        if flat is None:
+            flat = grad
+            unit.grads[part] = weakref.ref(flat)
+        else:
+            flat.add_(grad)  # gradient accumulation: another backward before the step
+        for j, offset, numel, _ in unit.slots[part]:
+            p = unit.visible[j]
+            if p.grad is None and numel and (j in unit.used or bool(grad[offset:offset + numel].any())):
+                p.grad = flat[offset:offset + numel].view(p.shape)
+
+    def unit_grad(self, unit, part: str):
+        """The flat fp32 gradient of unit's shard ("shard") or persistent part ("whole"), or None once
+        no local parameter's .grad views it any more (zero_grad), even if someone else still holds it."""
+        flat = unit.grads[part]() if part in unit.grads else None
+        if flat is None or not any(unit.visible[j].grad is not None and unit.visible[j].grad._base is flat
+                                   for j, _, numel, _ in unit.slots[part] if numel):
+            return None
+        return flat
 
     def _event(self, what, unit):
         self.events.append((time.perf_counter() - getattr(self, "_t0", 0.0), what, unit.name))
@@ -347,7 +471,8 @@ class FSDP(nn.Module):
                 flat[unit.gathered_numel:] = unit.whole.detach()
             for (_, _, names), v in zip(unit.entries, unit.split(flat)):
                 full.update(dict.fromkeys(names, v.clone()))
-        full.update((n, p.detach().clone()) for n, p in self.module.named_parameters(remove_duplicate=False))
+        full.update((n, p.detach().clone()) for n, p in self.module.named_parameters(remove_duplicate=False)
+                    if id(p) not in self._visible_ids)  # frozen: whole
         return {k: full[k] for k in self._keys if k in full}
 
     def state_dict(self, *args, **kwargs):
@@ -364,7 +489,8 @@ class FSDP(nn.Module):
         for unit in self.units:
             unit.load([state_dict[names[0]] for _, _, names in unit.entries], self.comm.rank)
         for name, t in [*self.module.named_parameters(), *self.module.named_buffers()]:
-            t.copy_(state_dict[name])
+            if id(t) not in self._visible_ids:  # frozen parameters and buffers
+                t.copy_(state_dict[name])
 
     def memory_tensors(self):
         """For memory.measure: shards (fp32 master copy when computing in 16 bits), persistent
@@ -374,12 +500,14 @@ class FSDP(nn.Module):
             for p in (unit.shard, unit.whole):
                 if p is not None:
                     yield cat, p, None
-                    if p.grad is not None:
-                        yield "gradients", p.grad, None
+            for p in unit.visible:  # their .grads are views of the unit's flat gradients
+                if p.grad is not None:
+                    yield "gradients", p.grad, None
             if unit.buf is not None:  # gathered and not freed: parameter memory this rank holds
                 yield "parameters", unit.buf, None
         for p in self.module.parameters():  # frozen: whole on every rank
-            yield "parameters", p, None
+            if id(p) not in self._visible_ids:
+                yield "parameters", p, None
         for b in self.module.buffers():
             yield "buffers", b, None
 

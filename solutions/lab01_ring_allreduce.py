@@ -25,8 +25,6 @@ import torch
 def ring_all_reduce(comm, tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over all ranks of `comm`, in place, using only isend/recv."""
     n, rank = comm.size, comm.rank
-    if n == 1:
-        return tensor
     if not tensor.is_contiguous():
         raise ValueError("ring_all_reduce needs a contiguous tensor")
     chunks = list(torch.tensor_split(tensor.view(-1), n))  # views: writing them writes `tensor`

@@ -177,7 +177,7 @@ def clip_grad_norm_(grads, max_norm: float, shard_comm=None) -> torch.Tensor:
     return norm
 
 
-class MixedPrecisionOptimizer:
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """fp32 master weights around any torch optimizer: step the masters, round them into the model.
 
         model = TinyGPT().to(torch.float16)
@@ -188,21 +188,30 @@ class MixedPrecisionOptimizer:
     bf16 gradient is a real divergence, not a too-large scale). clip_grad: global-norm clipping of
     the unscaled fp32 gradients (0: off). comm: the ranks that vote on overflow (_agreeing_comm).
     After step(), `overflow` says whether the step was skipped; `skipped_steps` counts them.
+    A torch.optim.Optimizer: param_groups are the groups of 16-bit parameters you passed (torch's LR
+    schedulers edit them; their values reach the masters' optimizer at every step).
     """
 
     def __init__(self, params, optimizer_cls=torch.optim.Adam, loss_scaler: LossScaler | None = None,
                  clip_grad: float = 0.0, comm=None, **optimizer_kwargs):
-        seen, self.params = set(), []
-        for p in params:  # unique trainable ones, in order (a tied weight once)
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                self.params.append(p)
+        groups = list(params)  # tensors, or torch's param groups (dicts with "params")
+        groups = groups if groups and isinstance(groups[0], dict) else [{"params": groups}]
+        seen, self.params, sizes = set(), [], []
+        for group in groups:  # unique trainable ones, in order (a tied weight once)
+            mine = [p for p in ([group["params"]] if torch.is_tensor(group["params"]) else group["params"])
+                    if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
+            self.params += mine
+            sizes.append(len(mine))
         bad = sorted({str(p.dtype) for p in self.params if p.dtype not in HALF})
         if bad:
             raise TypeError(f"MixedPrecisionOptimizer wants 16-bit parameters, got {bad}: convert the model "
                             "(model.to(torch.float16)); fp32 parameters need no master copy, use the optimizer as is")
         self.masters = [p.detach().float() for p in self.params]  # fresh fp32 storages: the 4 bytes of 4+4+4
-        self.optimizer = optimizer_cls(self.masters, **optimizer_kwargs)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.optimizer = optimizer_cls([{**g, "params": self.masters[a:a + n]} for g, a, n in zip(groups, starts, sizes)],
+                                       **optimizer_kwargs)  # the optimizer of the fp32 masters
+        super().__init__([{**g, "params": self.params[a:a + n]} for g, a, n in zip(groups, starts, sizes)],
+                         self.optimizer.defaults)
         self.loss_scaler = loss_scaler  # None: bf16 (no scaling needed); a LossScaler for fp16
         self.clip_grad = clip_grad      # max global gradient norm; 0: no clipping
         self.comm = comm                # the ranks that vote on overflow (None: this process alone)
@@ -210,9 +219,11 @@ class MixedPrecisionOptimizer:
         self.skipped_steps = 0
         self.grad_norm = None           # the last step's global gradient norm (when clipping)
 
-    @property
-    def param_groups(self):  # for LR schedulers: they act on the optimizer of the masters
-        return self.optimizer.param_groups
+    def step_masters(self):
+        """The masters' optimizer step, with the hyperparameters of param_groups (a scheduler's lr)."""
+        for inner, outer in zip(self.optimizer.param_groups, self.param_groups):
+            inner.update((k, v) for k, v in outer.items() if k != "params")
+        self.optimizer.step()
 
     def backward(self, loss: torch.Tensor):
         (self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss).backward()
@@ -242,7 +253,7 @@ class MixedPrecisionOptimizer:
                 return
             if self.clip_grad > 0:
                 self.grad_norm = clip_grad_norm_(grads, self.clip_grad)
-            self.optimizer.step()
+            self.step_masters()
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)  # round to nearest into the 16-bit weights the next forward uses
         finally:
@@ -270,6 +281,8 @@ class MixedPrecisionOptimizer:
             m.copy_(saved)
             p.copy_(m)
         self.optimizer.load_state_dict(state["optimizer"])
+        for inner, outer in zip(self.optimizer.param_groups, self.param_groups):  # the saved lr, ...
+            outer.update((k, v) for k, v in inner.items() if k != "params")
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.skipped_steps = state["skipped_steps"]

@@ -61,6 +61,10 @@ class Traffic:
         return dict(vars(self))
 
 
+# param-group keys that are not hyperparameters: the tensors, and the kernel cpu_optimizer chose
+IMPLEMENTATION = ("params", "fused", "foreach", "capturable", "differentiable")
+
+
 def host_empty(numel: int, dtype=torch.float32, pin: bool = False) -> torch.Tensor:
     """A host (CPU) buffer; page-locked when `pin` and CUDA exist, so copies can be asynchronous."""
     return torch.empty(numel, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
@@ -154,8 +158,8 @@ class HostOptimizer:
         """After grads_to_host (and unscaling/clipping the host grads): step and update the device.
         Under DPU the step runs in a thread and the device parameters change at finish()."""
         self.finish()
-        for front, back in zip(self.param_groups, self.optim.param_groups):
-            back.update(front)
+        for front, back in zip(self.param_groups, self.optim.param_groups):  # lr, weight_decay, ... (not the
+            back.update((k, v) for k, v in front.items() if k not in IMPLEMENTATION)  # tensors, nor the kernel
         self.steps += 1
         if not (self.dpu_warmup_steps is not None and self.steps > self.dpu_warmup_steps):
             self.cpu_step(self.grads)

@@ -1,14 +1,21 @@
-"""Every lesson notebook runs top to bottom (in a fresh kernel, cwd = repo root), in time,
-and is committed without outputs."""
+"""Every lesson notebook runs top to bottom (in a fresh kernel, cwd = repo root), plots what it
+measured, and is committed without outputs.
+
+Time: the budget is ~60 s on 2 idle cores (BUDGET_S leaves a margin). It is not asserted: other
+jobs share the machine, and a notebook that takes 2x as long at load 10 is not broken. A notebook
+over budget gets a warning with the load it ran at; only a hang (a cell past HANG_S) fails."""
 import json
+import os
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "lessons").glob("*.ipynb"))
-BUDGET_S = 90  # the target is 60 s on 2 cores; the margin absorbs a loaded CI machine
+BUDGET_S = 90  # the target is 60 s on 2 idle cores; over it -> a warning naming the load
+HANG_S = 600   # per cell: a cell still running after this is hung (launch jobs time out well before)
 
 
 def test_there_are_lessons():
@@ -28,11 +35,13 @@ def test_lesson_executes(path):
     import nbformat
     nb = nbformat.read(path, as_version=4)
     t0 = time.time()
-    client = nbclient.NotebookClient(nb, timeout=BUDGET_S, kernel_name="python3",
+    client = nbclient.NotebookClient(nb, timeout=HANG_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(ROOT)}})
     client.execute()
     elapsed = time.time() - t0
-    assert elapsed < BUDGET_S, f"{path.name} took {elapsed:.0f}s"
+    if elapsed > BUDGET_S:
+        warnings.warn(f"{path.name} took {elapsed:.0f}s (budget {BUDGET_S} s on idle cores) at load average "
+                      f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     # the lesson must have produced at least one plot from its measurements
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if "image/png" in o.get("data", {})]

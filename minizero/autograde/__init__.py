@@ -81,8 +81,14 @@ def impl_file(lab: Lab, impl: str) -> str:
 
 
 def run_check(lab: Lab, check: Check, impl: str) -> dict:
-    """Run one check; always returns a Gradescope test entry, never raises for student errors."""
+    """Run one check; always returns a Gradescope test entry, never raises for a broken submission.
+
+    Whatever goes wrong (the check's verdict, a rank's exception, a native crash, a timeout, a
+    file that does not import, an error in the check itself) becomes this check's failing entry
+    with its reason, and a known raw error gets its likely cause under it (autograde.hints)."""
+    import traceback
     from minizero import launch
+    from minizero.autograde.hints import with_hint
     t0 = time.time()
     try:
         output, ok = check.fn(impl_file(lab, impl)), True
@@ -92,17 +98,23 @@ def run_check(lab: Lab, check: Check, impl: str) -> dict:
         if e.last_line.startswith("NotImplementedError") and f"lab {lab.number}" in e.last_line:
             output = e.last_line.split(": ", 1)[1]  # the stub's own "lab N: not implemented yet: ..."
         else:
-            output = f"{e.args[0].splitlines()[0]}\n\n{e.rank_traceback[-3000:]}"
+            output = with_hint(f"{e.args[0].splitlines()[0]}\n\n{e.rank_traceback[-3000:]}")
         ok = False
-    except launch.LaunchTimeout as e:
-        output, ok = str(e), False
+    except launch.LaunchError as e:  # a timeout, a rank that died in native code, mpirun failing
+        output, ok = with_hint(str(e)[-4000:]), False
+    except Exception as e:  # noqa: BLE001 - e.g. the student's file breaks the check's own code
+        output = with_hint(f"the check could not run on this submission: {type(e).__name__}: {e}\n\n"
+                           f"{traceback.format_exc()[-3000:]}")
+        ok = False
     return {"name": f"lab {lab.number}: {check.name}", "score": check.max_score if ok else 0.0,
             "max_score": check.max_score, "status": "passed" if ok else "failed",
             "output": output, "execution_time": round(time.time() - t0, 2)}
 
 
-def grade(labs: list[int], impl: str, progress=print) -> dict:
-    tests = []
+def grade(labs: list[int], impl: str, progress=print, tests: list | None = None) -> dict:
+    """Grade every check of `labs`; entries are appended to `tests` as they finish (main writes
+    them to results.json even if grading is interrupted)."""
+    tests = [] if tests is None else tests
     for n in labs:
         lab = get_lab(n)
         for check in lab.checks():
@@ -110,8 +122,14 @@ def grade(labs: list[int], impl: str, progress=print) -> dict:
             progress(f"{'PASS' if entry['status'] == 'passed' else 'FAIL'}  {entry['score']:>4g}/{entry['max_score']:<4g} "
                      f"{entry['name']}  ({entry['execution_time']:.1f}s)")
             if entry["status"] != "passed":
-                progress("      " + entry["output"].splitlines()[0][:300])
+                for line in entry["output"].splitlines()[:2]:  # the message, and its likely cause if known
+                    if line.strip():
+                        progress("      " + line[:300])
             tests.append(entry)
+    return _result(tests)
+
+
+def _result(tests: list) -> dict:
     return {"score": sum(t["score"] for t in tests), "max_score": sum(t["max_score"] for t in tests),
             "tests": tests}
 
@@ -125,32 +143,53 @@ def main(argv=None) -> int:
     labs = args.lab or sorted(LABS)
     for n in labs:
         get_lab(n)
-    result = grade(labs, args.impl)
+    tests: list = []
+    try:
+        grade(labs, args.impl, tests=tests)
+    finally:  # results.json is written whatever happens, with every check graded so far
+        result = _result(tests)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
     print(f"\ntotal: {result['score']:g} / {result['max_score']:g}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
         print(f"wrote {args.json}")
     return 0 if result["score"] == result["max_score"] else 1
 
 
+def print_losses(label_a: str, losses_a, label_b: str, losses_b, digits: int = 5):
+    """A lab demo's loss table: step, then two runs' losses side by side."""
+    print(f"{'step':>4} {label_a:>{digits + 8}} {label_b:>{digits + 8}}")
+    for step, (a, b) in enumerate(zip(losses_a, losses_b)):
+        print(f"{step:>4} {a:>{digits + 8}.{digits}f} {b:>{digits + 8}.{digits}f}")
+
+
 def lab_main(number: int, namespace: dict):
-    """`mpirun -n 4 python labs/labNN_*.py`: run the lab's demo with the file's own functions."""
+    """`mpirun -n 4 python labs/labNN_*.py`: run the lab's demo with the file's own functions. A stub
+    (NotImplementedError) or a crash is said once for the job, and the job ends; a collective that
+    makes no progress for MINIZERO_WATCHDOG_S seconds (default 300) ends it too, naming the rank."""
+    import traceback
     from types import SimpleNamespace
+
     from minizero import comm as comm_mod
-    comm = comm_mod.init()
+    from minizero.comm import watchdog
+    lab = get_lab(number)
+    where = namespace.get("__file__", f"labs/{lab.filename}")
+    try:
+        comm = comm_mod.init()
+    except RuntimeError as e:
+        sys.exit(f"lab {number}: {e}")
+    watchdog.start(comm)
+    if comm.size == 1:
+        print(f"lab {number} on 1 rank: start it with `mpirun -n {lab.nprocs} python {where}` to run {lab.nprocs} ranks",
+              file=sys.stderr)
     module = importlib.import_module(f"minizero.autograde.lab{number:02d}")
     try:
         module.demo(comm, SimpleNamespace(**namespace))
     except NotImplementedError as e:
-        if comm.rank == 0:
-            print(f"\n{e}\nFill in the TODO regions of {namespace.get('__file__', 'the lab file')}, then run again.",
-                  file=sys.stderr)
-            sys.stderr.flush()
-        else:
-            time.sleep(1.0)  # let rank 0 print its message before the abort ends everyone
-        from mpi4py import MPI
-        MPI.COMM_WORLD.Abort(2)  # the other ranks may be waiting in a collective
+        watchdog.end_job(comm, f"\n{e}\nFill in the TODO regions of {where}, then run again.", 2)
+    except Exception:  # noqa: BLE001  the student's bug: one traceback, from the rank that failed first
+        watchdog.end_job(comm, f"lab {number}: rank {comm.rank} failed:\n{traceback.format_exc()}", 1)
 
 
 LABS.update(_discover())

@@ -1,4 +1,5 @@
-"""Lab 01 checks: a ring all-reduce from send/recv equals MPI's Allreduce and sends 2(N-1)/N*S bytes."""
+"""Lab 01 checks: a ring all-reduce from send/recv equals MPI's Allreduce for N = 1..4 (sub-groups of
+one 4-rank job), waits for every send, and sends 2(N-1)/N*S bytes."""
 import time
 
 import torch
@@ -16,22 +17,39 @@ def _data(rank, n, dtype):
     return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
 
 
-def equals_allreduce_worker(comm, impl):
-    """On every rank: the student's ring vs comm.all_reduce on the same data."""
-    from minizero.launch import load_target
-    ring = load_target(impl + ":ring_all_reduce")
+def _compare(group, ring, timed):
+    """On every rank of `group`: the student's ring vs group.all_reduce on the same data."""
     worst = []
     for n in SIZES:
         for dtype in (torch.float32, torch.float64):
-            mine, ref = _data(comm.rank, n, dtype), _data(comm.rank, n, dtype)
-            out = ring(comm, mine)
-            comm.all_reduce(ref)
+            mine, ref = _data(group.rank, n, dtype), _data(group.rank, n, dtype)
+            timed.records.clear()
+            out = ring(timed, mine)
+            if timed.in_flight():  # a handle never waited: its buffer may still be in use
+                return {"never_waited": [r["op"] for r in timed.in_flight()], "size": n, "dtype": str(dtype)}
+            group.all_reduce(ref)
             if out is not None and out.data_ptr() != mine.data_ptr():
                 mine = out
             diff = (mine - ref).abs().max().item()
             tol = 1e-5 if dtype == torch.float32 else 1e-12  # the summation order differs from MPI's
             worst.append((diff, n, str(dtype), diff <= tol * max(1.0, ref.abs().max().item())))
     return worst
+
+
+def equals_allreduce_worker(comm, impl, sizes=(3, 2, 4, 1)):
+    """For each N in `sizes`: ranks 0..N-1 of this one job form a sub-communicator (a real N-rank
+    MPI communicator) and compare the student's ring with its all_reduce; one launch, not four.
+    N=3 first: uneven chunks, and a ring where a wrong direction or step shows (at N=2 it cannot).
+    The ring talks through a TimedComm, which notes whether every isend/irecv handle was waited."""
+    from minizero.experiments.timed_comm import TimedComm
+    from minizero.launch import load_target
+    ring = load_target(impl + ":ring_all_reduce")
+    out = {}
+    for n in sizes:
+        group = comm.split(0 if comm.rank < n else 1, name=f"n{n}")
+        if comm.rank < n:
+            out[str(n)] = _compare(group, ring, TimedComm(group, lambda: 0))
+    return out
 
 
 def bytes_worker(comm, impl, n=1 << 16):
@@ -48,16 +66,22 @@ def bytes_worker(comm, impl, n=1 << 16):
 
 def check_equals_allreduce(impl):
     from minizero import launch
+    res = launch.run("minizero.autograde.lab01:equals_allreduce_worker", nprocs=4, args={"impl": impl}, timeout=90)
     lines = []
-    for n in (1, 2, 3, 4):
-        res = launch.run("minizero.autograde.lab01:equals_allreduce_worker", nprocs=n, args={"impl": impl}, timeout=60)
-        for rank, worst in enumerate(res):
+    for n in res[0]:
+        for rank, per_n in enumerate(res[:int(n)]):
+            worst = per_n[n]
+            if isinstance(worst, dict):
+                raise CheckFailed(f"N={n}: rank {rank} returned from ring_all_reduce (size {worst['size']}, "
+                                  f"{worst['dtype']}) with {len(worst['never_waited'])} {worst['never_waited'][0]}(s) "
+                                  "never waited for: wait() on every isend handle before its chunk changes, "
+                                  "and before returning")
             for diff, size, dtype, ok in worst:
                 if not ok:
                     raise CheckFailed(f"N={n}: rank {rank} result differs from MPI Allreduce for size {size} "
                                       f"{dtype} (max diff {diff:.3g})")
-        lines.append(f"N={n}: max diff {max(d for w in res for d, *_ in w):.2e} over sizes {SIZES}")
-    return "\n".join(lines)
+        lines.append(f"N={n}: max diff {max(d for r in res[:int(n)] for d, *_ in r[n]):.2e} over sizes {SIZES}")
+    return "\n".join(sorted(lines))
 
 
 def check_bytes(impl):

@@ -5,8 +5,12 @@ hook (fill, then launch every full bucket in order) and the bucketed part of
 finish_gradient_synchronization (launch the rest, wait, divide by N, p.grad = bucket view).
 
 One launch per N (2 and 3) trains the student's DDP and minizero's reference DDP side by side
-and torch's DistributedDataParallel; the four checks read that one result (cached), so a full
-grade costs two launches and an untouched lab fails each check within one fast launch.
+and torch's DistributedDataParallel; the first four checks read that one result (cached), so they
+cost two launches and an untouched lab fails each of them within one fast launch. The fifth
+launches its own 2-rank job: ranks that produce gradients in opposite orders and use different
+parameters (RankDependent), under MINIZERO_DEBUG, so that ranks launching different buckets fail
+with a clear message instead of hanging or adding the wrong buckets; a job of its own, so that a
+deadlock there costs only that check's points.
 The bucketed mode runs first, so a student meets the TODOs in a workable order: finish (bucketed),
 then Bucket.fill (which finish calls), then the overlap hook.
 
@@ -17,13 +21,15 @@ to the reference; we report whether it is, but only require the tolerance, which
 e.g. multiplying by 1/N instead of dividing by N (1 ulp at N=3).
 """
 import torch
+import torch.nn as nn
 
 from minizero import memory
 from minizero.autograde import Check, CheckFailed, Lab
+from minizero.autograde.hints import update_size_cause
 from minizero.data import shard
 from minizero.dp.ddp import DDP as ReferenceDDP
 from minizero.models import build_model
-from minizero.experiments.references import flat_params, global_batches, make_optimizer, train_torch_ddp
+from minizero.experiments.references import buffer_bytes, flat_params, global_batches, make_optimizer, train_torch_ddp
 
 LAB = Lab(2, "bucketed_ddp", "Bucketed DDP, overlapped with backward", "minizero/dp/ddp.py")
 
@@ -56,20 +62,20 @@ def _worst(model, ref_flat):
 class _Step:
     """Train one DDP wrapper step by step and note what a check needs to see of each step."""
 
-    def __init__(self, ddp_cls, name, mode, comm):
-        from minizero.experiments.dp_ddp import TimedComm
-        self.model = build_model(name, seed=0, **MODELS[name])
+    def __init__(self, ddp_cls, model, mode, comm, bucket_numel):
+        from minizero.experiments.timed_comm import TimedComm
+        self.model = model
         self.ready = {}  # id(param) -> how many gradients were ready before it
         # TimedComm with a logical clock: at each all-reduce launch, note how many gradients
         # were ready. Our hooks are registered after DDP's, so they run after its hook for
         # the same parameter: a bucket launched from parameter p's hook sees p not yet counted.
         self.comm = TimedComm(comm, lambda: len(self.ready))
-        self.ddp = ddp_cls(self.model, self.comm, mode=mode, bucket_numel=BUCKET_NUMEL[name])
+        self.ddp = ddp_cls(self.model, self.comm, mode=mode, bucket_numel=bucket_numel)
         for p in self.ddp.params:
             p.register_post_accumulate_grad_hook(self._note)
         self.opt = make_optimizer("sgd", self.model.parameters(), LR)
         self.log = {"sent": [], "messages": [], "in_backward": [], "launch_clock": [], "full_clock": [],
-                    "grad_bytes": [], "unused_none": [], "frozen_none": []}
+                    "grad_bytes": [], "grad_bytes_backward": [], "unused_none": [], "frozen_none": []}
 
     def _note(self, p):
         self.ready.setdefault(id(p), len(self.ready))
@@ -82,10 +88,12 @@ class _Step:
         self.ddp(*shard(batch, rank, n))[1].backward()
         calls = lambda: comm.stats.ops["all_reduce"].calls if "all_reduce" in comm.stats.ops else 0  # noqa: E731
         self.log["in_backward"].append(calls())
+        # gradient memory at the end of backward, before finish: the high-water mark of p.grad
+        self.log["grad_bytes_backward"].append(memory.measure(self.ddp).by_category["gradients"])
         self.ddp.finish_gradient_synchronization()
         self.log["sent"].append(comm.stats.sent())
         self.log["messages"].append(calls())
-        self.log["launch_clock"].append([r["launch"] for r in self.comm.records])
+        self.log["launch_clock"].append([r["launch"] for r in self.comm.records if r["op"] == "all_reduce"])
         # when each bucket was complete, on the same clock (the bucket layout is reference code)
         total = len(self.ready)
         self.log["full_clock"].append([max(self.ready.get(id(p), total) for p in b.params) for b in self.ddp.buckets])
@@ -97,6 +105,12 @@ class _Step:
         self.opt.zero_grad(set_to_none=True)
 
 
+def _update_ratio(mine, ref, before):
+    """|the student's step| / |the reference's step|: N or 1/N names a wrong average (SGD)."""
+    moved = [(flat_params(s.model) - b).norm().item() for s, b in zip((mine, ref), before)]
+    return moved[0] / moved[1] if moved[1] else float("nan")
+
+
 def worker(comm, impl):
     """Per model and mode: the student's DDP and the reference, step by step, then torch DDP."""
     from minizero.launch import load_target
@@ -104,15 +118,17 @@ def worker(comm, impl):
     out = {}
     for name in MODELS:
         for mode in ("bucketed", "overlap"):
-            mine, ref = _Step(student_cls, name, mode, comm), _Step(ReferenceDDP, name, mode, comm)
+            mine, ref = (_Step(cls, build_model(name, seed=0, **MODELS[name]), mode, comm, BUCKET_NUMEL[name])
+                         for cls in (student_cls, ReferenceDDP))
             first_bad, bitwise = None, True
             for k, batch in enumerate(global_batches(mine.model, STEPS, BATCH)):
+                before = [flat_params(s.model) for s in (mine, ref)]
                 mine.step(batch, comm.rank, comm.size)  # the student's first: a stub fails before any reference work
                 ref.step(batch, comm.rank, comm.size)
                 need, diff, pname = _worst(mine.model, flat_params(ref.model))
                 bitwise &= torch.equal(flat_params(mine.model), flat_params(ref.model))
                 if first_bad is None and need > ATOL:
-                    first_bad = {"step": k, "param": pname, "max_diff": diff}
+                    first_bad = {"step": k, "param": pname, "max_diff": diff, "update_ratio": _update_ratio(mine, ref, before)}
             out[f"{name}/{mode}"] = {"first_bad": first_bad, "bitwise": bitwise, "buckets": len(mine.ddp.buckets),
                                      "mine": mine.log, "ref": ref.log, "final": flat_params(mine.model).tolist()}
     for name in MODELS:
@@ -126,15 +142,69 @@ def worker(comm, impl):
     return out
 
 
+class RankDependent(nn.Module):
+    """A model whose ranks disagree: rank 1 computes the branches in the opposite order, so
+    backward produces their gradients in the opposite order too (autograd runs the latest
+    node first), and only rank 0 uses `only_rank0`. Branch k reads k fewer features, so every
+    branch (one bucket each at bucket_numel=1) has its own size: launching buckets in the
+    order they fill would pair different sizes, which MINIZERO_DEBUG reports."""
+
+    def __init__(self, rank, width=8, inputs=4, outputs=3):
+        super().__init__()
+        gen = torch.Generator().manual_seed(5)
+        self.rank = rank
+        self.only_rank0 = nn.Linear(width, width)  # registered first: its bucket is launched last
+        self.inp = nn.Linear(inputs, width)
+        self.branches = nn.ModuleList(nn.Linear(width - k, width, bias=False) for k in range(3))
+        self.head = nn.Linear(width, outputs)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        order = range(len(self.branches)) if self.rank % 2 == 0 else reversed(range(len(self.branches)))
+        z = sum(self.branches[k](h[:, :h.shape[1] - k]) for k in order)
+        if self.rank == 0:
+            z = z + self.only_rank0(h)
+        out = self.head(torch.tanh(z))
+        return out, nn.functional.mse_loss(out, y)
+
+
+def orders_worker(comm, impl):
+    """The student's overlapped DDP and the reference on RankDependent (N=2), step by step."""
+    from minizero.data import regression_batch
+    from minizero.launch import load_target
+    student_cls = load_target(impl + ":DDP")
+    mine, ref = (_Step(cls, RankDependent(comm.rank), "overlap", comm, bucket_numel=1)
+                 for cls in (student_cls, ReferenceDDP))
+    first_bad = None
+    for k in range(STEPS):
+        batch = regression_batch(k, 8, 4, 3, seed=1)
+        mine.step(batch, comm.rank, comm.size)
+        ref.step(batch, comm.rank, comm.size)
+        need, diff, pname = _worst(mine.model, flat_params(ref.model))
+        if first_bad is None and need > ATOL:
+            first_bad = {"step": k, "param": pname, "max_diff": diff}
+    return {"first_bad": first_bad, "mine": mine.log, "ref": ref.log}
+
+
 # ------------------------------------------------------------------ checks
 _CACHE = {}
 
 
 def _results(impl, n):
-    """One launch per (impl, N), shared by the checks (a launch costs seconds)."""
+    """One launch per (impl, N), shared by the checks (a launch costs seconds); a failure is
+    kept too, and re-raised to each check that needs this launch."""
     from minizero import launch
     if (impl, n) not in _CACHE:
-        _CACHE[(impl, n)] = launch.run("minizero.autograde.lab02:worker", nprocs=n, args={"impl": impl}, timeout=180)
+        try:
+            _CACHE[(impl, n)] = launch.run("minizero.autograde.lab02:worker", nprocs=n, args={"impl": impl},
+                                           timeout=180)
+        except launch.LaunchError as e:
+            _CACHE[(impl, n)] = e
+    if isinstance(_CACHE[(impl, n)], Exception):
+        raise _CACHE[(impl, n)]
     return _CACHE[(impl, n)]
 
 
@@ -152,7 +222,8 @@ def _equal(impl, names):
         if r["first_bad"]:
             b = r["first_bad"]
             raise CheckFailed(f"{where} parameter `{b['param']}` differs from the reference DDP after step "
-                              f"{b['step'] + 1} (max diff {b['max_diff']:.3g}, tolerance rtol {RTOL:g} + atol {ATOL:g})")
+                              f"{b['step'] + 1} (max diff {b['max_diff']:.3g}, tolerance rtol {RTOL:g} + atol {ATOL:g})."
+                              + update_size_cause(b["update_ratio"], n))
         t = r["vs_torch"]
         if t["atol_needed"] > ATOL:
             raise CheckFailed(f"{where} parameter `{t['param']}` differs from torch DistributedDataParallel after "
@@ -180,11 +251,13 @@ def check_edge(impl):
 def check_bytes(impl):
     lines = set()
     for n, name, mode, rank, r, where in _runs(impl):
-        want = 2 * (n - 1) / n * psi(name) * 4
+        buffers = (n - 1) / n * buffer_bytes(build_model(name, seed=0, **MODELS[name]))  # rank 0's, each forward
+        want = 2 * (n - 1) / n * psi(name) * 4 + buffers
         for k, (sent, msgs) in enumerate(zip(r["mine"]["sent"], r["mine"]["messages"])):
             if abs(sent - want) > 1e-9 * want:
                 raise CheckFailed(f"{where} sent {sent:.0f} bytes in step {k + 1}; one all-reduce of every gradient "
-                                  f"sends 2(N-1)/N*Psi*4 = {want:.0f}")
+                                  f"sends 2(N-1)/N*Psi*4 = {want - buffers:.0f}, plus {buffers:.0f} for the buffers "
+                                  "broadcast before the forward")
             if msgs != r["buckets"]:
                 raise CheckFailed(f"{where} made {msgs} all-reduce calls in step {k + 1}; with {r['buckets']} buckets "
                                   "that should be one per bucket")
@@ -208,6 +281,12 @@ def check_overlap_and_memory(impl):
                 b = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
                 raise CheckFailed(f"{where}, step {k + 1}: bucket {b} was launched after {got[b]} gradients were "
                                   f"ready; it was full after {full[b]} and the reference launches it after {want[b]}")
+        for k, (g, want) in enumerate(zip(mine["grad_bytes_backward"], ref["grad_bytes_backward"])):
+            if g > want:
+                raise CheckFailed(f"{where}, step {k + 1}: right after backward (before finish) the ledger counts "
+                                  f"{g} bytes of gradients, the reference {want}: a gradient copied into its bucket "
+                                  "must become the bucket's view (p.grad = slot), so autograd's own tensor is "
+                                  "freed during backward, not kept until finish")
         for k, g in enumerate(mine["grad_bytes"]):
             if g != 4 * psi(name):
                 raise CheckFailed(f"{where}, step {k + 1}: the ledger counts {g} bytes of gradients after finish, "
@@ -221,12 +300,36 @@ def check_overlap_and_memory(impl):
     return "\n".join(lines)
 
 
+def check_rank_orders(impl):
+    from minizero import launch
+    # MINIZERO_DEBUG: every collective first compares its shape across ranks, so ranks that
+    # launch different buckets fail at once with a clear message instead of adding wrong buckets
+    res = launch.run("minizero.autograde.lab02:orders_worker", nprocs=2, args={"impl": impl}, timeout=90,
+                     env={"MINIZERO_DEBUG": "1"})
+    where = "N=2, rank 1 produces the branches' gradients in the opposite order, only rank 0 uses `only_rank0`"
+    for rank, r in enumerate(res):
+        if r["first_bad"]:
+            b = r["first_bad"]
+            raise CheckFailed(f"{where}: rank {rank} parameter `{b['param']}` differs from the reference DDP after "
+                              f"step {b['step'] + 1} (max diff {b['max_diff']:.3g}). A parameter another rank used "
+                              "gets the average even where this rank had no gradient; buckets go out in bucket "
+                              "order whatever order the gradients come in")
+        if r["mine"]["in_backward"] != r["ref"]["in_backward"]:
+            raise CheckFailed(f"{where}: rank {rank} launched {r['mine']['in_backward']} all-reduces during backward, "
+                              f"the reference {r['ref']['in_backward']}: launch every full bucket in bucket order, "
+                              "each as soon as it and all those before it are full")
+    r0, r1 = res[0]["ref"], res[1]["ref"]
+    return (f"{where}: equal to the reference DDP for {STEPS} steps; all-reduces launched during backward: "
+            f"rank 0 {r0['in_backward']}, rank 1 {r1['in_backward']}, as the reference")
+
+
 CHECKS = [
     Check("overlap and bucketed DDP equal the reference DDP and torch DDP (TinyGPT, N=2,3)", 4, check_equal),
     Check("tied, frozen and unused parameters (edge model)", 2, check_edge),
     Check("bytes per step = 2(N-1)/N*Psi*4, one all-reduce per bucket", 2, check_bytes),
     Check("overlap launches each bucket during backward when full; gradients are bucket views (4*Psi bytes)", 2,
           check_overlap_and_memory),
+    Check("ranks with different gradient orders and different unused parameters (N=2)", 2, check_rank_orders),
 ]
 
 

@@ -125,6 +125,52 @@ def check_skip(impl):
     return f"2 ranks, inf on rank 1 at step {bad}: both skipped exactly that step, state untouched, scale halved"
 
 
+# Overflow votes: (name, {rank: gradients as (value, count) runs, fp16}, expected verdict on every rank).
+# "big" is finite fp16 whose SUM is not: 64 x 60000 = 3.8e6 > 65504, so isfinite(g.sum()) is wrong.
+VOTES = [
+    ("finite values whose sum overflows fp16", {0: [[(60000.0, 64)]], 1: [[(60000.0, 64)]]}, False),
+    ("an inf in rank 1's second tensor only", {0: [[(1.0, 8)], [(2.0, 8)]], 1: [[(1.0, 8)], [(2.0, 7), ("inf", 1)]]}, True),
+    ("a nan in rank 0 only", {0: [[(1.0, 3), ("nan", 1), (1.0, 4)]], 1: [[(1.0, 8)]]}, True),
+    ("a -inf on rank 1 only", {0: [[(1.0, 8)]], 1: [[("-inf", 1), (1.0, 7)]]}, True),
+    ("no gradients on rank 1, an inf on rank 0", {0: [[("inf", 1)]], 1: []}, True),
+    ("no gradients on rank 1, finite on rank 0", {0: [[(3.0, 8)]], 1: []}, False),
+]
+
+
+def vote_worker(comm, impl, scale=1024.0):
+    """unscale_and_check on scripted gradients: the verdict on this rank, and whether a finite
+    verdict left the gradients divided by the scale."""
+    from minizero.launch import load_target
+    scaler = load_target(impl + ":LossScaler")(initial_scale_power=10)
+    out = []
+    for _, per_rank, _ in VOTES:
+        grads = [torch.cat([torch.full((n,), float(v), dtype=torch.float16) for v, n in runs]) for runs in per_rank[comm.rank]]
+        before = [g.clone() for g in grads]
+        overflow = scaler.unscale_and_check(grads, comm)
+        unscaled = all(torch.equal(g, b / scale) for g, b in zip(grads, before))
+        out.append({"overflow": bool(overflow), "unscaled": unscaled})
+    return out
+
+
+def check_overflow_vote(impl):
+    from minizero import launch
+    res = launch.run("minizero.autograde.lab03:vote_worker", nprocs=2, args={"impl": impl}, timeout=60)
+    for i, (name, per_rank, want) in enumerate(VOTES):
+        for rank, rows in enumerate(res):
+            got = rows[i]["overflow"]
+            if got is not want:
+                why = ("every value is finite; it is their SUM that overflows fp16 (max 65504): test each element "
+                       "with torch.isfinite(g).all(), not the sum" if not want and "sum" in name else
+                       "inf and nan must both count (torch.isfinite), in every tensor, on any rank: all-reduce the "
+                       "flag with op='max' over comm, also on a rank with no gradients")
+                raise CheckFailed(f"gradients with {name}: rank {rank} decided overflow={got}, expected {want} on "
+                                  f"every rank. {why}")
+            if not want and not rows[i]["unscaled"]:
+                raise CheckFailed(f"gradients with {name}: no overflow, yet rank {rank}'s gradients were not divided "
+                                  "by the scale")
+    return f"{len(VOTES)} scripted votes on 2 ranks: inf/nan on one rank skips everywhere; finite sums that overflow do not"
+
+
 def train_worker(comm, impl, steps=20):
     from minizero.launch import load_target
     mine = train(None, "fp16", steps=steps, scaler_cls=load_target(impl + ":LossScaler"),
@@ -152,6 +198,7 @@ CHECKS = [
     Check("update(): scale trace equals DeepSpeed's rule on scripted overflows", 4, check_update_rule),
     Check("one rank's inf skips that step on every rank, state untouched", 4, check_skip),
     Check("fp16 training with your scaler tracks fp32", 2, check_training),
+    Check("overflow vote: inf/nan on any rank, never a finite gradient whose sum overflows", 2, check_overflow_vote),
 ]
 
 

@@ -1,8 +1,10 @@
 """Lab 05 checks: ZeRO-2's gradients, reduced into this rank's shard during backward (your
 `_fill`, `_launch` and `_complete`), train like DDP, leave only the shard (and at most two
-buckets) in memory, and cost 2(N-1)/N·Ψ·4 bytes per step like DDP.
+buckets) in memory, cost 2(N-1)/N·Ψ·4 bytes per step like DDP, and overlap backward: a bucket's
+reduces are still in flight when the next gradient arrives (seen through the handles).
 
-The harness is lab 04's (minizero.experiments.zero12.side_by_side), with stage=2."""
+The harness is lab 04's (minizero.experiments.zero12.side_by_side), with stage=2; it also runs
+a bf16 model and two accumulated micro-batches per step against DDP."""
 from minizero.autograde import Check, CheckFailed, Lab
 from minizero.autograde import lab04
 from minizero.experiments.zero12 import side_by_side
@@ -41,14 +43,43 @@ def check_gradients_sharded(impl):
     return "\n".join(lines)
 
 
+def check_overlap(impl):
+    """Overlap, seen through the communicator's handles (experiments.timed_comm), not timing: when
+    a gradient arrives after a bucket was launched, that bucket's reduces must still be in flight."""
+    lines = []
+    for model in ("tiny-gpt", "edge"):
+        for rank, out in enumerate(lab04.measured(impl, 2, "ShardGradOp")):
+            res = out[model]
+            h = res["handles"]
+            if h["never_waited"]:
+                raise CheckFailed(f"{model}: rank {rank} never waited for {len(h['never_waited'])} of its "
+                                  f"{h['reduces']} reduces ({h['never_waited'][0]}): wait() on every handle before the "
+                                  "bucket is read, reused or freed")
+            if h["blocking_reduces"]:
+                raise CheckFailed(f"{model}: rank {rank} issued {h['blocking_reduces']} of {h['reduces']} bucket "
+                                  "reduces blocking (async_op=False): backward stops until each is done, so nothing "
+                                  "overlaps. Launch them with async_op=True and wait in _complete")
+            if res["launched_in_hooks"] and not h["in_flight_at_a_gradient"]:
+                raise CheckFailed(f"{model}: rank {rank} launched {res['launched_in_hooks']} buckets during backward, but "
+                                  "no reduce was still in flight when the next gradient arrived: each was waited for "
+                                  "at once, so communication never overlapped backward. Keep the handles in "
+                                  "bucket.works and wait only in _complete")
+        h = lab04.measured(impl, 2, "ShardGradOp")[0][model]["handles"]
+        lines.append(f"{model}: {h['reduces']} async reduces in the last step, in flight at "
+                     f"{h['in_flight_at_a_gradient']} gradient arrivals, all waited (rank 0, N=4)")
+    return "\n".join(lines)
+
+
 def check_bytes(impl):
     return lab04.check_bytes(impl, stage=2, name="ShardGradOp")
 
 
 CHECKS = [
-    Check("trains like DDP (N=3; SGD and Adam; tied, frozen, unused, padded)", 5, check_matches_ddp),
+    Check("trains like DDP (N=3; SGD and Adam; tied, frozen, unused, padded; bf16; accumulation)", 5,
+          check_matches_ddp),
     Check("only the gradient shard survives backward; buckets bounded (N=4)", 3, check_gradients_sharded),
     Check("bytes per step = 2(N-1)/N * padded Psi * 4 (N=4)", 2, check_bytes),
+    Check("reduces overlap backward: still in flight when the next gradient arrives (N=4)", 2, check_overlap),
 ]
 
 

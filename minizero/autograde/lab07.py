@@ -37,11 +37,33 @@ def _results(impl):
     return _cache[impl]
 
 
+def _broken_part(rank, r):
+    """The first part of the offloaded step that did not do its job, in the order they run."""
+    for step, s in enumerate(r["steps"]):
+        where = f"rank {rank}, step {step}"
+        if not s["grad_on_host"]:
+            return (f"{where}: after grads_to_host the host buffer does not hold the device gradient shard: "
+                    "copy each gradient INTO its buffer in self.grads (host.copy_(...)); rebinding a name copies nothing")
+        if s["optimizer_steps"] != 1:
+            return (f"{where}: the CPU optimizer stepped {s['optimizer_steps']} times in one training step; "
+                    "cpu_step must call self.optim.step() exactly once")
+        if not s["masters_moved"]:
+            return (f"{where}: the CPU optimizer stepped but the host masters did not move: give each master its "
+                    "gradient (m.grad = g) before self.optim.step()")
+        if not s["device_is_master"]:
+            return (f"{where}: the device parameters are not the updated masters: params_to_device must copy "
+                    "each master into its device tensor (p.copy_(m.view(p.shape)))")
+    return ""
+
+
 def check_matches_ddp(impl):
     for rank, res in enumerate(_results(impl)):
         r = res["fp32"]
         if r["cpu_steps"] != STEPS:
             raise CheckFailed(f"rank {rank}: {r['cpu_steps']} CPU steps for {STEPS} training steps")
+        broken = _broken_part(rank, r)
+        if broken:
+            raise CheckFailed(f"N={N}: your offloaded step differs from DDP. {broken}")
         name, excess = r["worst"]
         if excess > ATOL:
             raise CheckFailed(f"N={N}: rank {rank} parameter `{name}` differs from DDP after {STEPS} SGD steps (|diff| "

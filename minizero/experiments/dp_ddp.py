@@ -10,8 +10,8 @@ The workers run on every rank through `minizero.launch.run`:
 
 Timing rules (as in experiments/collectives.py): every step starts after a barrier, a step is done when its
 slowest rank is, and we report the median over steps. Nothing here changes what DDP does:
-`TimedComm` only wraps the communicator to note the clock when an all-reduce is launched and
-when its wait() begins and returns.
+`TimedComm` (experiments/timed_comm.py) only wraps the communicator to note the clock when an
+all-reduce is launched and when its wait() begins and returns.
 """
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ from minizero.dp.data_parallel import DataParallel
 from minizero.dp.ddp import DDP
 from minizero.models import build_model
 from minizero.experiments.references import flat_params, global_batches, train_torch_ddp
+from minizero.experiments import sleepy_barrier
+from minizero.experiments.loops import ddp as ddp_loop  # noqa: F401 - a job of `several`
+from minizero.experiments.timed_comm import TimedComm
 
 # Timing model: 3.2 M parameters (12.8 MB of fp32 gradients in 53 tensors). With 2 sequences
 # of 32 tokens per rank, backward takes tens of ms on one core, the all-reduce of 12.8 MB a
@@ -40,9 +43,10 @@ def _max_diff(a, b):
     return (a - b).abs().max().item()
 
 
-def check_equal(comm, steps=3, global_batch=12, lr=0.1, bucket_numel=5000, micro=2):
+def check_equal(comm, steps=3, global_batch=12, lr=0.1, bucket_numel=5000, micro=2, torch_group=None):
     """SGD steps of SMALL_GPT with each DDP mode; rank 0 also trains one process on the whole
-    batch. Then `micro` micro-batches under no_sync vs one step on all of them at once."""
+    batch. Then `micro` micro-batches under no_sync vs one step on all of them at once.
+    torch_group: the torch.distributed group of comm's ranks when comm is not the world."""
     out = {"N": comm.size}
     runs = {}
     for mode in ("naive", "bucketed", "overlap"):
@@ -56,7 +60,7 @@ def check_equal(comm, steps=3, global_batch=12, lr=0.1, bucket_numel=5000, micro
             opt.zero_grad(set_to_none=True)
         runs[mode] = flat_params(model)
     torch_ddp = torch.tensor(train_torch_ddp(comm, "tiny-gpt", steps, global_batch, lr,
-                                             model_kwargs=SMALL_GPT)["params"])
+                                             model_kwargs=SMALL_GPT, process_group=torch_group)["params"])
     # no_sync: micro-batches accumulate locally, one all-reduce at the last one.
     model = build_model("tiny-gpt", seed=0, **SMALL_GPT)
     ddp = DDP(model, comm, mode="overlap", bucket_numel=bucket_numel)
@@ -93,42 +97,6 @@ def check_equal(comm, steps=3, global_batch=12, lr=0.1, bucket_numel=5000, micro
 
 
 # ----------------------------------------------------------------------------- timing
-class _TimedWork:
-    def __init__(self, work, rec, clock):
-        self._work, self._rec, self._clock = work, rec, clock
-
-    def wait(self):
-        if "wait_start" not in self._rec:
-            self._rec["wait_start"] = self._clock()
-        self._work.wait()
-        self._rec.setdefault("done", self._clock())
-        return True
-
-
-class TimedComm:
-    """A Communicator that also writes down, for every all_reduce, the clock at launch, when
-    its wait() began and when it returned. Everything else is passed through unchanged.
-    `clock` is any function: time.perf_counter here; the lab 02 grader passes "how many
-    gradients are ready so far" to check that each bucket went out as soon as it was full."""
-
-    def __init__(self, comm, clock):
-        self._comm, self._clock, self.records = comm, clock, []
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
-
-    def all_reduce(self, tensor, op="sum", async_op=False):
-        rec = {"bytes": tensor.numel() * tensor.element_size(), "launch": self._clock()}
-        self.records.append(rec)
-        work = self._comm.all_reduce(tensor, op=op, async_op=async_op)
-        rec["launched"] = self._clock()  # a blocking call is also done here
-        if work is None:
-            rec["wait_start"] = rec["launch"]
-            rec["done"] = rec["launched"]
-            return None
-        return _TimedWork(work, rec, self._clock)
-
-
 def _slowest_median(comm, values, best=False):
     """Per step, the slowest rank's value; then the median (or the minimum) over steps."""
     slowest = [max(vs) for vs in zip(*comm.allgather_object(values))]
@@ -194,7 +162,7 @@ def time_modes(comm, modes=("naive", "bucketed", "overlap"), steps=8, warmup=2, 
                 "grad_ready": sorted(rel(t) for t in ready.values()),
                 "all_reduce": [{"bytes": r["bytes"],
                                 **{k: rel(r[k]) for k in ("launch", "launched", "wait_start", "done")}}
-                               for r in timed.records]}
+                               for r in timed.records if r["op"] == "all_reduce"]}
         out["modes"][mode] = row
     return out
 
@@ -253,6 +221,31 @@ def several(comm, jobs: dict):
     """Run several of this module's workers in one launch (a launch costs seconds):
     jobs = {"label": ["function name", {kwargs}]} -> {"label": result}."""
     return {label: globals()[name](comm, **kwargs) for label, (name, kwargs) in jobs.items()}
+
+
+def lesson(comm, small_jobs: dict, world_jobs: dict, small: int = 2):
+    """Lesson 02's measurements with MPICH's default in ONE launch (a launch costs seconds, more
+    on a busy machine): `small_jobs` on ranks 0..small-1 (a sub-communicator; the other ranks
+    sleep meanwhile instead of spinning, so the small group has the cores), then `world_jobs` on
+    every rank. A "probe" job runs before torch.distributed starts, whose gloo threads it would
+    count. Jobs as in `several`. -> {"small": results (ranks < small), "world": results}."""
+    import torch.distributed as dist
+    from minizero.comm import init_torch_distributed
+    sub = comm.split(0 if comm.rank < small else 1, name=f"first{small}")
+    out = {"small": {}}
+    first = {k: v for k, v in small_jobs.items() if v[0] == "progress_probe"}
+    if comm.rank < small:
+        out["small"] = several(sub, first)
+    sleepy_barrier()
+    init_torch_distributed(torch.device("cpu"))  # every rank: new_group is collective
+    torch_group = dist.new_group(list(range(small)))
+    if comm.rank < small:
+        rest = {k: [name, dict(kw, torch_group=torch_group) if name == "check_equal" else kw]
+                for k, (name, kw) in small_jobs.items() if k not in first}
+        out["small"].update(several(sub, rest))
+    sleepy_barrier()
+    out["world"] = several(comm, world_jobs)
+    return out
 
 
 def time_data_parallel(comm, replicas=(1, 2, 4), steps=6, warmup=1, batch_per_replica=2, model_kwargs=None):

@@ -16,6 +16,7 @@ import torch
 from minizero import memory
 from minizero.data import shard
 from minizero.dp.ddp import DDP
+from minizero.experiments import loops
 from minizero.experiments.references import global_batches
 from minizero.models import build_model
 from minizero.zero.shard_grad_op import ShardGradOp
@@ -42,6 +43,8 @@ def side_by_side(comm, HostOptimizer, steps=4, dtype=torch.float32, dpu_warmup_s
     opt.master, opt.optim = host.masters[0], host  # the device master and optimizer are gone (as in the engine)
     out = {"psi": opt.layout.numel, "padded": opt.layout.padded_numel, "shard": opt.layout.shard_numel,
            "steps": [], "ddp_ledger": None}
+    optimizer_steps = [0]  # the CPU optimizer's own count, so lab 07 can say "stepped 0 / 2 times"
+    host.optim.register_step_post_hook(lambda *_: optimizer_steps.__setitem__(0, optimizer_steps[0] + 1))
     for batch in global_batches(ref, steps, BATCH):
         x, y = shard(batch, comm.rank, comm.size)
         ddp(x, y)[1].backward()
@@ -54,12 +57,18 @@ def side_by_side(comm, HostOptimizer, steps=4, dtype=torch.float32, dpu_warmup_s
         loss.backward()  # ZeRO-2 reduces this rank's gradient shard during backward
         host.grads_to_host([zero2.grad_shard])
         ledger = memory.measure(host, zero2)  # gradients and optimizer state all alive
+        # what each part of the offloaded step did, so a wrong result names the part that broke it
+        grad_on_host = torch.equal(host.grads[0], zero2.grad_shard.reshape(-1).float())
+        master_before, steps_before = host.masters[0].clone(), optimizer_steps[0]
         host.step()
+        probe = {"grad_on_host": grad_on_host, "optimizer_steps": optimizer_steps[0] - steps_before,
+                 "masters_moved": not torch.equal(master_before, host.masters[0]),
+                 "device_is_master": torch.equal(opt.shard, host.masters[0].to(opt.shard.dtype))}
         shares = zero2.grad_shard.untyped_storage().data_ptr() in {g.untyped_storage().data_ptr() for g in host.grads}
         zero2.zero_grad()
         host.zero_grad()
         out["steps"].append({"loss": loss.item(), "traffic": host.traffic.as_dict(), "ledger": ledger.detail,
-                             "grad_shared": shares})
+                             "grad_shared": shares, **probe})
     host.finish()
     names = [n for n, _ in ref.named_parameters()]
     mine = dict(zip(names, [p.detach().float() for p in model.parameters()]))
@@ -166,4 +175,5 @@ def lesson(comm, steps=4):
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
     out["maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["loop"] = loops.zero2_offload(comm, steps=3)  # the loop a student writes (experiments/loops.py)
     return out

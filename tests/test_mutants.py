@@ -1,0 +1,131 @@
+"""The grader's mutation suite: every plausible student bug must lose marks, for the right reason.
+
+Each `tests/mutants/labNN.py` lists `Mutant`s (tests/mutants/__init__.py): a text patch on the
+generated solution, the check that must catch it and words its message must contain. For each
+one, the solution is copied to a temporary folder and the patch applied; the copy is graded on
+that ONE check, by the grader's own `run_check`. The fast path: one check instead of the whole
+lab, in this process (no grade process per mutant), and the launches shared
+(minizero.autograde.batch: every mutant that a check's worker grades runs in ONE job of that
+worker, so start-up is paid per worker, not per mutant). The checks launch their ranks through
+minizero.launch as always, so no collective runs in pytest. A lab added later is picked up by
+its file name (tests/mutants/labNN.py), and must bring at least MIN_PER_LAB mutants.
+"""
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+
+from minizero.autograde import LABS, REPO
+from minizero.autograde.batch import run_checks
+
+MUTANT_DIR = Path(__file__).resolve().parent / "mutants"
+MIN_PER_LAB = 6
+
+
+def load_mutants() -> dict:
+    """{lab number: [Mutant, ...]} from every tests/mutants/labNN.py."""
+    return {int(path.stem[3:]): importlib.import_module(f"tests.mutants.{path.stem}").MUTANTS
+            for path in sorted(MUTANT_DIR.glob("lab[0-9]*.py"))}
+
+
+MUTANTS = load_mutants()
+# Marked `mutants` only, not `labN`: `pytest -m lab2 --impl labs` grades a student's lab, not these.
+CASES = [pytest.param(n, m, id=f"lab{n}-{k}-{m.check}", marks=pytest.mark.mutants)
+         for n, mutants in MUTANTS.items() if n in LABS for k, m in enumerate(mutants)]
+
+
+def mutate(lab, mutant, folder: Path) -> Path:
+    """Write the solution of `lab` with `mutant`'s patch applied into `folder`."""
+    source = (Path(REPO) / "solutions" / lab.filename).read_text()
+    found = source.count(mutant.old)
+    if found != 1:
+        raise AssertionError(f"lab {lab.number} mutant '{mutant.name}': its old text occurs {found} times in "
+                             f"solutions/{lab.filename}, must be exactly once (did the solution change?)")
+    path = folder / lab.filename
+    path.write_text(source.replace(mutant.old, mutant.new))
+    return path
+
+
+def the_check(number: int, mutant):
+    return {c.fn.__name__: c for c in LABS[number].checks()}[mutant.check]
+
+
+class Graded:
+    """Gradescope entries of the mutants this session selected, graded one lab at a time (at the
+    first test of that lab) and all of a lab together, so that they share launches: one job per
+    check worker, not one per mutant (the workers are per lab, so nothing is lost by lab)."""
+
+    def __init__(self, session, tmp_path_factory):
+        self.selected = [item.callspec.params for item in session.items
+                         if getattr(item, "callspec", None) and item.originalname == "test_mutant_loses_marks"]
+        self.tmp, self.entries = tmp_path_factory, {}
+
+    def __call__(self, number: int, mutant):
+        key = (number, MUTANTS[number].index(mutant))
+        if key not in self.entries:
+            jobs, keys = [], []
+            for p in self.selected:
+                if p["number"] != number:
+                    continue
+                k = MUTANTS[number].index(p["mutant"])
+                folder = self.tmp.mktemp(f"lab{number:02d}-{k}")
+                try:
+                    mutate(LABS[number], p["mutant"], folder)
+                except AssertionError as e:  # a stale patch fails its own test, not every mutant's
+                    self.entries[number, k] = e
+                    continue
+                jobs.append((LABS[number], the_check(number, p["mutant"]), str(folder)))
+                keys.append((number, k))
+            self.entries.update(zip(keys, run_checks(jobs)))
+        if isinstance(self.entries[key], AssertionError):
+            raise self.entries[key]
+        return self.entries[key]
+
+
+    def table(self) -> str:
+        """The mutant table (lab, mutant, check, score, the message's first line), in Markdown."""
+        rows = ["| lab | mutant | check | score | message |", "|---|---|---|---|---|"]
+        for (number, k), e in sorted(self.entries.items()):
+            m = MUTANTS[number][k]
+            if isinstance(e, AssertionError):
+                rows.append(f"| {number} | {m.name} | {m.check} | - | stale patch: {e} |")
+                continue
+            lines = [line for line in e["output"].splitlines() if line.strip()]
+            said = " ".join(lines[:1] + [line for line in lines[1:2] if line.startswith("likely cause:")])
+            rows.append(f"| {number} | {m.name} | {m.check} | {e['score']:g}/{e['max_score']:g} | "
+                        f"{said.replace('|', '/')[:300]} |")
+        return "\n".join(rows) + "\n"
+
+
+@pytest.fixture(scope="module")
+def graded_mutants(request, tmp_path_factory):
+    graded = Graded(request.session, tmp_path_factory)
+    yield graded
+    if os.environ.get("MINIZERO_MUTANT_TABLE"):  # e.g. for the issue's note: every mutant's score and message
+        Path(os.environ["MINIZERO_MUTANT_TABLE"]).write_text(graded.table())
+
+
+def test_every_lab_has_its_mutants(tmp_path):
+    """Cheap and static, so a stale mutant fails here first: each lab has >= MIN_PER_LAB mutants,
+    each names a real check and patches text found exactly once in the solution."""
+    assert set(MUTANTS) <= set(LABS), f"mutant files for labs that do not exist: {sorted(set(MUTANTS) - set(LABS))}"
+    for n, lab in LABS.items():
+        mutants = MUTANTS.get(n, [])
+        assert len(mutants) >= MIN_PER_LAB, (f"lab {n} has {len(mutants)} mutants in tests/mutants/lab{n:02d}.py; "
+                                             f"every lab needs at least {MIN_PER_LAB} plausible student bugs")
+        checks = {c.fn.__name__ for c in lab.checks()}
+        for m in mutants:
+            assert m.check in checks, f"lab {n} mutant '{m.name}': no check {m.check!r} (the checks: {sorted(checks)})"
+            assert m.old != m.new and m.expect.strip(), f"lab {n} mutant '{m.name}' changes nothing or expects nothing"
+            mutate(lab, m, tmp_path)
+
+
+@pytest.mark.parametrize("number,mutant", CASES)
+def test_mutant_loses_marks(number, mutant, graded_mutants):
+    check, entry = the_check(number, mutant), graded_mutants(number, mutant)
+    assert entry["score"] < check.max_score, (
+        f"lab {number} mutant '{mutant.name}' scored full marks on '{check.name}':\n{entry['output']}")
+    assert mutant.expect.lower() in entry["output"].lower(), (
+        f"lab {number} mutant '{mutant.name}' failed '{check.name}', but the message does not name the cause "
+        f"(expected {mutant.expect!r} in it):\n{entry['output']}")
