@@ -76,3 +76,31 @@ def test_ledger_and_losses(bench):
     last = [r["losses"][-1] for r in c.values()]
     assert max(first) - min(first) < 1e-6
     assert max(last) - min(last) < 1e-3
+
+
+def test_bench_pipeline_against_torch_pipelining(tmp_path):
+    """`bench pipeline` end to end on 2 ranks: minizero's 1F1B and ZB-H1 and torch.distributed.pipelining's
+    train the same model on the same data to the same loss and gradients, and hold the same activations (one meter,
+    memory.SavedTensors, around both); the table, the targets and the measured bubble are reported."""
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, "-m", "minizero", "bench", "pipeline", "--nprocs", "2", "--steps", "2",
+                           "--warmup", "1", "--microbatches", "4", "--micro", "2", "--schedules", "1f1b", "zb_h1",
+                           "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())
+    c = s["candidates"]
+    assert set(c) == {f"{who}-{sched}" for who in ("minizero", "minizero-gloo", "torch") for sched in ("1f1b", "zb_h1")}
+    for sched in ("1f1b", "zb_h1"):
+        ref = c[f"torch-{sched}"]
+        for who in ("minizero", "minizero-gloo"):
+            mine = c[f"{who}-{sched}"]
+            assert mine["last_loss"] == pytest.approx(ref["last_loss"], rel=1e-6)
+            assert mine["saved_peak"] == ref["saved_peak"] and min(ref["saved_peak"]) > 0
+            assert mine["grad_atol_vs_torch"] <= 1e-7, f"{who}-{sched}: gradients differ from torch pipelining's"
+            assert len(mine["step_s"]) == 2 and mine["paired_ratio"][0] > 0
+    assert c["minizero-zb_h1"]["saved_peak"][1] > c["minizero-1f1b"]["saved_peak"][1]  # ZB-H1: p on the last stage too
+    assert "target minizero-1f1b / torch-1f1b <= 1.00" in proc.stdout
+    for sched in ("1f1b", "zb_h1"):
+        b = s["bubble"][sched]
+        assert 0 < b["measured"] < 1 and b["formula"] == pytest.approx((1 / 5) if sched == "1f1b" else 1 / 13)

@@ -1,8 +1,9 @@
-"""`python -m minizero bench`: minizero's DDP and ZeRO-1/2/3 next to torch and DeepSpeed, measured.
+"""`python -m minizero bench`: minizero's DDP and ZeRO-1/2/3 (and ZeRO++) next to torch and DeepSpeed, measured.
 
 One job, N ranks (default 4), the same TinyGPT, data, optimizer (torch Adam, fp32) and steps for
 every candidate (minizero/bench/candidates.py builds them):
     minizero-ddp | minizero-zero1 | minizero-zero2 | minizero-zero3      (minizero.comm: MPI on CPU)
+    minizero-zeropp (ZeRO-3 + qwZ + hpZ + qgZ, 2 simulated nodes)        (`--zeropp`: its own study)
     torch-ddp (DistributedDataParallel) | torch-fsdp2 (fully_shard)      (torch.distributed: gloo)
     deepspeed-z0 .. deepspeed-z3, when `deepspeed` imports                (its CPU accelerator: gloo)
 Each library runs with its own defaults (bucket sizes, persistence thresholds), as a user gets it,
@@ -314,6 +315,26 @@ def cpu_adam(numel=5_000_000, repeats=5, out=sys.stdout) -> dict:
     return times
 
 
+def checkpointing(repeats=7, out=sys.stdout) -> dict:
+    """Activation checkpointing's price, one process: forward+backward of a TinyGPT (4 blocks, width 128,
+    sequence 128, batch 8) with and without every block checkpointed, interleaved. The recompute adds
+    about one forward, so the expected cost is forward / (forward + backward) of the plain step: the seed
+    says "about 33%" (backward = 2 forwards)."""
+    import statistics
+
+    from minizero.experiments.activation_checkpointing import step_times
+    torch.set_num_threads(1)
+    t = step_times(None, repeats=repeats)
+    plain, ckpt, fwd = (statistics.median(t[k]) for k in ("plain", "checkpointed", "forward"))
+    ratios = sorted(c / p for c, p in zip(t["checkpointed"], t["plain"]))
+    result = {"plain_s": plain, "checkpointed_s": ckpt, "forward_s": fwd, "cost": ckpt / plain - 1,
+              "expected_cost": fwd / plain, "paired_ratios": ratios, "seed_cost": 1 / 3}
+    print(f"forward+backward: plain {plain * 1e3:.1f} ms, checkpointed {ckpt * 1e3:.1f} ms (median of {repeats}); "
+          f"cost +{result['cost']:.0%} (paired ratios {ratios[0]:.2f}-{ratios[-1]:.2f}); one forward is "
+          f"{result['expected_cost']:.0%} of the plain step; the seed says about 33%", file=out)
+    return result
+
+
 MEMORY_TARGETS = (("minizero-zero3-init", 800, "minizero ZeRO-3 with zero.Init: peak RSS <= 800 MiB per rank"),
                   ("minizero-zero3-nvme", 600, "minizero ZeRO-3 + optimizer state on disk: peak RSS <= 600 MiB"))
 
@@ -385,7 +406,12 @@ def plot(summary, path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="minizero bench", description=__doc__.splitlines()[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["pipeline"]:  # `python -m minizero bench pipeline`: the schedules vs torch.distributed.pipelining
+        from minizero.bench.pipeline import main as pipeline_main
+        return pipeline_main(argv[1:])
+    ap = argparse.ArgumentParser(prog="minizero bench", description=__doc__.splitlines()[0],
+                                 epilog="`python -m minizero bench pipeline --help`: the pipeline schedules vs torch's")
     ap.add_argument("--nprocs", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30, help="timed steps per candidate (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3)
@@ -398,6 +424,8 @@ def main(argv=None) -> int:
                     help="elements per sub-group for the disk-offload candidates (DeepSpeed's sub_group_size)")
     ap.add_argument("--cpu-adam", action="store_true",
                     help="only time the CPU optimizer step: torch fused/foreach/for-loop AdamW vs DeepSpeedCPUAdam")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="only time activation checkpointing's recompute: step with/without, vs the seed's 33%%")
     ap.add_argument("--memory-only", action="store_true",
                     help="memory phase only, one fresh job per candidate (for --params 1e8); peers built as their "
                          "docs say for large models (FSDP2 on the meta device, DeepSpeed under zero.Init)")
@@ -406,11 +434,31 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the summary (and every rank's raw numbers) here")
     ap.add_argument("--plot", default=None, help="write a PNG: step time bars and ratio to torch DDP")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--zeropp", action="store_true", help="instead: ZeRO++ vs ZeRO-3 at 4 ranks as 2 nodes, where the "
+                    "time goes, and the 300-step convergence check (minizero/bench/zeropp.py)")
+    ap.add_argument("--convergence-steps", type=int, default=300,
+                    help="with --zeropp: steps of the convergence check (0: timing and profile only)")
+    ap.add_argument("--tp", action="store_true", help="tensor parallelism instead: minizero TP vs torch DTensor TP "
+                    "at every t in (2, 4, 8) dividing --nprocs (minizero/bench/tensor_parallel.py; --candidates unused, "
+                    "--micro = sequences per tp group, --backend default torch)")
+    ap.add_argument("--model", default=None, help="with --tp: GPTConfig fields as JSON, replacing BENCH_TP_GPT's")
     args = ap.parse_args(argv)
+    if args.zeropp:
+        from minizero.bench import zeropp
+        return zeropp.main(steps=args.steps, convergence_steps=args.convergence_steps, timeout=args.timeout)
+    if args.tp:
+        from minizero.bench import tensor_parallel
+        return tensor_parallel.main(args)
     from minizero import launch
     t0, load_before = time.time(), os.getloadavg()
     if args.cpu_adam:
         cpu_adam()
+        return 0
+    if args.checkpointing:
+        result = checkpointing()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
         return 0
     if args.memory_only:
         runs, psi = {}, None
@@ -438,13 +486,18 @@ def main(argv=None) -> int:
                                 "micro": args.micro, "model_kwargs": model_for(args.params)})
     summary = summarize(per_rank)
     summary["load_average"]["before_launch"] = load_before
-    report(summary)
+    return finish(args, summary, per_rank, report, plot, t0)
+
+
+def finish(args, summary, per_rank, report_fn, plot_fn, t0) -> int:
+    """Print the report; write --json (the summary and every rank's raw numbers) and --plot."""
+    report_fn(summary)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**summary, "per_rank": per_rank}, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
-        plot(summary, args.plot)
+        plot_fn(summary, args.plot)
         print(f"wrote {args.plot}")
     print(f"({time.time() - t0:.0f} s)")
     return 0

@@ -70,8 +70,9 @@ def _zero2(model, comm, lr):
 
 def _zero3(model, comm, lr):
     from minizero.zero.fsdp import FSDP
+    from minizero.zero.fsdp_optimizer import FSDPOptimizer
     wrapped = FSDP(model, comm=comm)
-    opt = torch.optim.Adam(wrapped.parameters(), lr=lr)  # sees only this rank's shards
+    opt = FSDPOptimizer(wrapped, torch.optim.Adam, lr=lr)  # steps only this rank's shards
 
     def step(x, y):
         _, loss = wrapped(x, y)  # each block's parameters all-gathered just before use

@@ -30,6 +30,13 @@ The config, with DeepSpeed's meaning (checked against deepspeed/runtime/engine.p
     micro-batch gradients add up in bf16 (DeepSpeed's BF16_Optimizer adds them in fp32: with
     accumulation, minizero's bf16 rounds more). Floating inputs are cast to the model's dtype.
   optimizer: "Adam" is AdamW unless params.adam_w_mode is false, weight decay 0 by default (DeepSpeed).
+  pipeline.stages > 1: runtime/pipeline_engine.py's PipelineEngine (engine.train_batch(data_iter)).
+  zero_quantized_weights / zero_hpz_partition_size / zero_quantized_gradients (stage 3 only, else an
+    error) -> zero.ZeroPP (qwZ / hpZ / qgZ) instead of FSDP, its nodes zero_hpz_partition_size ranks each
+    (or the `mesh=` given to initialize).
+  tensor_parallel.autotp_size t > 1: a dp x tp Mesh; the model split over mesh.tp (tensor.TensorParallelGPT,
+    with tensor_parallel.sequence_parallel), DDP/ZeRO over mesh.dp, the batch split over the dp ranks
+    only (engine.dp_rank, engine.dp_size), clipping on the full model's norm (runtime/tensor_parallel.py).
   offload_optimizer.device cpu (stages 1-3; zero/offload.py, ZeRO-Offload): fp32 masters, gradients and
     the optimizer state of this rank's shard on the host, torch's fused CPU optimizer; each boundary moves
     the reduced gradient shard down (ZeRO-3: each unit's gradient as backward produces it), unscales, votes
@@ -40,7 +47,13 @@ The config, with DeepSpeed's meaning (checked against deepspeed/runtime/engine.p
     aio.thread_count threads. offload_param cpu (stage 3): the parameter shards are host tensors, copied to
     the device before each all-gather (counted). engine.offload_traffic() gives the bytes moved.
   A model built under `with minizero.zero.Init(): model = ...` (stage 3) is materialized one unit at a time.
-Not available yet, an error before any collective: ZeRO++ (08), pipeline (09), tensor parallelism (10).
+  activation_checkpointing (DeepSpeed's section; activation_checkpointing.py): present = every element of every
+    nn.ModuleList (TinyGPT's blocks) runs under torch.utils.checkpoint (non-reentrant) and is recomputed in
+    backward (with TP the recompute repeats the block's forward all-reduces). Its keys are accepted at
+    DeepSpeed's defaults only; any other value is a ConfigError naming it. Not with
+    pipeline.stages > 1 yet (a ConfigError).
+Not available yet, an error before any collective: checkpoints with
+tensor parallelism.
 """
 from __future__ import annotations
 
@@ -55,6 +68,8 @@ from minizero import memory
 from minizero.runtime.config import ConfigError, load_config
 from minizero.precision import LossScaler, MixedPrecisionOptimizer
 from minizero.runtime.schedulers import build_scheduler
+from minizero.runtime.tensor_parallel import check_model, norm_weights, split_over_tp
+from minizero.zero.flat_shard_optimizer import covering_param_groups
 
 
 def _world_size(comm) -> int:
@@ -70,15 +85,6 @@ def check_available(cfg: dict):
     """What the engine cannot do (yet) with a valid config: an error saying what to do, raised
     before any collective. Builds the optimizer and the scheduler on a dummy tensor to check
     their params the same way."""
-    zero = cfg["zero_optimization"]
-    later = [("zero_optimization.zero_quantized_weights", zero["zero_quantized_weights"], "ZeRO++ lesson (08)"),
-             ("zero_optimization.zero_quantized_gradients", zero["zero_quantized_gradients"], "ZeRO++ lesson (08)"),
-             ("zero_optimization.zero_hpz_partition_size", zero["zero_hpz_partition_size"] > 1, "ZeRO++ lesson (08)"),
-             ("pipeline.stages", cfg["pipeline"]["stages"] > 1, "pipeline lesson (09)"),
-             ("tensor_parallel.autotp_size", cfg["tensor_parallel"]["autotp_size"] > 1, "tensor lesson (10)")]
-    for key, on, lesson in later:
-        if on:
-            raise ConfigError(f"{key}: not available yet: the {lesson} is not written; remove it or set it off")
     if cfg["optimizer"] is None:
         raise ConfigError("the engine needs an 'optimizer' section, "
                           "e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}")
@@ -87,6 +93,11 @@ def check_available(cfg: dict):
         build_scheduler(cls([torch.zeros(1, requires_grad=True)], **kw), cfg["scheduler"])
     except (TypeError, ValueError) as e:
         raise ConfigError(f"optimizer/scheduler params: {e}") from None
+    if cfg["fp16"]["enabled"]:  # the loss scaler's own checks, on a throwaway one: before the model is cast
+        try:
+            LossScaler(**{k: v for k, v in cfg["fp16"].items() if k != "enabled"})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"fp16: {e}") from None
 
 
 def optimizer_spec(section: dict):
@@ -102,19 +113,63 @@ def optimizer_spec(section: dict):
     return (torch.optim.AdamW if section["type"] == "AdamW" or adam_w_mode else torch.optim.Adam), params
 
 
-def initialize(model: torch.nn.Module, config, comm=None) -> "Engine":
+def _checkpoint(model) -> list[str]:
+    from minizero.activation_checkpointing import checkpoint_blocks
+    try:
+        return checkpoint_blocks(model)
+    except ValueError as e:
+        raise ConfigError(f"activation_checkpointing: {e}") from None
+
+
+def check_model_parameters(model: torch.nn.Module, model_parameters):
+    """DeepSpeed's `model_parameters`: param groups (or tensors) of the model's parameters, e.g. nanoGPT's
+    decay / no-decay pair, each group's values over the config's optimizer params. Every trainable
+    parameter must be in exactly one group. None: one group of model.parameters()."""
+    return None if model_parameters is None else covering_param_groups(model, model_parameters, "model_parameters")
+
+
+def initialize(model: torch.nn.Module, config, comm=None, model_parameters=None, mesh=None) -> "Engine":
     """minizero's deepspeed.initialize: a model and a DeepSpeed config (dict or JSON path) -> Engine.
-    (DeepSpeed returns a 4-tuple; here engine.optimizer and engine.lr_scheduler hold the others.)"""
+    model_parameters: param groups, as DeepSpeed takes them (check_model_parameters).
+    (DeepSpeed returns a 4-tuple; here engine.optimizer and engine.lr_scheduler hold the others.)
+    mesh: a comm.Mesh whose nodes ZeRO++ uses (its world is the communicator); without one, ZeRO++'s
+    simulated nodes are zero_hpz_partition_size consecutive ranks (all ranks one node when that is 1)."""
+    if mesh is not None:
+        comm = mesh.world
     cfg = load_config(config, _world_size(comm))
     check_available(cfg)
-    return Engine(model, cfg, comm or comm_mod.get())
+    hpz = cfg["zero_optimization"]["zero_hpz_partition_size"]
+    if mesh is not None and hpz > 1 and hpz != mesh.node_size:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} but the mesh has nodes of "
+                          f"{mesh.node_size} ranks: hpZ's groups are the mesh's nodes; make them agree")
+    if cfg["pipeline"]["stages"] > 1:
+        if cfg["activation_checkpointing"] is not None:
+            raise ConfigError("activation_checkpointing with pipeline.stages > 1 is not implemented in minizero's "
+                              "pipeline engine yet; remove one of the two sections")
+        from minizero.runtime.pipeline_engine import PipelineEngine, check_pipeline
+        check_pipeline(cfg)
+        return PipelineEngine(model, cfg, comm or comm_mod.get())
+    check_model(model, cfg)
+    groups = check_model_parameters(model, model_parameters)
+    if groups and len(groups) > 1 and cfg["zero_optimization"]["offload_optimizer"]["device"] != "none":
+        raise ConfigError(f"model_parameters has {len(groups)} param groups, but offload_optimizer steps each shard on "
+                          "the host as ONE group: pass one group (its lr/weight_decay apply) or remove offload_optimizer")
+    if groups and cfg["tensor_parallel"]["autotp_size"] > 1:
+        raise ConfigError("model_parameters with tensor_parallel.autotp_size > 1 is not implemented: the split replaces "
+                          "the model's parameters by their slices, so groups of the originals would train nothing; "
+                          "leave model_parameters out (one group) or set autotp_size 1")
+    return Engine(model, cfg, comm or comm_mod.get(), groups, mesh)
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, cfg: dict, comm):
+    def __init__(self, model: torch.nn.Module, cfg: dict, comm, groups=None, mesh=None):
         self.config = cfg     # the checked config, every default filled in (runtime/config.py)
-        self.comm = comm      # the data-parallel ranks
-        self.module = model   # the plain model (DeepSpeed's engine.module)
+        self.comm = comm      # every rank: votes (fp16 overflow), norms, checkpoints
+        self.module = model   # the plain model (DeepSpeed's engine.module); with TP its parallel version
+        self.node_mesh = mesh  # ZeRO++'s nodes (None: built from zero_hpz_partition_size when needed)
+        # activation_checkpointing section present: every block recomputes its inside in backward (before any
+        # collective; a TP split converts the blocks in place, so they stay checkpointed)
+        self.checkpointed_blocks = _checkpoint(model) if cfg["activation_checkpointing"] is not None else []
         zero = cfg["zero_optimization"]
         self.stage = zero["stage"]
         self.dtype = torch.float16 if cfg["fp16"]["enabled"] else torch.bfloat16 if cfg["bf16"]["enabled"] \
@@ -128,6 +183,12 @@ class Engine:
             if first.setdefault(id(p), n) != n:
                 self.aliases[n] = first[id(p)]
         self.state_dict_keys = list(model.state_dict().keys())
+        self.mesh, model = split_over_tp(model, cfg, comm)  # a dp x tp Mesh, or None without TP
+        self.module = model
+        self.dp_comm = self.mesh.dp if self.mesh else comm  # the ranks that split the batch and reduce gradients
+        self.dp_rank, self.dp_size = self.dp_comm.rank, self.dp_comm.size  # which micro-batch is this rank's
+        self.tp_split_names = {n for n, p in model.named_parameters(remove_duplicate=False)
+                               if hasattr(p, "tensor_parallel_dim")}  # for the norm under ZeRO-3
         self.device = comm.device  # one rank per GPU (comm picks it); move your batches there, as in DeepSpeed
         from minizero.zero.init import built_with_init
         self.zero_init = built_with_init(model)  # built under zero.Init: FSDP materializes it unit by unit
@@ -141,29 +202,44 @@ class Engine:
         bucket_numel = int(zero["reduce_bucket_size"])  # elements, as in DeepSpeed: no unit to convert
         if self.stage == 0:
             from minizero.dp.ddp import DDP
-            self.wrapped = DDP(model, comm, bucket_numel=bucket_numel, overlap=zero["overlap_comm"])
-            self.optimizer = MixedPrecisionOptimizer(self.wrapped.params, cls, None, 0.0, comm, **kw) \
-                if self.half else cls(self.wrapped.params, **kw)
+            self.wrapped = DDP(model, self.dp_comm, bucket_numel=bucket_numel, overlap=zero["overlap_comm"])
+            params = groups or self.wrapped.params
+            self.optimizer = MixedPrecisionOptimizer(params, cls, None, 0.0, self.dp_comm, **kw) if self.half \
+                else cls(params, **kw)
         elif self.stage == 1:
             from minizero.zero.sharded_optimizer import ShardedOptimizer
-            self._broadcast([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
+            self.dp_comm.broadcast_tensors([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
             self.wrapped = model
-            self.optimizer = ShardedOptimizer(model.parameters(), cls, comm, **kw)
+            self.optimizer = ShardedOptimizer(groups or model.parameters(), cls, self.dp_comm, **kw)
         elif self.stage == 2:
             from minizero.zero.shard_grad_op import ShardGradOp
-            self.wrapped = ShardGradOp(model, cls, comm, bucket_numel=bucket_numel, overlap=zero["overlap_comm"],
-                                       **kw)
+            self.wrapped = ShardGradOp(model, cls, self.dp_comm, bucket_numel=bucket_numel, overlap=zero["overlap_comm"],
+                                       params=groups, **kw)
             self.optimizer = self.wrapped.optim
         else:
             from minizero.zero.fsdp import FSDP
+            from minizero.zero.fsdp_optimizer import FSDPOptimizer
             if self.zero_init is None:  # FSDP shards each rank's OWN copy; zero.Init replays the same seed everywhere
-                self._broadcast([*model.parameters(), *model.buffers()])
+                self.dp_comm.broadcast_tensors([*model.parameters(), *model.buffers()])
             prefetch = zero["overlap_comm"] and zero["stage3_prefetch_bucket_size"] > 0
-            self.wrapped = FSDP(model, comm, compute_dtype=self.dtype if self.half else None, prefetch=prefetch,
-                                persistence_threshold=int(zero["stage3_param_persistence_threshold"]))
-            if self.zero_init is not None:
-                model.to(self.device, self.dtype if self.half else None)  # buffers and frozen parameters
-            self.optimizer = cls([p for p in self.wrapped.parameters() if p.requires_grad], **kw)
+            fsdp_kw = dict(compute_dtype=self.dtype if self.half else None, prefetch=prefetch,
+                           persistence_threshold=int(zero["stage3_param_persistence_threshold"]))
+            hpz = zero["zero_hpz_partition_size"]
+            if zero["zero_quantized_weights"] or zero["zero_quantized_gradients"] or hpz > 1:
+                from minizero.comm import Mesh
+                from minizero.zero.zeropp import ZeroPP
+                self.node_mesh = self.node_mesh or Mesh(comm, node_size=hpz if hpz > 1 else None)
+                self.wrapped = ZeroPP(model, self.node_mesh, quantized_weights=zero["zero_quantized_weights"],
+                                      hpz=hpz > 1, quantized_gradients=zero["zero_quantized_gradients"], **fsdp_kw)
+            else:
+                self.wrapped = FSDP(model, self.dp_comm, **fsdp_kw)
+            if self.zero_init is not None:  # buffers and frozen parameters (the local parts stay fp32 shard views)
+                trained = {id(p) for p in self.wrapped.parameters() if p.requires_grad}
+                for t in [*model.buffers(), *(p for p in model.parameters() if id(p) not in trained)]:
+                    t.data = t.data.to(self.device, self.dtype if self.half and t.is_floating_point() else None)
+            self.optimizer = FSDPOptimizer(self.wrapped, cls, groups, **kw)  # groups of originals map
+        # checkpoints name each trained tensor (FSDP's local parts carry the original names)
+        self.param_names = {id(p): n for n, p in (self.wrapped if self.stage == 3 else model).named_parameters()}
         self.offload = self._offload(cls, kw) if zero["offload_optimizer"]["device"] != "none" else None
         f16 = {k: v for k, v in cfg["fp16"].items() if k != "enabled"}
         self.loss_scaler = LossScaler(**f16) if cfg["fp16"]["enabled"] else None
@@ -179,13 +255,9 @@ class Engine:
         self.timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # seconds spent in the last optimizer step
         self._fwd = self._bwd = 0.0
 
-    @torch.no_grad()
-    def _broadcast(self, tensors):  # rank 0's values everywhere (contiguous buffers for MPI)
-        for t in tensors:
-            buf = t.data if t.is_contiguous() else t.data.contiguous()
-            self.comm.broadcast(buf, src=0)
-            if buf.data_ptr() != t.data_ptr():
-                t.data.copy_(buf)
+    def _broadcast(self, tensors):
+        """Rank 0's values on every data-parallel rank, packed (PipelineEngine calls it too: its comm is mesh.dp)."""
+        getattr(self, "dp_comm", self.comm).broadcast_tensors(list(tensors))
 
     # ------------------------------------------------------------------ DeepSpeed's accessors
     def train_batch_size(self) -> int:
@@ -236,6 +308,8 @@ class Engine:
         if self.half:
             cast = lambda t: t.to(self.dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
             args, kwargs = [cast(a) for a in args], {k: cast(v) for k, v in kwargs.items()}
+        if self.stage == 1 and torch.is_grad_enabled():  # no wrapper here: rank 0's buffers, as DDP does
+            self.dp_comm.broadcast_tensors(list(self.module.buffers()))
         self.outputs = out = self.wrapped(*args, **kwargs)
         self._fwd += time.perf_counter() - t0
         loss = out.get("loss") if isinstance(out, dict) else out[-1] if isinstance(out, (tuple, list)) and out \
@@ -303,19 +377,24 @@ class Engine:
             g = opt.reduce_gradients() if self.stage == 1 else self.wrapped.grad_shard
             self._shard_grad = g.float()  # the same tensor in fp32; a copy of a 16-bit shard
             return [self._shard_grad], []
-        units = self.wrapped.units
-        return ([u.shard.grad for u in units if u.shard is not None and u.shard.grad is not None],
-                [u.whole.grad for u in units if u.whole is not None and u.whole.grad is not None])
+        parts = list(zip(opt.parts, opt.grads()))  # FSDP's flat fp32 gradients, unit by unit
+        return ([g for (_, part), g in parts if part == "shard" and g is not None],
+                [g for (_, part), g in parts if part == "whole" and g is not None])
 
     @torch.no_grad()
     def _clip(self, sharded, replicated, max_norm):
+        w_sharded, w_replicated = norm_weights(self, sharded, replicated)  # 1 or 1/t per element with TP
         sq = torch.zeros(1, device=self.comm.device)
-        for g in sharded:
-            sq += g.pow(2).sum()
+        for g, w in zip(sharded, w_sharded):
+            sq += g.pow(2).sum() if w is None else (w * g.pow(2)).sum()
         if self.stage > 0:
             self.comm.all_reduce(sq, op="sum")  # every rank holds a different piece: add them up
-        for g in replicated:
-            sq += g.pow(2).sum()  # the same on every rank (stage 0; stage 3's persistent ones): once
+        whole = sq if self.mesh is None else torch.zeros(1, device=self.comm.device)
+        for g, w in zip(replicated, w_replicated):
+            whole += g.pow(2).sum() if w is None else (w * g.pow(2)).sum()  # the same on every dp rank: once
+        if self.mesh is not None:
+            self.mesh.tp.all_reduce(whole, op="sum")  # the tp group's slices (and 1/t of each whole copy)
+            sq += whole
         norm = sq.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
         for g in sharded + replicated:
@@ -328,7 +407,7 @@ class Engine:
         if self.offload is not None:
             self.offload.step()  # CPU step (in a thread under DPU), parameters up, ZeRO-1/2 all-gather
         elif self.stage == 0 and self.half:
-            opt.optimizer.step()
+            opt.step_masters()
             for p, m in zip(opt.params, opt.masters):
                 p.copy_(m)  # round the fp32 masters into the 16-bit model
         elif self.stage in (1, 2):
@@ -367,15 +446,22 @@ class Engine:
         return self.comm.stats.as_dict()
 
     # ------------------------------------------------------------------ checkpoints
+    def _no_tp(self, what):
+        if self.mesh is not None:  # the same on every rank: raised before any collective
+            raise NotImplementedError(f"{what} with tensor parallelism is not implemented: the checkpoint format "
+                                      "shards over the data-parallel ranks only (each tp rank holds other slices)")
+
     def save_checkpoint(self, save_dir, tag=None, client_state=None):
         """Every rank writes its shard; see minizero.runtime.checkpoint. A collective. client_state: plain data
         (numbers, strings, lists, dicts, tensors), handed back by load_checkpoint."""
+        self._no_tp("save_checkpoint")
         if self.offload is not None:
             self.offload.finish()  # DPU: the checkpoint holds the update in flight
         return checkpoint.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir, tag=None):
         """-> (path, client_state), as DeepSpeed. Validates everything before changing anything."""
+        self._no_tp("load_checkpoint")
         out = checkpoint.load(self, load_dir, tag)
         if self.offload is not None:
             if self.stage == 3:
@@ -385,6 +471,7 @@ class Engine:
 
     def full_state_dict(self) -> dict:
         """The plain model's state dict in fp32, on every rank (a collective: gathers the shards)."""
+        self._no_tp("full_state_dict")
         if self.offload is not None:
             self.offload.finish()
         return checkpoint.full_state_dict(self)
@@ -400,7 +487,8 @@ class Engine:
             opt = self.optimizer  # ShardedOptimizer: its fp32 master and torch optimizer move to the host
             host = HostOptimizer([opt.shard], cls, traffic, section["pin_memory"], section["dpu_warmup_steps"],
                                  after_params=lambda: self._all_gather(opt), **kw)
-            opt.master, opt.optim = host.masters[0], host  # checkpoints and schedulers find them there
+            opt.master, opt.optim = host.masters[0], host  # checkpoints find them there
+            host.param_groups = opt.param_groups  # the scheduler edits the user's one group; each step copies it
             return host
         units = self.wrapped.units
         params = [p for u in units for p in (u.shard, u.whole) if p is not None]
@@ -411,8 +499,11 @@ class Engine:
                                  io_threads=aio["thread_count"], **kw)
         else:
             host = HostOptimizer(params, cls, traffic, section["pin_memory"], section["dpu_warmup_steps"], **kw)
-        for i, p in enumerate(params):  # each unit's gradient goes down as soon as backward reduced it
-            p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_down(host, i, p))
+        host.param_groups = self.optimizer.param_groups  # FSDPOptimizer's one group, as the user gave it
+        index = {(id(u), part): i for i, (u, part) in enumerate((u, part) for u in units for part in ("shard", "whole")
+                                                                 if getattr(u, part) is not None)}
+        # each unit's gradient goes down as soon as backward reduced it: the device keeps none between units
+        self.wrapped.grad_sink = lambda unit, part, grad: host.accumulate(index[(id(unit), part)], grad)
         if zero["offload_param"]["device"] == "cpu":
             if self.device.type != "cpu":  # the shards would have to move to CPU memory and autograd with them
                 raise ConfigError("offload_param is implemented for CPU runs only (where the host shard and its device "
@@ -420,11 +511,6 @@ class Engine:
             self.wrapped.fetch_shard = self._fetch_shard
         self.optimizer = host
         return host
-
-    @staticmethod
-    def _grad_down(host, i, p):
-        host.accumulate(i, p.grad)
-        p.grad = None  # the device keeps no gradient between units
 
     def _fetch_shard(self, unit, shard):
         """offload_param: the shard lives on the host; this device copy exists for its all-gather."""
@@ -440,7 +526,7 @@ class Engine:
     @torch.no_grad()
     def _all_gather(self, opt):
         send = opt.shard.clone()  # MPI may not send from inside the buffer it receives into
-        self.comm.all_gather(opt.flat, send)
+        self.dp_comm.all_gather(opt.flat, send)  # the ranks ZeRO-1/2 shard over
 
     def _host_grads(self):
         """Offload: this rank's reduced gradients, moved to the host (fp32). ZeRO-3's are there already."""
