@@ -98,7 +98,8 @@ class LossScaler:
         ranks that disagreed would step different parameters, or wait in different collectives."""
         grads = [g for g in grads if g is not None]
         comm = _agreeing_comm(comm)
-        device = grads[0].device if grads else comm.device if comm is not None else torch.device("cpu")
+        # the vote lives where the communicator does (offloaded gradients are on the host, NCCL's flag on the GPU)
+        device = comm.device if comm is not None else grads[0].device if grads else torch.device("cpu")
         # decide `overflow`: True if any tensor in `grads` holds an inf or a nan on ANY rank.
         #   Test each tensor with torch.isfinite (a sum could overflow by itself).
         #   Put the local answer in a one-element float tensor `flag` on `device`;

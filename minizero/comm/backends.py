@@ -232,8 +232,9 @@ class TorchBackend:
         return self._maybe_avg(t, op, w)
 
     def reduce_scatter(self, out, inp, op):
-        # *_single: the forms that do not emit FutureWarnings in torch 2.13
-        w = self.dist.reduce_scatter_single(out.detach(), inp.detach(), self._ops[op], group=self.group, async_op=True)
+        # *_single: the forms that do not emit FutureWarnings in torch 2.13 (older torch: *_tensor)
+        reduce_scatter = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
+        w = reduce_scatter(out.detach(), inp.detach(), self._ops[op], group=self.group, async_op=True)
         return self._maybe_avg(out, op, w)
 
     def reduce(self, t, dst, op):
@@ -241,7 +242,8 @@ class TorchBackend:
         return self._maybe_avg(t, op if self.rank == dst else "sum", w)
 
     def all_gather(self, out, inp):
-        return Work(self.dist.all_gather_single(out.detach(), inp.detach(), group=self.group, async_op=True).wait, "all_gather")
+        all_gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+        return Work(all_gather(out.detach(), inp.detach(), group=self.group, async_op=True).wait, "all_gather")
 
     def broadcast(self, t, src):
         return Work(self.dist.broadcast(t.detach(), self.ranks[src], group=self.group, async_op=True).wait, "broadcast")

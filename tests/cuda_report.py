@@ -1,0 +1,204 @@
+"""CUDA figures for one lent GPU (not a pytest module: `python tests/cuda_report.py [--quick]`).
+
+What a single GPU can show, each against a ground truth measured in the same run:
+  1. ZeRO++'s quantizer (minizero/zero/quantize.py) on CUDA tensors: the error bound
+     |x - dq(q(x))| <= scale/2 per block at odd sizes, codes equal to the CPU's, and throughput.
+  2. ZeRO-Offload on one GPU, world of one (the paper's single-GPU case): losses with and without
+     offload_optimizer cpu, torch.cuda.max_memory_allocated against the ledger's device bytes, the
+     bytes copied device <-> host, and the largest TinyGPT that trains under a capped GPU memory
+     with and without offload (the "10x bigger model on one GPU" claim, in miniature).
+Tensor parallelism needs t >= 2 ranks; NCCL refuses two ranks on one GPU, so it is not here.
+Prints one JSON object per part; on CPU (--quick) it runs the same code small, as a smoke test.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from minizero.zero.quantize import dequantize_blockwise, quantize_blockwise  # noqa: E402
+
+
+def quantizer(device, quick):
+    out = {"device": str(device), "bound": [], "throughput": []}
+    gen = torch.Generator().manual_seed(0)
+    for bits in (8, 4):
+        for block in (1, 3, 64, 2048):
+            for n in (1, 7, 511, 1000, 4097):
+                x = torch.randn(3, n, generator=gen) * torch.tensor([[1e-3], [1.0], [50.0]])
+                x[1, n // 2] = 400.0
+                codes, scales = quantize_blockwise(x.to(device), block, bits)
+                back = dequantize_blockwise(codes, scales, block)
+                per = scales.repeat_interleave(block, dim=1)[:, :n]
+                excess = ((x.to(device) - back).abs() - per / 2 - x.to(device).abs() * 2 ** -22).max().item()
+                cpu_codes, _ = quantize_blockwise(x, block, bits)
+                out["bound"].append({"bits": bits, "block": block, "n": n, "excess": excess,
+                                     "codes_differ": int((codes.cpu() != cpu_codes).sum())})
+    numel = (1 << 20) if quick else (1 << 26)
+    x = torch.randn(numel, device=device)
+    for bits in (8, 4):
+        for block in (512, 2048):
+            def q():
+                return quantize_blockwise(x, block, bits)
+            codes, scales = q()
+
+            def dq():
+                return dequantize_blockwise(codes, scales, block)
+            for name, fn in (("quantize", q), ("dequantize", dq)):
+                for _ in range(3):
+                    fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                reps = 5 if quick else 20
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                sec = (time.perf_counter() - t0) / reps
+                out["throughput"].append({"op": name, "bits": bits, "block": block, "numel": numel,
+                                          "ms": sec * 1e3, "fp32_GB_per_s": numel * 4 / sec / 1e9})
+    worst = max(r["excess"] for r in out["bound"])
+    out["bound_holds"] = worst <= 0
+    out["worst_excess"] = worst
+    out["codes_differ_total"] = sum(r["codes_differ"] for r in out["bound"])
+    return out
+
+
+CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "steps_per_print": 1000,
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}}
+
+
+def _config(stage, offload, fp16):
+    zero = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    cfg = {**CFG, "zero_optimization": zero}
+    if fp16:
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+def train(n_layer, n_embd, offload, steps, fp16=True, stage=2, seq=128):
+    """One run in this process: losses, CUDA peak, ledger by location, bytes copied."""
+    import minizero
+    from minizero.data import SyntheticTokens
+    from minizero.models import GPTConfig, TinyGPT
+    cfg = GPTConfig(vocab_size=64, block_size=seq, n_layer=n_layer, n_head=max(1, n_embd // 64), n_embd=n_embd)
+    model = TinyGPT(cfg, seed=0)
+    psi = sum(p.numel() for p in model.parameters())
+    cuda = torch.cuda.is_available()
+    if cuda:
+        import gc
+        gc.collect()  # an earlier run's engine in this process: gone before this one is measured
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0  # what this run did not allocate
+    engine = minizero.initialize(model, _config(stage, offload, fp16))
+    init_peak = torch.cuda.max_memory_allocated() - base if cuda else None  # building the engine
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # from here: the training steps
+    data = SyntheticTokens(cfg.vocab_size, cfg.block_size, seed=0)
+    losses, times = [], []
+    for step in range(steps):
+        x, y = data.batch(step, 2)
+        t0 = time.perf_counter()
+        loss = engine(x.to(engine.device), y.to(engine.device))  # the loss, as DeepSpeed
+        engine.backward(loss)
+        engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    ledger = engine.memory()
+    return {"n_layer": n_layer, "n_embd": n_embd, "psi": psi, "offload": offload, "losses": losses,
+            "step_s": times, "ledger_by_location": ledger.by_location, "ledger_by_category": ledger.by_category,
+            "cuda_max_allocated": torch.cuda.max_memory_allocated() - base if cuda else None,
+            "cuda_init_peak": init_peak, "cuda_after_steps": torch.cuda.memory_allocated() - base if cuda else None,
+            "traffic": engine.offload_traffic()}
+
+
+def _child(args):
+    """`python cuda_report.py child N_LAYER N_EMBD OFFLOAD CAP_GB`: one capped attempt, JSON on the last line."""
+    n_layer, n_embd, offload, cap = int(args[0]), int(args[1]), args[2] == "1", float(args[3])
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap * 2 ** 30 / total)
+    try:
+        r = train(n_layer, n_embd, offload, steps=2)
+        print(json.dumps({"ok": True, "psi": r["psi"], "cuda_max_allocated": r["cuda_max_allocated"],
+                          "cuda_init_peak": r["cuda_init_peak"], "cuda_after_steps": r["cuda_after_steps"],
+                          "step_s": r["step_s"][-1]}))
+    except torch.OutOfMemoryError as e:
+        print(json.dumps({"ok": False, "why": str(e).splitlines()[0][:200]}))
+
+
+def _attempt(n_layer, n_embd, offload, cap):
+    proc = subprocess.run([sys.executable, __file__, "child", str(n_layer), str(n_embd), str(int(offload)), str(cap)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"ok": False, "why": (proc.stderr or proc.stdout)[-300:]}
+
+
+def largest(n_embd, offload, cap, hi):
+    """The most layers (of width n_embd) that train 2 steps under `cap` GiB: doubling, then bisection."""
+    good, tried = None, {}
+    lo_bad = None
+    n = 1
+    while n <= hi:
+        tried[n] = _attempt(n, n_embd, offload, cap)
+        if not tried[n]["ok"]:
+            lo_bad = n
+            break
+        good, n = n, n * 2
+    if good is None:
+        return {"layers": 0, "tried": tried}
+    upper = lo_bad if lo_bad is not None else hi + 1
+    while upper - good > 1:
+        mid = (good + upper) // 2
+        tried[mid] = _attempt(mid, n_embd, offload, cap)
+        good, upper = (mid, upper) if tried[mid]["ok"] else (good, mid)
+    return {"layers": good, "psi": tried[good]["psi"], "cuda_max_allocated": tried[good]["cuda_max_allocated"],
+            "cuda_init_peak": tried[good]["cuda_init_peak"], "cuda_after_steps": tried[good]["cuda_after_steps"],
+            "step_s": tried[good]["step_s"], "tried": {k: v["ok"] for k, v in sorted(tried.items())}}
+
+
+def offload_report(quick):
+    layers, width, steps = (2, 64, 3) if quick else (4, 512, 5)
+    plain = train(layers, width, offload=False, steps=steps)
+    off = train(layers, width, offload=True, steps=steps)
+    out = {"same_model": {"psi": plain["psi"], "losses_plain": plain["losses"], "losses_offload": off["losses"],
+                          "max_loss_diff": max(abs(a - b) for a, b in zip(plain["losses"], off["losses"])),
+                          "plain": {k: plain[k] for k in ("ledger_by_location", "cuda_init_peak", "cuda_max_allocated",
+                                                          "cuda_after_steps", "step_s")},
+                          "offload": {k: off[k] for k in ("ledger_by_location", "ledger_by_category", "cuda_init_peak",
+                                                          "cuda_max_allocated", "cuda_after_steps", "traffic",
+                                                          "step_s")}}}
+    if torch.cuda.is_available() and not quick:
+        cap, width = 2.0, 1024
+        out["largest_under_cap"] = {"cap_GiB": cap, "n_embd": width,
+                                    "plain": largest(width, False, cap, hi=64),
+                                    "offload": largest(width, True, cap, hi=128)}
+    return out
+
+
+def main():
+    if sys.argv[1:2] == ["child"]:
+        return _child(sys.argv[2:])
+    quick = "--quick" in sys.argv
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
+    print(json.dumps({"env": env}))
+    print(json.dumps({"quantizer": quantizer(device, quick)}))
+    print(json.dumps({"offload": offload_report(quick)}))
+
+
+if __name__ == "__main__":
+    main()
