@@ -91,3 +91,58 @@ def engine_runs(comm, steps=3, clip=0.05):
         out.append({"config": [zero, pipeline], "atol_needed": worst, "losses": losses, "ref_losses": ref_losses,
                     "norms": norms, "ref_norms": ref_norms})
     return out
+
+
+def three_d_runs(comm, steps=5, clip=0.05):
+    """3D through minizero.initialize: pipeline.stages 2 x tensor_parallel.autotp_size 2 x the rest data
+    parallel (dp 2 on 8 ranks, 1 on 4), ZeRO-0 and ZeRO-1, SGD with momentum and gradient clipping,
+    against one process on the whole batch: the largest atol needed at rtol 1e-6 after `steps` steps,
+    every rank's stage gathered over its tp group into the single-process tensors, and the losses and norms."""
+    import minizero
+    from minizero.data import shard
+    from minizero.experiments.references import global_batches, make_optimizer
+    from minizero.models import GPTConfig, TinyGPT
+    from minizero.tensor.layers import unshard
+    runs = [({"stage": 1}, {"stages": 2, "schedule": "1f1b"}, True),
+            ({"stage": 0}, {"stages": 2, "schedule": "gpipe"}, False),
+            ({"stage": 1}, {"stages": 2, "schedule": "interleaved_1f1b", "chunks": 2}, True)]
+    out = []
+    for zero, pipeline, tied in runs:
+        cfg = GPTConfig(**{**GPT, "n_layer": 4, "tie_weights": tied})
+        dp = comm.size // 4
+        config = {"train_batch_size": 8 * dp, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": clip,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                  "zero_optimization": zero, "pipeline": pipeline, "tensor_parallel": {"autotp_size": 2}}
+        engine = minizero.initialize(TinyGPT(cfg), config, comm=comm)
+        names = {id(q): n for n, q in engine.module.named_parameters()}
+        ref = TinyGPT(cfg)
+        opt = make_optimizer("sgd", ref.parameters(), 0.1)
+        losses, ref_losses, norms, ref_norms = [], [], [], []
+        for x, y in global_batches(ref, steps, 8 * dp, seed=3):
+            mine = shard((x, y), engine.dp_rank, engine.dp_size)
+            micro = list(zip(mine[0].chunk(4), mine[1].chunk(4)))
+            losses.append(engine.train_batch(iter(micro)).item())
+            norms.append(engine.get_global_grad_norm())
+            loss = ref(x, y)[1]
+            loss.backward()
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ref_losses.append(loss.item())
+        want = dict(ref.named_parameters())
+        worst, checked = 0.0, []
+        for q in engine.pipeline.parameters():
+            full = q.detach()
+            if hasattr(q, "tensor_parallel_dim"):  # this rank's slice: the tp group's slices make the tensor
+                parts = torch.empty((engine.mesh.tp_size, *full.shape), dtype=full.dtype)
+                engine.mesh.tp.all_gather(parts, full.contiguous())
+                full = unshard(list(parts.unbind(0)), q.tensor_parallel_dim, q.tensor_parallel_chunks)
+            ref_q = want[names[id(q)]].detach()
+            worst = max(worst, ((full - ref_q).abs() - 1e-6 * ref_q.abs()).max().item())
+            checked.append(names[id(q)])
+        out.append({"config": [zero, pipeline, tied], "coords": [engine.mesh.dp_rank, engine.mesh.pp_rank,
+                                                                 engine.mesh.tp_rank],
+                    "atol_needed": worst, "checked": sorted(set(checked)), "losses": losses,
+                    "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
+                    "sent": comm.stats.sent()})
+    return out

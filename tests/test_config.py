@@ -199,7 +199,8 @@ def test_pipeline_section():
 
 def test_pipeline_engine_refuses_what_it_cannot_do_before_any_collective():
     import minizero
-    from minizero.models import MLP, TinyGPT
+    from minizero.models import MLP, GPTConfig, TinyGPT
+    from minizero.pipeline.stage import PipelineError
     cfg = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "pipeline": {"stages": 2}}
     with pytest.raises(ConfigError, match="bf16 with pipeline.stages > 1: not available"):
@@ -207,9 +208,17 @@ def test_pipeline_engine_refuses_what_it_cannot_do_before_any_collective():
     with pytest.raises(ConfigError, match="offload_optimizer.device 'cpu' with pipeline.stages > 1: not available"):
         minizero.initialize(TinyGPT(), {**cfg, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
                             comm=_FakeComm(2))
-    with pytest.raises(ConfigError, match=r"tensor_parallel.autotp_size > 1 \(3D parallelism\): not available yet"):
-        minizero.initialize(TinyGPT(), {**cfg, "train_batch_size": 4, "tensor_parallel": {"autotp_size": 2}},
+    # 3D (pipeline x tensor parallel): what cannot work is refused before the mesh is built
+    tp = {**cfg, "train_batch_size": 4, "tensor_parallel": {"autotp_size": 2}}
+    with pytest.raises(ConfigError, match="sequence_parallel with pipeline.stages > 1: not implemented"):
+        minizero.initialize(TinyGPT(), {**tp, "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}},
                             comm=_FakeComm(4))
+    with pytest.raises(ConfigError, match="splits a nanoGPT-named model.*MLP has no wte"):
+        minizero.initialize(MLP(), tp, comm=_FakeComm(4))
+    with pytest.raises(ValueError, match="n_head=3 is not divisible by the tensor-parallel size 2"):
+        minizero.initialize(TinyGPT(GPTConfig(n_head=3, n_embd=48)), tp, comm=_FakeComm(4))
+    with pytest.raises(PipelineError, match="4 pipeline stages .* only 2 blocks"):
+        minizero.initialize(TinyGPT(), {**tp, "train_batch_size": 2, "pipeline": {"stages": 4}}, comm=_FakeComm(8))
     with pytest.raises(ConfigError, match="needs a model cut into stages.*got a MLP"):
         minizero.initialize(MLP(), cfg, comm=_FakeComm(2))
 

@@ -177,3 +177,26 @@ def test_engine_with_a_pipeline_section_trains_like_one_process(launched):
             assert run["losses"] == pytest.approx(run["ref_losses"], rel=1e-6)  # on every rank, every stage
             assert run["norms"] == pytest.approx(run["ref_norms"], rel=1e-6)
             assert min(run["ref_norms"]) > 0.5
+
+
+@pytest.mark.parametrize("nprocs", [4, 8])
+def test_3d_dp_pp_tp_with_zero1_trains_like_one_process(nprocs):
+    """minizero.initialize with pipeline.stages 2 and tensor_parallel.autotp_size 2: pp 2 x tp 2 on 4
+    ranks, dp 2 x pp 2 x tp 2 on 8. ZeRO-1 (1F1B, interleaved 1F1B; tied embedding) and ZeRO-0 (GPipe),
+    SGD with momentum and gradient clipping at 0.05 (active: the norms are ~1). After 5 steps every rank's
+    stage, gathered over its tp group, equals one process on the whole batch at rtol 1e-6; the losses and
+    the global gradient norm equal one process's on every rank."""
+    ranks = launch.run("tests/pipeline_workers.py:three_d_runs", nprocs=nprocs, timeout=400)
+    coords = sorted(tuple(rank[0]["coords"]) for rank in ranks)
+    assert coords == sorted((d, p, t) for d in range(nprocs // 4) for p in range(2) for t in range(2))
+    for rank in ranks:
+        for run in rank:
+            assert run["atol_needed"] <= TOL, (run["coords"], run["config"])
+            assert run["losses"] == pytest.approx(run["ref_losses"], rel=1e-6)
+            assert run["norms"] == pytest.approx(run["ref_norms"], rel=1e-6)
+            assert min(run["ref_norms"]) > 0.5
+            # each stage checked every tensor it holds: the first has wte and wpe, the last ln_f and lm_head
+            names = run["checked"]
+            assert ("wte.weight" in names) == (run["coords"][1] == 0 or run["config"][2])
+            assert ("ln_f.weight" in names) == (run["coords"][1] == 1)
+            assert sum(n.startswith("h.") for n in names) == 24  # 2 of the 4 blocks, 12 tensors each

@@ -11,16 +11,22 @@ micro-batches (= pipeline.micro_batches, m) of train_micro_batch_size_per_gpu sa
 clips and steps. engine(x) / backward / step raise: the forward of one micro-batch is not a thing a
 pipeline rank can do alone. The loss it returns is the batch's mean, on every rank.
 
-Layout: Mesh(world, pp=stages); the data-parallel size is world / stages and train_batch_size =
-micro x m x dp is checked (config.py). `model` is a minizero.pipeline.PipelineModel or has
-pipeline_parts() (TinyGPT); every rank keeps only its stage's blocks.
+Layout: Mesh(world, pp=stages, tp=t); the data-parallel size is world / (stages x t) and
+train_batch_size = micro x m x dp is checked (config.py). `model` is a minizero.pipeline.PipelineModel
+or has pipeline_parts() (TinyGPT); every rank keeps only its stage's blocks.
+  tensor_parallel.autotp_size t > 1 (3D: dp x pp x tp): the model is split over mesh.tp first
+    (tensor.TensorParallelGPT, no sequence parallelism), then cut into stages; the t ranks of a stage
+    run the same schedule on the same micro-batches, each sending its copy of the hidden state to its
+    own counterpart in the next stage (the pipes are per tp rank: mesh.pp joins equal tp coordinates).
+    Feed every tp rank of a data-parallel rank the same data (engine.dp_rank, engine.dp_size).
   zero_optimization.stage 0 -> DDP of the stage over mesh.dp (reduced once per step: the runtime runs
     every backward but the last inside no_sync); 1 -> ShardedOptimizer of the stage over mesh.dp. 2 and 3
     are refused by the config, with the reason (config.PP_ZERO_MSG).
   gradient_clipping: the global norm over every stage (and ZeRO-1 shard); the tied embedding, which the
-    first and last stage both hold after their all-reduce, is counted once.
-Not available with a pipeline (errors before any collective): fp16/bf16, offload, tensor parallelism
-(3D), checkpoints.
+    first and last stage both hold after their all-reduce, is counted once; with TP a slice counts once
+    and a tensor every tp rank holds whole counts 1/t per rank (runtime/tensor_parallel.py).
+Not available with a pipeline (errors before any collective): fp16/bf16, offload, sequence parallelism,
+checkpoints.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import torch
 from minizero import memory
 from minizero.comm import Mesh
 from minizero.pipeline import PipelineModel, PipelineRuntime, PipelineStage
+from minizero.pipeline.stage import partition
 from minizero.runtime.config import ConfigError
 from minizero.runtime.engine import Engine, optimizer_spec
 from minizero.runtime.schedulers import build_scheduler
@@ -42,9 +49,9 @@ def check_pipeline(cfg: dict):
         if cfg[section]["enabled"]:
             raise ConfigError(f"{section} with pipeline.stages > 1: not available; the pipeline runs in fp32 "
                               f"(set {section}.enabled false, or pipeline.stages 1)")
-    if cfg["tensor_parallel"]["autotp_size"] > 1:
-        raise ConfigError("pipeline.stages > 1 with tensor_parallel.autotp_size > 1 (3D parallelism): not available "
-                          "yet; use one of them (set pipeline.stages 1, or tensor_parallel.autotp_size 1)")
+    if cfg["tensor_parallel"]["sequence_parallel"]:
+        raise ConfigError("tensor_parallel.sequence_parallel with pipeline.stages > 1: not implemented (the pipes "
+                          "carry the whole sequence between stages); set sequence_parallel false or stages 1")
     zero = cfg["zero_optimization"]
     for section in ("offload_optimizer", "offload_param"):
         if zero[section]["device"] != "none":
@@ -66,18 +73,33 @@ def pipeline_parts(model) -> PipelineModel:
 class PipelineEngine(Engine):
     def __init__(self, model, cfg: dict, comm):
         pipe, zero = cfg["pipeline"], cfg["zero_optimization"]
-        parts = pipeline_parts(model)
-        if parts.hidden_shape is None:
-            raise ConfigError("the PipelineModel has no hidden_shape: give one sample's hidden state shape, "
-                              "e.g. (T, n_embd), so stages can allocate what they receive")
-        sizes = {sum(p.numel() for p in b.parameters()) for b in parts.blocks}
+        tp_size = cfg["tensor_parallel"]["autotp_size"]
+        if tp_size > 1:  # 3D: checked before the mesh (a collective) and the split (in place)
+            from minizero.runtime.tensor_parallel import check_model
+            from minizero.tensor import TensorParallelGPT
+            check_model(model, cfg)
+            TensorParallelGPT.check(model, tp_size)  # heads, hidden, vocabulary divisible by t
+            partition(len(model.h), pipe["stages"], pipe["chunks"])  # more stages than blocks, uneven chunks
+            blocks = list(model.h)
+        else:
+            parts = pipeline_parts(model)
+            if parts.hidden_shape is None:
+                raise ConfigError("the PipelineModel has no hidden_shape: give one sample's hidden state shape, "
+                                  "e.g. (T, n_embd), so stages can allocate what they receive")
+            blocks = parts.blocks
+        sizes = {sum(p.numel() for p in b.parameters()) for b in blocks}
         if pipe["partition"] == "parameters" and len(sizes) > 1:
             raise ConfigError(f"pipeline.partition 'parameters': the blocks hold {sorted(sizes)} parameters; minizero "
                               "cuts by block count, which balances parameters only for equal blocks: use 'uniform'")
         self.config = cfg                 # the checked config
         self.world = comm                 # every rank of the job
-        self.mesh = Mesh(comm, pp=pipe["stages"])   # dp x pp; mesh.dp is what DeepSpeed calls the dp world
+        # dp x pp x tp; mesh.dp is what DeepSpeed calls the dp world
+        self.mesh = Mesh(comm, pp=pipe["stages"], tp=tp_size)
+        if tp_size > 1:
+            model = TensorParallelGPT(model, self.mesh.tp)  # in place: the user's module holds its slices now
+            parts = PipelineModel(*model.pipeline_parts())
         self.comm = self.mesh.dp          # the data-parallel ranks (as Engine.comm)
+        self.dp_rank, self.dp_size = self.comm.rank, self.comm.size  # which rows of the batch are this rank's
         self.module = model               # the plain model, as the user built it
         self.stage = zero["stage"]        # 0 or 1 (the config refuses 2 and 3)
         self.dtype, self.half = torch.float32, False
@@ -146,24 +168,33 @@ class PipelineEngine(Engine):
 
     @torch.no_grad()
     def _clip(self, max_norm):
-        """Global L2 norm over all stages (and ZeRO-1 shards), tied weights once; torch's coefficient."""
+        """Global L2 norm over all stages (and ZeRO-1 shards, and tp slices), tied weights once; torch's
+        coefficient. A tensor every tp rank holds whole is weighted 1/t on each (runtime/tensor_parallel.py)."""
         tied = {id(q) for q in self.pipeline.tied} if not self.mesh.is_first_stage else set()
+        t = self.mesh.tp_size
+        weight = lambda p: 1.0 if t == 1 or hasattr(p, "tensor_parallel_dim") else 1.0 / t  # noqa: E731
         sq = torch.zeros(1, device=self.device)
         if self.stage == 0:
             grads = [p.grad for p in self.optimizer.param_groups[0]["params"] if p.grad is not None]
             for p in self.optimizer.param_groups[0]["params"]:
                 if p.grad is not None and id(p) not in tied:  # the last stage's copy of a tied weight: once
-                    sq += p.grad.pow(2).sum()
+                    sq += p.grad.pow(2).sum() if t == 1 else weight(p) * p.grad.pow(2).sum()
             self.mesh.pp.all_reduce(sq, op="sum")  # replicated over dp: add the stages only
+            if t > 1:
+                self.mesh.tp.all_reduce(sq, op="sum")  # and the tp slices of each stage
         else:
             opt = self.optimizer
             shard = opt.reduce_gradients()
             grads = [shard]
-            sq += shard.pow(2).sum()
+            if t == 1:
+                sq += shard.pow(2).sum()
             for piece in opt.layout.pieces(self.comm.rank):
-                if id(opt.params[piece.index]) in tied:
-                    sq -= shard[piece.shard_lo:piece.shard_lo + piece.hi - piece.lo].pow(2).sum()
-            self.world.all_reduce(sq, op="sum")  # every rank holds a different piece: dp shards x stages
+                p, part = opt.params[piece.index], shard[piece.shard_lo:piece.shard_lo + piece.hi - piece.lo]
+                if t == 1 and id(p) in tied:
+                    sq -= part.pow(2).sum()
+                elif t > 1 and id(p) not in tied:
+                    sq += weight(p) * part.pow(2).sum()
+            self.world.all_reduce(sq, op="sum")  # every rank holds a different piece: dp shards x stages x tp
         norm = sq.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
         for g in grads:

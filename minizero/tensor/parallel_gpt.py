@@ -42,10 +42,7 @@ class TensorParallelGPT(nn.Module):
     def __init__(self, model: nn.Module, comm, sequence_parallel: bool = False,
                  column_cls=ColumnParallelLinear, row_cls=RowParallelLinear):
         super().__init__()
-        t = comm.size
-        check_divisible("vocab_size (wte.num_embeddings)", model.wte.num_embeddings, t)
-        for i, block in enumerate(model.h):
-            check_block(block, t, where=f"h.{i}")
+        self.check(model, comm.size)
         tied = model.lm_head.weight is model.wte.weight
         self.comm = comm                            # the tensor-parallel group: every rank sees the same batch
         self.sequence_parallel = sequence_parallel  # LayerNorms and residuals on s/t tokens per rank
@@ -65,6 +62,13 @@ class TensorParallelGPT(nn.Module):
         for name, tensor in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]:
             (self.register_parameter if isinstance(tensor, nn.Parameter) else self.register_buffer)(name, tensor)
         self.to(comm.device)
+
+    @staticmethod
+    def check(model: nn.Module, t: int):
+        """Every size that must divide by t (vocabulary, heads, hidden): an error naming it, nothing changed."""
+        check_divisible("vocab_size (wte.num_embeddings)", model.wte.num_embeddings, t)
+        for i, block in enumerate(model.h):
+            check_block(block, t, where=f"h.{i}")
 
     def forward(self, idx, targets=None):
         """-> (this rank's logits [b, s, V/t], the mean loss over all tokens or None)."""
@@ -87,6 +91,46 @@ class TensorParallelGPT(nn.Module):
         """{name: full tensor} on every rank: the parameters (or their gradients) of the single-
         process model, put together from every rank's slices (one all-gather per split tensor)."""
         return gather_full(self, self.comm, grads)
+
+    def pipeline_parts(self) -> tuple:
+        """This model cut for a pipeline (3D: pipeline stages whose layers are split over mesh.tp):
+        (embed, blocks, head, loss_fn, hidden_shape), the fields of minizero.pipeline.PipelineModel.
+        The same modules, so a tied lm_head stays wte's slice. Every tp rank of a stage sends its
+        (replicated) hidden state to the same tp rank of the next stage: [b, s, h] through the pipes.
+        Sequence parallelism would send [b, s/t, h] shards between stages: not implemented."""
+        if self.sequence_parallel:
+            raise ValueError("a pipeline of sequence-parallel stages is not implemented: the pipes carry the whole "
+                             "sequence; build the TensorParallelGPT with sequence_parallel=False")
+        comm = self.comm
+
+        def loss_fn(logits, targets):  # the full logits are never gathered, as in forward()
+            return vocab_parallel_cross_entropy(logits, targets, comm)
+        return (ParallelEmbed(self.wte, self.wpe), list(self.h), ParallelHead(self.ln_f, self.lm_head), loss_fn,
+                (self.block_size, self.wpe.embedding_dim))
+
+
+class ParallelEmbed(nn.Module):
+    """A pipeline's first stage of a TensorParallelGPT: the vocab-parallel lookup (its g included) + wpe."""
+
+    def __init__(self, wte: VocabParallelEmbedding, wpe: nn.Embedding):
+        super().__init__()
+        self.wte = wte  # vocab-parallel: each rank looks up its rows, then one all-reduce over tp
+        self.wpe = wpe  # whole on every tp rank
+
+    def forward(self, idx):
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+
+
+class ParallelHead(nn.Module):
+    """A pipeline's last stage of a TensorParallelGPT: ln_f and the column-parallel lm_head (logits [b, s, V/t])."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: ColumnParallelLinear):
+        super().__init__()
+        self.ln_f = ln_f        # whole on every tp rank
+        self.lm_head = lm_head  # this rank's V/t rows of the vocabulary
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
 
 
 def gather_full(module: nn.Module, comm, grads: bool = False) -> dict[str, torch.Tensor]:
