@@ -102,6 +102,8 @@ def three_d_runs(comm, steps=5, clip=0.05):
     from minizero.data import shard
     from minizero.experiments.references import global_batches, make_optimizer
     from minizero.models import GPTConfig, TinyGPT
+    from minizero.planner import ModelShape, Strategy, plan
+    from minizero.planner.plan import SCHEDULES
     from minizero.tensor.layers import unshard
     runs = [({"stage": 1}, {"stages": 2, "schedule": "1f1b"}, True),
             ({"stage": 0}, {"stages": 2, "schedule": "gpipe"}, False),
@@ -121,7 +123,9 @@ def three_d_runs(comm, steps=5, clip=0.05):
         for x, y in global_batches(ref, steps, 8 * dp, seed=3):
             mine = shard((x, y), engine.dp_rank, engine.dp_size)
             micro = list(zip(mine[0].chunk(4), mine[1].chunk(4)))
+            comm.stats.reset()  # the last step's bytes stay: every step sends the same
             losses.append(engine.train_batch(iter(micro)).item())
+            sent, sent_by_op = comm.stats.sent(), comm.stats.as_dict()
             norms.append(engine.get_global_grad_norm())
             loss = ref(x, y)[1]
             loss.backward()
@@ -140,9 +144,15 @@ def three_d_runs(comm, steps=5, clip=0.05):
             ref_q = want[names[id(q)]].detach()
             worst = max(worst, ((full - ref_q).abs() - 1e-6 * ref_q.abs()).max().item())
             checked.append(names[id(q)])
+        planned = None
+        if pipeline["schedule"] in SCHEDULES:  # the planner's per-rank bytes for this layout
+            shape = ModelShape(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size, tied)
+            strategy = Strategy(comm.size, node_size=4, tp=2, pp=2, zero=zero["stage"], micro_batch=2,
+                                micro_batches=4, schedule=pipeline["schedule"], precision="fp32", optimizer="sgd")
+            planned = plan(shape, strategy).stages[engine.mesh.pp_rank].sent
         out.append({"config": [zero, pipeline, tied], "coords": [engine.mesh.dp_rank, engine.mesh.pp_rank,
-                                                                 engine.mesh.tp_rank],
+                                                                 engine.mesh.tp_rank], "planned_sent": planned,
                     "atol_needed": worst, "checked": sorted(set(checked)), "losses": losses,
                     "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
-                    "sent": comm.stats.sent()})
+                    "sent": sent, "sent_by_op": sent_by_op})
     return out
