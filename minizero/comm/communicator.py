@@ -353,5 +353,17 @@ def shutdown():
     global _WORLD
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+            # a rank that tears gloo down while a peer still uses its pairs aborts that peer ("terminate
+            # called without an active exception", seen under load at exit): meet first, but never wait
+            # long for a peer that already failed (torchrun then ends the job with that rank's error)
+            from datetime import timedelta
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=SHUTDOWN_BARRIER_S))
+            except RuntimeError:
+                pass
         dist.destroy_process_group()
     _WORLD = None
+
+
+SHUTDOWN_BARRIER_S = 30  # how long a rank leaving a gloo job waits for the others at exit
