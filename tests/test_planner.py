@@ -57,6 +57,21 @@ def test_cli_prints_stages_and_links(capsys):
     assert "dp4-pp2-tp2-zero1" in out and "stage 1:" in out and "cross-node" in out and "estimated step" in out
 
 
+def test_cli_zeropp_moves_bytes_off_the_cross_node_links(capsys):
+    """--qwz --hpz --qgz: ZeRO-3's ring traffic becomes a quantized ring (forward), a gather inside the node
+    (hpZ) and a two-hop gradient all-to-all; fewer bytes cross nodes, and hpZ's partition costs memory."""
+    base = ["--gpus", "16", "--zero", "3", "--micro-batch", "2", "--json"]
+    main(SHAPE_ARGS + base)
+    z3 = json.loads(capsys.readouterr().out)["stages"][0]
+    main(SHAPE_ARGS + base + ["--qwz", "--hpz", "--qgz"])
+    zpp = json.loads(capsys.readouterr().out)["stages"][0]
+    assert set(zpp["sent"]) == {"dp", "dp-node", "dp-across"} and set(z3["sent"]) == {"dp"}
+    assert zpp["link"]["dp-node"] == "intra-node" and zpp["link"]["dp-across"] == "cross-node"
+    # qwZ: the forward all-gather in int8 (+ scales) instead of bf16, about half of one of ZeRO-3's three
+    assert zpp["sent"]["dp"] == pytest.approx(z3["sent"]["dp"] / 6, rel=0.01)
+    assert zpp["memory"]["parameters"] - z3["memory"]["parameters"] == pytest.approx(SHAPE.num_params() * 2 / 8, rel=0.01)
+
+
 def test_cli_json_is_the_plan(capsys):
     main(SHAPE_ARGS + ["--gpus", "8", "--zero", "2", "--checkpointing", "--json"])
     got = json.loads(capsys.readouterr().out)
@@ -95,6 +110,8 @@ def test_impossible_fit_says_the_smallest_footprint(capsys):
     (["--gpus", "4", "--zero", "0", "--offload"], "offload needs ZeRO stage 1, 2 or 3"),
     (["--gpus", "4", "--sp"], "sequence parallelism needs tp > 1"),
     (["--gpus", "4", "--pp", "4", "--layers", "2"], "4 pipeline stages but only 2 layers"),
+    (["--gpus", "16", "--zero", "1", "--qwz"], "ZeRO++ (qwz, hpz, qgz) is ZeRO stage 3 over every rank"),
+    (["--gpus", "12", "--zero", "3", "--hpz"], "node_size 8 must divide the world 12"),
 ])
 def test_bad_layouts_are_clear_errors(argv, message, capsys):
     args = list(SHAPE_ARGS)

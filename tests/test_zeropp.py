@@ -234,3 +234,38 @@ def test_zeropp_needs_a_pure_data_parallel_mesh():
     mesh = SimpleNamespace(world=SimpleNamespace(size=4), pp_size=2, tp_size=1, node_size=2)
     with pytest.raises(ValueError, match="build it with pp=1 and tp=1"):
         ZeroPP(build_model("tiny-gpt"), mesh)
+
+
+# ---------------------------------------------------------------------------- the planner against these runs
+@pytest.mark.parametrize("key, dtype", [("traffic", "fp16"), ("traffic_fp32", "fp32")])
+def test_the_planner_predicts_each_variants_bytes_and_hpz_memory(res, key, dtype):
+    """minizero/planner never sees a measurement: its bytes per rank per step (from zeropp.bytes_per_rank
+    on the units it derives from the shape) equal comm.stats of every rank and variant exactly, the
+    cross-node share included; its parameter bytes (fp32 shards and hpZ's partition) equal the ledger's up
+    to the shards' padding."""
+    from minizero.experiments.zeropp import LESSON_GPT
+    from minizero.models import GPTConfig
+    from minizero.planner import ModelShape, Strategy, plan
+    g = GPTConfig(**LESSON_GPT)
+    shape = ModelShape(g.n_layer, g.n_embd, g.n_head, g.block_size, g.vocab_size, g.tie_weights)
+    t = [r[key] for r in res]
+    N, k = t[0]["N"], t[0]["k"]
+    for name in t[0]["variants"]:
+        flags = VARIANTS[name] or {}
+        strategy = Strategy(N, node_size=k, zero=3, micro_batch=2, precision=dtype, optimizer="sgd",
+                            qwz=flags.get("quantized_weights", False), hpz=flags.get("hpz", False),
+                            qgz=flags.get("quantized_gradients", False))
+        stage = plan(shape, strategy).stages[0]
+        for rank, r in enumerate(t):
+            v = r["variants"][name]
+            sent = sum(a + c for phase in ("forward", "backward") for a, c in v[phase].values())
+            cross = sum(c for phase in ("forward", "backward") for _, c in v[phase].values())
+            assert sent == pytest.approx(sum(stage.sent.values()), abs=1e-6), (name, rank, stage.sent)
+            if flags.get("quantized_gradients"):  # qgZ's second hop is the only traffic meant to cross
+                assert stage.sent["dp-across"] <= cross, (name, rank)
+            # the bytes holding the parameters: the fp32 shards (booked as master_params when the compute
+            # dtype is 16-bit) plus hpZ's secondary partition, up to the shards' padding
+            held = v["ledger"]["parameters"] + v["ledger"]["master_params"]
+            planned = stage.memory["parameters"] + stage.memory["master_params"]
+            padding = (g.n_layer + 1) * (N - 1) * 4
+            assert 0 <= held - planned <= padding, (name, rank, v["ledger"], stage.memory)

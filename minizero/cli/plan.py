@@ -130,7 +130,7 @@ def _planner(args, parser) -> int:
                             f"world size {world} (--gpus)")
         p = plan(shape, Strategy(world, args.node_size, args.tp, args.pp, args.sp, args.zero or 0, args.offload,
                                  args.micro_batch, args.micro_batches, args.schedule, args.checkpointing,
-                                 args.precision, args.optimizer))
+                                 args.precision, args.optimizer, qwz=args.qwz, hpz=args.hpz, qgz=args.qgz))
     except PlanError as e:
         parser.error(str(e))
     if args.json:
@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     strat.add_argument("--offload", action="store_true", help="ZeRO-Offload of the optimizer to the host")
     strat.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     strat.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
+    strat.add_argument("--qwz", action="store_true", help="ZeRO++ int8 weight all-gathers (--zero 3)")
+    strat.add_argument("--hpz", action="store_true", help="ZeRO++ secondary partition per node (--zero 3)")
+    strat.add_argument("--qgz", action="store_true", help="ZeRO++ int4 hierarchical gradient all-to-all (--zero 3)")
     strat.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per rank per micro-batch")
     strat.add_argument("--micro-batches", type=_positive_int, default=1, help="accumulation = pipeline micro-batches")
     strat.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     planner_flags = (args.layers, args.zero, args.fit, args.dp, args.global_batch)
     if any(v is not None for v in planner_flags) or args.json or args.checkpointing or args.offload or args.sp \
-            or args.tp > 1 or args.pp > 1 or args.micro_batches > 1:
+            or args.qwz or args.hpz or args.qgz or args.tp > 1 or args.pp > 1 or args.micro_batches > 1:
         if args.table:
             parser.error("--table prints the ZeRO paper's table; leave out the planner's flags")
         return _planner(args, parser)

@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -21,7 +20,7 @@ from minizero.data import shard
 from minizero.experiments.references import global_batches
 from minizero.models import build_model
 from minizero.zero.fsdp import FSDP
-from minizero.zero.zeropp import ZeroPP
+from minizero.zero.zeropp import ZeroPP, bytes_per_rank
 
 # name -> ZeroPP's switches; None: plain ZeRO-3 (FSDP)
 VARIANTS = {
@@ -90,35 +89,15 @@ def traffic(comm, node_size=2, dtype="fp16", model="tiny-gpt", model_kwargs=None
 def formula(variant, padded, N, k, elem_bytes, weight_block_numel=2048, grad_block_numel=512):
     """Per-node bytes per step under the ring model, {collective: [intra, cross]}, collective in
     forward_all_gather / backward_all_gather / gradients; `padded` = each unit's N*s elements.
-    Derived from the algorithms (zeropp.py, quantize.py), not from comm.stats."""
-    flags = VARIANTS[variant] or {}
-    nodes = N // k
-    out = {"forward_all_gather": [0.0, 0.0], "backward_all_gather": [0.0, 0.0], "gradients": [0.0, 0.0]}
-
-    def ring(key, payload):  # k ranks each send (N-1)/N * payload; one per node to the next node
-        per_rank = (N - 1) / N * payload
-        cross = per_rank if nodes > 1 else 0.0
-        out[key][0] += k * per_rank - cross
-        out[key][1] += cross
-
-    for P in padded:
-        s = P // N
-        gather = P + 4 * N * math.ceil(s / weight_block_numel) if flags.get("quantized_weights") else P * elem_bytes
-        ring("forward_all_gather", gather)
-        if flags.get("hpz") and k > 1:  # with nodes of one rank ZeroPP turns hpZ off (it warns)
-            out["backward_all_gather"][0] += k * (k - 1) / k * P * elem_bytes  # inside the node
-        else:
-            ring("backward_all_gather", gather)
-        if flags.get("quantized_gradients"):
-            def wire(n):  # int4 codes + fp32 scales of one all-to-all row of n elements
-                return math.ceil(n / 2) + 4 * math.ceil(n / grad_block_numel)
-            if k > 1:  # hop 1: k rows of nodes*s, (k-1) of them to node-mates
-                out["gradients"][0] += k * (k - 1) * wire(nodes * s)
-            if nodes > 1:  # hop 2: nodes rows of s, (nodes-1) of them to other nodes, from all k ranks
-                out["gradients"][1] += k * (nodes - 1) * wire(s)
-        else:
-            ring("gradients", P * elem_bytes)
-    return out
+    Derived from the algorithms (zeropp.bytes_per_rank, the planner's source too), not from comm.stats:
+    a node's k ranks send k times one rank's bytes, of which, on a ring over several nodes, one
+    rank's share of each ring collective crosses to the next node."""
+    flags = VARIANTS[variant] or dict(quantized_weights=False, hpz=False, quantized_gradients=False)
+    rank = bytes_per_rank(padded, N, k, elem_bytes, weight_block_numel=weight_block_numel,
+                          grad_block_numel=grad_block_numel, **flags)
+    cross_ring = N // k > 1
+    return {c: [k * b["ring"] - (b["ring"] if cross_ring else 0.0) + k * b["node"],
+                (b["ring"] if cross_ring else 0.0) + k * b["across"]] for c, b in rank.items()}
 
 
 def cross_messages(variant, units, N, k):

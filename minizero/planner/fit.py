@@ -74,7 +74,7 @@ def _calls(group, s: Strategy, shape: ModelShape) -> int:
         return m * (4 * shape.layers // s.pp + 4)
     if group == "pp":
         return 2 * m
-    if group == "dp":
+    if group in ("dp", "dp-node", "dp-across"):  # the last two: ZeRO++'s hops inside and across nodes
         return {0: 1, 1: 2, 2: m + 1, 3: 3 * m * (shape.layers // s.pp + 1)}[s.zero]
     return 1
 

@@ -35,12 +35,16 @@ Everything is a formula of minizero's own layouts, so a run of the same configur
   (For pp > 1 the embedding's share goes to the first stage, the head's and the loss's to the last.)
   PP: m·A per pipe (activations forward unless last, gradients back unless first), A = w·s·b·h,
   and the tied embedding's all-reduce between the first and last stage (V·h·4/t).
+  ZeRO++ (zero 3 only): zero.zeropp.bytes_per_rank on the units padded to the world, per micro-batch,
+  by link: the ring collectives ("dp"), inside a node ("dp-node": hpZ's gather, qgZ's first hop),
+  to other nodes ("dp-across": qgZ's second hop); hpZ holds 1/k of every gathered unit more.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 from minizero import memory
+from minizero.zero.zeropp import bytes_per_rank
 
 DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2}
 STATE_BYTES = {"adam": 8, "sgd": 4}   # per element: Adam's m and v; SGD's momentum
@@ -94,6 +98,9 @@ class Strategy:
     checkpointing: bool = False   # activation checkpointing per block
     precision: str = "bf16"       # fp32, fp16 or bf16 (16 bits: fp32 masters)
     optimizer: str = "adam"
+    qwz: bool = False             # ZeRO++ quantized weights: int8 all-gathers (zero 3)
+    hpz: bool = False             # ZeRO++ secondary partition: backward gathers inside a node (zero 3)
+    qgz: bool = False             # ZeRO++ quantized gradients: int4 hierarchical all-to-all (zero 3)
 
     @property
     def dp(self) -> int:
@@ -102,8 +109,13 @@ class Strategy:
     def name(self) -> str:
         parts = [f"dp{self.dp}", f"pp{self.pp}" if self.pp > 1 else "", f"tp{self.tp}" if self.tp > 1 else "",
                  "sp" if self.sp else "", f"zero{self.zero}", "offload" if self.offload else "",
-                 "ckpt" if self.checkpointing else ""]
+                 "ckpt" if self.checkpointing else "", "qwz" if self.qwz else "", "hpz" if self.hpz else "",
+                 "qgz" if self.qgz else ""]
         return "-".join(p for p in parts if p)
+
+    @property
+    def zeropp(self) -> bool:
+        return self.qwz or self.hpz or self.qgz
 
 
 @dataclass
@@ -173,6 +185,12 @@ def check(shape: ModelShape, s: Strategy) -> None:
         raise PlanError("offload needs ZeRO stage 1, 2 or 3 (there is no shard to offload at stage 0)")
     if s.sp and s.tp == 1:
         raise PlanError("sequence parallelism needs tp > 1")
+    if s.zeropp and (s.zero != 3 or s.tp > 1 or s.pp > 1 or s.offload):
+        raise PlanError("ZeRO++ (qwz, hpz, qgz) is ZeRO stage 3 over every rank: zero 3, tp 1, pp 1, no offload "
+                        f"(as minizero's ZeroPP and DeepSpeed); got zero {s.zero}, tp {s.tp}, pp {s.pp}, "
+                        f"offload {s.offload}")
+    if s.zeropp and s.world % s.node_size:
+        raise PlanError(f"ZeRO++ groups ranks by node: node_size {s.node_size} must divide the world {s.world}")
     if s.schedule not in SCHEDULES or s.precision not in DTYPES or s.optimizer not in STATE_BYTES:
         raise PlanError(f"schedule in {SCHEDULES}, precision in {tuple(DTYPES)}, optimizer in "
                         f"{tuple(STATE_BYTES)}; got {s.schedule!r}, {s.precision!r}, {s.optimizer!r}")
@@ -209,6 +227,9 @@ def plan(shape: ModelShape, s: Strategy) -> Plan:
                                        tensor_parallel=t, sequence_parallel=s.sp, dropout=False)
         head = w * sq * b * (2 * h / (t if s.sp else 1) + v / t) if last else 0  # SP: ln_f, lm_head see s/t
         sp.memory["activations"] = in_flight * acts + head
+        if s.zeropp:  # hpZ: each rank keeps 1/k of every unit, gathered, for its node-mates
+            k = s.node_size if s.hpz and s.node_size > 1 else 0
+            sp.memory["parameters"] += sum(_zeropp_units(shape, s)) // k * w if k else 0
         unit = (12 * h * h + 13 * h) * w  # one block's parameters, gathered (ZeRO-3) or bucketed
         sp.transient = {"zero3 gathered units (this + prefetched)": 2 * unit / t} if s.zero == 3 else {}
         if s.pp > 1:
@@ -226,7 +247,14 @@ def _comm(sp: StagePlan, s: Strategy, params, stage, first, last, layers, f_dp, 
     dp_ranks = [grid[d][stage][0] for d in range(s.dp)]
     dp_bytes = {0: 2 * f_dp * params * w, 1: f_dp * params * 2 * w, 2: (m + 1) * f_dp * params * w,
                 3: 3 * m * f_dp * params * w}[s.zero]
-    if s.dp > 1:
+    if s.dp > 1 and s.zeropp:  # zero.zeropp.bytes_per_rank: the mechanism's own formula
+        sent = bytes_per_rank(_zeropp_units(shape, s), s.world, s.node_size, w, s.qwz, s.hpz, s.qgz)
+        for group, link_name, link in (("dp", "ring", _link(dp_ranks, s.node_size)), ("dp-node", "node", "intra-node"),
+                                       ("dp-across", "across", "cross-node")):
+            nbytes = m * sum(b[link_name] for b in sent.values())
+            if nbytes:
+                sp.sent[group], sp.link[group] = nbytes, link
+    elif s.dp > 1:
         sp.sent["dp"], sp.link["dp"] = dp_bytes, _link(dp_ranks, s.node_size)
     if s.tp > 1:
         sp.sent["tp"], sp.link["tp"] = _tp_bytes(s, shape, layers, first, last), _link(grid[0][stage], s.node_size)
@@ -236,6 +264,14 @@ def _comm(sp: StagePlan, s: Strategy, params, stage, first, last, layers, f_dp, 
         if shape.tied and (first or last):
             sp.sent["tied"] = shape.vocab * shape.hidden * 4 / s.tp
             sp.link["tied"] = _link([grid[0][0][0], grid[0][-1][0]], s.node_size)
+
+
+def _zeropp_units(shape: ModelShape, s: Strategy) -> list:
+    """ZeRO-3's units (FSDP: one per block, the root holds the rest), each padded to a multiple of the
+    world: the elements each all-gather carries."""
+    block = 12 * shape.hidden ** 2 + 13 * shape.hidden
+    root = shape.num_params() - shape.layers * block
+    return [-(-u // s.world) * s.world for u in [root] + [block] * shape.layers]
 
 
 def _tp_bytes(s: Strategy, shape: ModelShape, layers, first, last) -> float:

@@ -41,6 +41,7 @@ the exact reduce-scatter as well (its bytes are counted: do not measure traffic 
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -53,6 +54,38 @@ from minizero.zero.quantize import Pending, check_block_numel
 
 class ZeroPPWarning(UserWarning):
     pass
+
+
+def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantized_weights: bool, hpz: bool,
+                   quantized_gradients: bool, weight_block_numel: int = 2048, grad_block_numel: int = 512) -> dict:
+    """What one rank sends per forward + backward, ring model (comm/stats.py), from the units' gathered
+    sizes alone (`padded`: each unit's N*s elements): {collective: {link: bytes}} with collective in
+    forward_all_gather / backward_all_gather / gradients and link
+      "ring":   a collective over all N ranks; on a ring of several nodes one rank per node sends across
+      "node":   inside this rank's node (hpZ's backward gather, qgZ's first all-to-all)
+      "across": to the other nodes only (qgZ's second all-to-all)
+    The module docstring's table is this, summed over a node's k ranks."""
+    nodes, k = world // node_size, node_size
+    hpz = hpz and k > 1  # nodes of one rank: ZeroPP turns hpZ off (it warns)
+    out = {c: {"ring": 0.0, "node": 0.0, "across": 0.0}
+           for c in ("forward_all_gather", "backward_all_gather", "gradients")}
+    for gathered in padded:
+        shard = gathered // world
+        payload = (gathered + 4 * world * math.ceil(shard / weight_block_numel) if quantized_weights
+                   else gathered * elem_bytes)  # int8 codes + one fp32 scale per block of each shard
+        out["forward_all_gather"]["ring"] += (world - 1) / world * payload
+        if hpz:  # from the node-mates' secondary partitions, unquantized
+            out["backward_all_gather"]["node"] += (k - 1) / k * gathered * elem_bytes
+        else:
+            out["backward_all_gather"]["ring"] += (world - 1) / world * payload
+        if quantized_gradients:
+            def wire(n):  # one all-to-all row of n elements: int4 codes + fp32 scales
+                return math.ceil(n / 2) + 4 * math.ceil(n / grad_block_numel)
+            out["gradients"]["node"] += (k - 1) * wire(nodes * shard)      # hop 1: rows for node-mates
+            out["gradients"]["across"] += (nodes - 1) * wire(shard)        # hop 2: rows for other nodes
+        else:
+            out["gradients"]["ring"] += (world - 1) / world * gathered * elem_bytes
+    return out
 
 
 class ZeroPP(FSDP):
