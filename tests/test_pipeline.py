@@ -206,3 +206,27 @@ def test_3d_dp_pp_tp_with_zero1_trains_like_one_process(nprocs):
                 # norm's all-reduces) are not in the plan: at most 4 of them, 16 bytes
                 extra = run["sent"] - sum(run["planned_sent"].values())
                 assert 0 <= extra <= 16, (run["coords"], run["config"], run["sent"], run["planned_sent"])
+
+
+def test_3d_bytes_by_group_and_link_on_8_ranks_as_two_nodes():
+    """minizero/experiments/three_d.py (lesson 11, `bench 3d`): dp 8 and dp 2 x pp 2 x tp 2, both ZeRO-1, on 8
+    ranks as 2 simulated nodes of 4, one global batch. Every rank's bytes per group equal the planner's for its
+    stage up to the engine's one-element collectives; in 3D the dp bytes are exactly what crosses nodes (tp and
+    pp pairs sit inside a node); in the dp ring only the last rank of each node sends across, all of its
+    bytes; both layouts give the same losses."""
+    ranks = launch.run("minizero.experiments.three_d:run", nprocs=8, timeout=400, args={"steps": 1})
+    for rank, (dp8, three_d) in enumerate(ranks):
+        for r in (dp8, three_d):
+            for group, planned in r["planned"]["by_group"].items():
+                assert 0 <= r["sent"]["by_group"][group] - planned <= 16, (rank, r["layout"]["name"], group)
+            assert 0 <= r["sent"]["by_group"]["other"] <= 16, (rank, r["layout"]["name"])
+            assert r["losses"] == pytest.approx(ranks[0][0]["losses"], rel=1e-5)
+        d, p, t = three_d["coords"]
+        assert rank == (d * 2 + p) * 2 + t
+        extra = three_d["sent"]["by_link"]["cross-node"] - three_d["sent"]["by_group"]["dp"]
+        assert 0 <= extra <= three_d["sent"]["by_group"]["other"], rank  # tp and pp: not one byte across
+        assert three_d["sent"]["by_group"]["tp"] > 0 and three_d["sent"]["by_group"]["pp"] > 0
+        links = three_d["planned"]["link"]
+        assert (links["dp"], links["tp"], links["pp"]) == ("cross-node", "intra-node", "intra-node")
+        crossed = dp8["sent"]["by_link"]["cross-node"]
+        assert crossed == (sum(dp8["sent"]["by_group"].values()) if rank in (3, 7) else 0), rank

@@ -410,8 +410,12 @@ def main(argv=None) -> int:
     if argv[:1] == ["pipeline"]:  # `python -m minizero bench pipeline`: the schedules vs torch.distributed.pipelining
         from minizero.bench.pipeline import main as pipeline_main
         return pipeline_main(argv[1:])
+    if argv[:1] == ["3d"]:  # `python -m minizero bench 3d`: dp x pp x tp against pure DP on 8 ranks
+        from minizero.bench.three_d import main as three_d_main
+        return three_d_main(argv[1:])
     ap = argparse.ArgumentParser(prog="minizero bench", description=__doc__.splitlines()[0],
-                                 epilog="`python -m minizero bench pipeline --help`: the pipeline schedules vs torch's")
+                                 epilog="`python -m minizero bench pipeline --help`: the pipeline schedules vs torch's; "
+                                        "`python -m minizero bench 3d --help`: 3D vs pure DP on 8 ranks")
     ap.add_argument("--nprocs", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30, help="timed steps per candidate (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3)
