@@ -1,4 +1,4 @@
-"""Student bugs in lab 01 (ring all-reduce). See tests/mutants/__init__.py for the record."""
+"""Student bugs in solutions/lab01_ring_allreduce.py (ring all-reduce). See tests/mutants/__init__.py for the record."""
 from tests.mutants import Mutant
 
 MUTANTS = [

@@ -1,4 +1,4 @@
-"""Student bugs in lab 02 (bucketed, overlapped DDP). See tests/mutants/__init__.py for the record."""
+"""Student bugs in solutions/lab02_bucketed_ddp.py (bucketed, overlapped DDP). See tests/mutants/__init__.py for the record."""
 from tests.mutants import Mutant
 
 MUTANTS = [

@@ -1,4 +1,4 @@
-"""Student bugs in lab 04 (the ZeRO-1 step). See tests/mutants/__init__.py for the record."""
+"""Student bugs in solutions/lab04_zero1.py (the ZeRO-1 step). See tests/mutants/__init__.py for the record."""
 from tests.mutants import Mutant
 
 MUTANTS = [

@@ -1,4 +1,4 @@
-"""Student bugs in lab 05 (ZeRO-2 gradient reduction). See tests/mutants/__init__.py for the record."""
+"""Student bugs in solutions/lab05_zero2.py (ZeRO-2 gradient reduction). See tests/mutants/__init__.py for the record."""
 from tests.mutants import Mutant
 
 MUTANTS = [

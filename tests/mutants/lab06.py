@@ -1,4 +1,4 @@
-"""Student bugs in lab 06 (ZeRO-3 gather/free hooks). See tests/mutants/__init__.py for the record."""
+"""Student bugs in solutions/lab06_zero3.py (ZeRO-3 gather/free hooks). See tests/mutants/__init__.py for the record."""
 from tests.mutants import Mutant
 
 MUTANTS = [

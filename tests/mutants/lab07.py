@@ -1,4 +1,4 @@
-"""Lab 07 (the offloaded step): plausible student bugs, each caught by one check with the cause named."""
+"""solutions/lab07_offload.py (the offloaded step): plausible student bugs, each caught by one check with the cause named."""
 from tests.mutants import Mutant
 
 MUTANTS = [

@@ -1,6 +1,6 @@
-"""Lab 10's mutants: plausible student bugs in the f/g operators and the column/row-parallel layers.
-tests/test_lab10_mutants.py grades them all in ONE launch (the grader's mutation suite can take
-this list as it is)."""
+"""Lab 10's mutants: plausible student bugs in the f/g operators and the column/row-parallel layers
+(solutions/lab10_tensor_parallel.py).
+tests/test_mutants.py grades them with every lab's, sharing one launch per check worker."""
 from tests.mutants import Mutant
 
 F_ALL_REDUCE = '        ctx.comm.all_reduce(grad, op="sum")\n        return grad, None'
