@@ -24,7 +24,7 @@ gradients equal a plain run's exactly (tests/test_activation_checkpointing.py ch
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -55,20 +55,22 @@ class CheckpointedForward:
         return self.original(*args, **kwargs)
 
     def _contexts(self):
-        return _nothing(), self._recompute()
-
-    @contextmanager
-    def _recompute(self):
-        self.recomputing = True
-        try:
-            yield
-        finally:
-            self.recomputing = False
+        # torch enters the second one for every recompute: a split backward (the pipeline's B, then W)
+        # recomputes the same region twice, so it must be re-enterable (a @contextmanager is single-use)
+        return nullcontext(), _Recomputing(self)
 
 
-@contextmanager
-def _nothing():
-    yield
+class _Recomputing:
+    """While torch recomputes a region: `forward.recomputing` is True (re-enterable)."""
+
+    def __init__(self, forward: CheckpointedForward):
+        self.forward = forward
+
+    def __enter__(self):
+        self.forward.recomputing = True
+
+    def __exit__(self, *exc):
+        self.forward.recomputing = False
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[str]:

@@ -13,7 +13,43 @@ def suite(comm, configs, steps=5):
     cfg = {**GPT, "n_layer": 2}
     ref = train_torch_ddp(comm, "tiny-gpt", steps=steps, global_batch=16, lr=0.1, seed=0, optimizer="sgd",
                           model_kwargs=cfg, data_seed=1)
-    return {"runs": runs, "torch_ddp_params": ref["params"], "engine": engine_runs(comm), "verbose": verbose_trace(comm)}
+    return {"runs": runs, "torch_ddp_params": ref["params"], "engine": engine_runs(comm), "verbose": verbose_trace(comm),
+            "checkpointing": checkpointing_runs(comm)}
+
+
+def checkpointing_runs(comm, steps=3):
+    """The pipeline engine with and without DeepSpeed's activation_checkpointing section, every schedule at
+    dp 2 x pp 2 and 1F1B at pp 2 x tp 2 (ZeRO-1, SGD with momentum): per run, a SHA-256 of this rank's
+    parameters after `steps` steps, the losses, and the runtime's peak bytes held for backward."""
+    import hashlib
+
+    import minizero
+    from minizero.data import shard
+    from minizero.experiments.references import global_batches
+    from minizero.models import GPTConfig, TinyGPT
+    layouts = [({"stages": 2, "schedule": name, **({"chunks": 2} if name == "interleaved_1f1b" else {})}, 1)
+               for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")] + [({"stages": 2, "schedule": "1f1b"}, 2)]
+    out = []
+    for pipeline, tp in layouts:
+        for checkpointing in (False, True):
+            dp = comm.size // (2 * tp)
+            config = {"train_batch_size": 8 * dp, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+                      "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                      "zero_optimization": {"stage": 1}, "pipeline": pipeline, "tensor_parallel": {"autotp_size": tp}}
+            if checkpointing:
+                config["activation_checkpointing"] = {}
+            cfg = GPTConfig(**{**GPT, "n_layer": 4})
+            engine = minizero.initialize(TinyGPT(cfg), config, comm=comm)
+            losses, peak = [], 0
+            for x, y in global_batches(TinyGPT(cfg), steps, 8 * dp, seed=3):
+                mine = shard((x, y), engine.dp_rank, engine.dp_size)
+                losses.append(engine.train_batch(iter(list(zip(mine[0].chunk(4), mine[1].chunk(4))))).item())
+                peak = max(peak, engine.runtime.last["peak_activation_bytes"])
+            digest = hashlib.sha256(b"".join(q.detach().numpy().tobytes() for q in engine.pipeline.parameters()))
+            out.append({"layout": [pipeline["schedule"], tp], "checkpointing": checkpointing, "losses": losses,
+                        "params": digest.hexdigest(), "peak_activation_bytes": peak,
+                        "checkpointed": len(engine.checkpointed_blocks)})
+    return out
 
 
 def verbose_trace(comm):

@@ -179,6 +179,20 @@ def test_engine_with_a_pipeline_section_trains_like_one_process(launched):
             assert min(run["ref_norms"]) > 0.5
 
 
+def test_activation_checkpointing_in_the_pipeline_engine_changes_memory_not_results(launched):
+    """DeepSpeed's activation_checkpointing section with pipeline.stages 2: every schedule (ZB-H1's W
+    recomputes a second time) and 1F1B with tp 2 end with this rank's parameters bitwise those of the
+    same run without it, the same losses, and fewer bytes held for backward (each block keeps its input)."""
+    for rank in launched:
+        runs = rank["checkpointing"]
+        for plain, ckpt in zip(runs[0::2], runs[1::2]):
+            assert (plain["checkpointing"], ckpt["checkpointing"]) == (False, True)
+            assert ckpt["checkpointed"] == 4 and plain["checkpointed"] == 0, ckpt["layout"]
+            assert ckpt["params"] == plain["params"] and ckpt["losses"] == plain["losses"], ckpt["layout"]
+            assert ckpt["peak_activation_bytes"] < 0.7 * plain["peak_activation_bytes"], (
+                ckpt["layout"], ckpt["peak_activation_bytes"], plain["peak_activation_bytes"])
+
+
 @pytest.mark.parametrize("nprocs", [4, 8])
 def test_3d_dp_pp_tp_with_zero1_trains_like_one_process(nprocs):
     """minizero.initialize with pipeline.stages 2 and tensor_parallel.autotp_size 2: pp 2 x tp 2 on 4

@@ -50,8 +50,8 @@ The config, with DeepSpeed's meaning (checked against deepspeed/runtime/engine.p
   activation_checkpointing (DeepSpeed's section; activation_checkpointing.py): present = every element of every
     nn.ModuleList (TinyGPT's blocks) runs under torch.utils.checkpoint (non-reentrant) and is recomputed in
     backward (with TP the recompute repeats the block's forward all-reduces). Its keys are accepted at
-    DeepSpeed's defaults only; any other value is a ConfigError naming it. Not with
-    pipeline.stages > 1 yet (a ConfigError).
+    DeepSpeed's defaults only; any other value is a ConfigError naming it. With pipeline.stages > 1 the
+    stages' blocks are checkpointed the same way (runtime/pipeline_engine.py), every schedule included.
 Not available yet, an error before any collective: checkpoints with
 tensor parallelism.
 """
@@ -143,9 +143,6 @@ def initialize(model: torch.nn.Module, config, comm=None, model_parameters=None,
         raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} but the mesh has nodes of "
                           f"{mesh.node_size} ranks: hpZ's groups are the mesh's nodes; make them agree")
     if cfg["pipeline"]["stages"] > 1:
-        if cfg["activation_checkpointing"] is not None:
-            raise ConfigError("activation_checkpointing with pipeline.stages > 1 is not implemented in minizero's "
-                              "pipeline engine yet; remove one of the two sections")
         from minizero.runtime.pipeline_engine import PipelineEngine, check_pipeline
         check_pipeline(cfg)
         return PipelineEngine(model, cfg, comm or comm_mod.get())

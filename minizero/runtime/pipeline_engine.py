@@ -25,6 +25,8 @@ or has pipeline_parts() (TinyGPT); every rank keeps only its stage's blocks.
   gradient_clipping: the global norm over every stage (and ZeRO-1 shard); the tied embedding, which the
     first and last stage both hold after their all-reduce, is counted once; with TP a slice counts once
     and a tensor every tp rank holds whole counts 1/t per rank (runtime/tensor_parallel.py).
+  activation_checkpointing: the stage's blocks run under torch.utils.checkpoint, as in the plain engine;
+    ZB-H1's W pass recomputes a block a second time (after B), so the split keeps what it needs.
 Not available with a pipeline (errors before any collective): fp16/bf16, offload, sequence parallelism,
 checkpoints.
 """
@@ -39,7 +41,7 @@ from minizero.comm import Mesh
 from minizero.pipeline import PipelineModel, PipelineRuntime, PipelineStage
 from minizero.pipeline.stage import partition
 from minizero.runtime.config import ConfigError
-from minizero.runtime.engine import Engine, optimizer_spec
+from minizero.runtime.engine import Engine, _checkpoint, optimizer_spec
 from minizero.runtime.schedulers import build_scheduler
 
 
@@ -98,6 +100,10 @@ class PipelineEngine(Engine):
         if tp_size > 1:
             model = TensorParallelGPT(model, self.mesh.tp)  # in place: the user's module holds its slices now
             parts = PipelineModel(*model.pipeline_parts())
+        # activation_checkpointing: each block keeps only its input and recomputes its inside when its backward
+        # needs it (B; a split schedule's W unpacks the same tensors, and torch recomputes for it again)
+        self.checkpointed_blocks = (_checkpoint(torch.nn.ModuleList(parts.blocks))
+                                    if cfg["activation_checkpointing"] is not None else [])
         self.comm = self.mesh.dp          # the data-parallel ranks (as Engine.comm)
         self.dp_rank, self.dp_size = self.comm.rank, self.comm.size  # which rows of the batch are this rank's
         self.module = model               # the plain model, as the user built it
