@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from minizero import launch
+from minizero.autograde import LABS
 from minizero.cli import train as train_cli
 from minizero.data import regression_batch
 from minizero.experiments.references import train_single
@@ -167,6 +168,16 @@ def test_a_lab_stub_never_passes_on_one_rank_or_many():
     many = _run([launch.find_mpirun(), "-n", "2", sys.executable, lab])
     assert many.returncode == 2 and many.stderr.count("not implemented yet") == 1, many.stderr
     assert "Traceback" not in many.stderr
+
+
+@pytest.mark.parametrize("number", sorted(LABS))
+def test_every_solution_runs_its_demo_as_a_student_would(number):
+    """`mpirun -n N python solutions/labNN_*.py`, what a student runs first: the demo trains and prints its
+    table on rank 0 and the job exits 0 (lab 02's once died at its last print on a renamed variable)."""
+    lab = LABS[number]
+    proc = _run([launch.find_mpirun(), "-n", str(lab.nprocs), sys.executable, f"solutions/{lab.filename}"], timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(proc.stdout.strip().splitlines()) >= 2, proc.stdout  # the demo's table, printed once by rank 0
 
 
 # ---------------------------------------------------------------------------- the watchdog

@@ -361,7 +361,7 @@ def demo(comm, impl):
     if comm.rank == 0:
         p = sum(x.numel() for x in build_model(name, seed=0).parameters())
         y, r = runs["yours"], runs["reference"]
-        print(f"TinyGPT ({p} params), overlapped DDP on {comm.size} ranks, {y['buckets']} buckets of <= {mb} MB")
+        print(f"TinyGPT ({p} params), overlapped DDP on {comm.size} ranks, {y['buckets']} buckets of <= {numel} elements")
         print(f"{'step':>4} {'loss (yours)':>13} {'loss (ref)':>11} {'sent B':>9} "
               f"{'buckets out during backward':>28}")
         for k in range(steps):
