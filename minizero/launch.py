@@ -291,7 +291,7 @@ def load_target(target: str):
 def _worker(target: str, tmp: str):
     """What each rank runs under mpirun."""
     from minizero import comm as comm_mod
-    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    rank = comm_mod.launched_rank()  # before the communicator: the liveness socket names the rank that dies
     _connect_liveness(tmp, rank)
     try:
         with open(os.path.join(tmp, "args.json")) as f:

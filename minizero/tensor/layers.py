@@ -34,7 +34,8 @@ all-gather along the sequence and g by a reduce-scatter: the input of a column-p
 the output of a row-parallel layer are then sequence shards [b, s/t, h].
 
 Every sharded parameter carries `tensor_parallel_dim` and `tensor_parallel_chunks`, so
-`unshard` can put the full tensor back together (minizero/tensor/model.py gathers with it).
+`unshard` can put the full tensor back together (TensorParallelGPT.gather_full, in
+minizero/tensor/parallel_gpt.py, gathers with it).
 """
 from __future__ import annotations
 
