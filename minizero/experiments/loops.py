@@ -4,14 +4,15 @@ Each function is a complete training loop on this rank's shard of the same globa
 TinyGPT, and returns the loss of every step. The lessons print their source
 (`inspect.getsource`) and run them inside the jobs they launch anyway, so what a notebook shows
 is what ran. Put two side by side and the strategy is the line that differs: DDP needs a call
-after backward, ZeRO-1 swaps the optimizer, ZeRO-2 and ZeRO-3 wrap the model, and offload is
-one line of the engine's config.
+after backward, ZeRO-1 swaps the optimizer, ZeRO-2 and ZeRO-3 wrap the model, ZeRO++ wraps it with a
+Mesh of nodes, and offload, pipeline and tensor parallelism are a section of the engine's config.
 """
 import difflib
 import inspect
 
 import torch
 
+from minizero.comm import Mesh
 from minizero.data import shard
 from minizero.dp.data_parallel import DataParallel
 from minizero.dp.ddp import DDP
@@ -20,6 +21,7 @@ from minizero.models import build_model
 from minizero.precision import LossScaler, MixedPrecisionOptimizer, fp32_loss
 from minizero.runtime.engine import initialize
 from minizero.zero.fsdp import FSDP
+from minizero.zero.zeropp import ZeroPP
 from minizero.zero.shard_grad_op import ShardGradOp
 from minizero.zero.sharded_optimizer import ShardedOptimizer
 
@@ -129,6 +131,51 @@ def zero2_offload(comm, steps=STEPS):
         loss = engine(x, y)
         engine.backward(loss)                             # gradients reduced into this rank's shard, then to the host
         engine.step()                                     # the CPU step; the new parameters come back up
+        losses.append(loss.item())
+    return losses
+
+
+def zeropp(comm, steps=STEPS):
+    net = build_model("tiny-gpt", seed=0)                 # the same weights on every rank
+    mesh = Mesh(comm, node_size=2)                        # ZeRO++: ranks grouped into (simulated) nodes of 2
+    model = ZeroPP(net, mesh)                             # ZeRO-3 + int8 weights, hpZ inside a node, int4 gradients
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for batch in global_batches(net, steps, BATCH_PER_RANK * comm.size):
+        x, y = shard(batch, comm.rank, comm.size)         # this rank's slice of the global batch
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def pipeline(comm, steps=STEPS):
+    net = build_model("tiny-gpt", seed=0, n_layer=comm.size)  # one block per stage
+    config = {"train_batch_size": BATCH_PER_RANK * comm.size, "train_micro_batch_size_per_gpu": 2,
+              "gradient_clipping": 0.0, "optimizer": {"type": "Adam", "params": {"lr": LR}},
+              "pipeline": {"stages": comm.size, "schedule": "1f1b"}}  # PP: every rank one stage, 1F1B
+    engine = initialize(net, config, comm)                # each rank keeps only its stage's blocks
+    losses = []
+    for x, y in global_batches(net, steps, BATCH_PER_RANK * comm.size):
+        micro_batches = zip(x.split(2), y.split(2))       # the WHOLE batch: the pipeline cuts it in micro-batches
+        loss = engine.train_batch(micro_batches)          # F and B of every micro-batch in 1F1B order, then the step
+        losses.append(loss.item())
+    return losses
+
+
+def tensor_parallel(comm, steps=STEPS):
+    net = build_model("tiny-gpt", seed=0)                 # the same weights on every rank
+    config = {"train_micro_batch_size_per_gpu": BATCH_PER_RANK * comm.size, "gradient_clipping": 0.0,
+              "optimizer": {"type": "Adam", "params": {"lr": LR}},
+              "tensor_parallel": {"autotp_size": comm.size}}  # TP: every layer split over all ranks
+    engine = initialize(net, config, comm)                # the model now holds this rank's slices
+    losses = []
+    for x, y in global_batches(net, steps, BATCH_PER_RANK * comm.size):
+        loss = engine(x, y)                               # EVERY rank the same rows: they share each layer
+        engine.backward(loss)
+        engine.step()
         losses.append(loss.item())
     return losses
 
