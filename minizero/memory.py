@@ -91,13 +91,14 @@ def estimate_by_location(num_params, world_size=1, stage=0, param_bytes=2, grad_
         offload cpu    host: master 4·S + fp32 grads 4·S + state state_bytes·S; the device keeps its
                        params and (stage 1: full, stage 2: shard) gradients; stage 3: none between units
         offload nvme   as cpu, but master and state on "disk" (stage 3 only)
-        offload_param  cpu (stage 3): the parameter shards on the host
+        offload_param  cpu (stage 3): the parameter shards on the host; nvme: on disk
     The fp32 host master exists even in fp32 training: the device parameters are separate tensors.
     """
     n, psi = world_size, num_params
     shard = psi / n if stage >= 1 else psi
     out = {c: {loc: 0.0 for loc in LOCATIONS} for c in ("parameters", "master_params", "gradients", "optimizer_state")}
-    out["parameters"]["host" if offload_param == "cpu" else "device"] = param_bytes * (shard if stage == 3 else psi)
+    where_params = {"cpu": "host", "nvme": "disk"}.get(offload_param, "device")
+    out["parameters"][where_params] = param_bytes * (shard if stage == 3 else psi)
     if offload_optimizer == "none":
         out["gradients"]["device"] = {0: grad_bytes * psi, 1: grad_bytes * psi, 2: grad_bytes * shard,
                                       3: 4 * shard}[stage]

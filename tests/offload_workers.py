@@ -8,6 +8,7 @@ import os
 import resource
 import tempfile
 
+import numpy as np
 import torch
 
 from minizero import memory
@@ -90,10 +91,24 @@ def main(comm, tmp):
     nvme = os.path.join(tmp, f"nvme{comm.rank}")
     engine, _ = run(comm, config(3, offload={"device": "nvme", "nvme_path": nvme}, sub_group_size=1000))
     out["nvme/traffic"] = engine.offload_traffic()  # before params(): reading the state for it reads files too
-    out["nvme"] = compare(params(engine), params(run(comm, config(3, offload={"device": "cpu"}))[0]))
+    cpu_tier = params(run(comm, config(3, offload={"device": "cpu"}))[0])
+    out["nvme"] = compare(params(engine), cpu_tier)
     out["nvme/ledger"] = engine.memory().as_dict()["detail"]
     out["nvme/shard_numel"] = engine.offload.numel
     out["nvme/sub_groups"] = len(engine.offload.bounds)
+    # ... and the parameter shards in files too (offload_param nvme): mapped files hold the values the run trains
+    cfg = config(3, offload={"device": "nvme", "nvme_path": nvme}, sub_group_size=1000)
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme}
+    files, _ = run(comm, cfg)
+    out["nvme_param/traffic"] = files.offload_traffic()
+    out["nvme_param/ledger"] = files.memory().as_dict()["detail"]
+    out["nvme_param/shard_numel"] = files.offload.numel
+    names = sorted(os.listdir(files.offload.param_dir))
+    out["nvme_param/files_hold_the_values"] = len(names) == len(files.offload.device_params) and all(
+        np.array_equal(np.fromfile(os.path.join(files.offload.param_dir, name), dtype=np.float32),
+                       q.detach().reshape(-1).numpy()) for name, q in zip(names, files.offload.device_params))
+    out["nvme_param"] = compare(params(files), cpu_tier)
+    del files
     peaks = {}
     for sub in (500, 5000):
         peaks[sub] = run(comm, config(3, offload={"device": "nvme", "nvme_path": nvme}, sub_group_size=sub),

@@ -81,6 +81,24 @@ def test_disk_tier_equals_cpu_tier_and_counts_its_bytes():
         assert 0 < small <= 4 * 2 * 4 * 500 < large, f"sub_group_size 500 held {small} B, 5000 held {large} B"
 
 
+def test_parameter_shards_in_files_train_the_same_and_are_counted():
+    """offload_param nvme (with offload_optimizer nvme): each parameter shard is a mapped file that holds the
+    values the run trains; the parameters equal the cpu tier's bitwise; the ledger puts them on disk, as the
+    estimator does; per step the files take the updated shard (4 bytes per element, besides the master and
+    momentum) and give out a shard for every all-gather (the bytes copied to the device)."""
+    N = len(results())
+    for r in results():
+        assert r["nvme_param"]["bitwise"], r["nvme_param"]
+        assert r["nvme_param/files_hold_the_values"]
+        s = r["nvme_param/shard_numel"]
+        want = memory.estimate_by_location(s * N, N, 3, param_bytes=4, state_bytes=4, offload_optimizer="nvme",
+                                           offload_param="nvme")
+        _expect(r["nvme_param/ledger"], want)
+        t = r["nvme_param/traffic"]
+        assert t["disk_written"] == (2 + 1) * 4 * s, t  # master + momentum, and the parameters
+        assert t["disk_read"] - 2 * 4 * s == t["to_device"] > 0, t  # every gathered shard came out of a file
+
+
 def test_disk_full_is_a_clear_error_and_the_checkpoint_is_untouched():
     r = results()[0]
     assert r["disk_full"].startswith("DiskError") and "disk is full" in r["disk_full"], r["disk_full"]
@@ -150,6 +168,10 @@ def test_zero_init_leaves_the_global_rng_alone_and_handles_default_init():
      "needs device 'cpu'"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "partial offload is not implemented"),
     ({"stage": 2, "offload_optimizer": {"device": "gpu"}}, "must be none, cpu or nvme"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}},
+     "needs offload_optimizer.device='nvme'"),
+    ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}, "offload_param": {"device": "nvme"}},
+     "offload_param.device is nvme but nvme_path is not set"),
 ])
 def test_bad_offload_configs(zero, message):
     with pytest.raises(ConfigError) as e:

@@ -28,7 +28,7 @@ BENCH_GPT = dict(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=256)
 MINIZERO = ("minizero-ddp", "minizero-zero1", "minizero-zero2", "minizero-zero3", "minizero-zeropp")
 # through the engine (fp32 Adam, the same torch Adam on the host): ZeRO-3 built under zero.Init, and offload
 OFFLOAD = ("minizero-zero3-init", "minizero-zero2-offload", "minizero-zero2-dpu", "minizero-zero3-offload",
-           "minizero-zero3-nvme", "minizero-zero3-nvme-noprefetch")
+           "minizero-zero3-nvme", "minizero-zero3-nvme-noprefetch", "minizero-zero3-nvme-params")
 TORCH = ("torch-ddp", "torch-fsdp2")
 DEEPSPEED = tuple(f"deepspeed-z{s}" for s in range(4)) + ("deepspeed-z2-offload", "deepspeed-z3-offload")
 CANDIDATES = MINIZERO + OFFLOAD + TORCH + DEEPSPEED
@@ -133,6 +133,8 @@ def _engine(name, comm, cfg, seed, lr, micro, nvme_dir, sub_group_size=2_000_000
     if "nvme" in name:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir}
         zero["sub_group_size"] = sub_group_size  # 2M: 24 MB of master + Adam state per sub-group in host memory
+    if "nvme-params" in name:  # ZeRO-Infinity's parameter tier too: the shards are mapped files
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir}
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "optimizer": {"type": "Adam", "params": {"lr": lr, "adam_w_mode": False}},
               "zero_optimization": zero, "aio": {"overlap_events": "noprefetch" not in name}}

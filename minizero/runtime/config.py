@@ -171,9 +171,9 @@ NOT_DEEPSPEED = {
 NO_EFFECT = {
     "zero_optimization.offload_optimizer.buffer_count": "the disk tier keeps one sub-group reading, one stepping",
     "zero_optimization.offload_optimizer.fast_init": "the disk tier always writes the initial state once",
-    "zero_optimization.offload_param.buffer_count": "offload_param keeps the shards on the host, not on disk",
-    "zero_optimization.offload_param.buffer_size": "offload_param keeps the shards on the host, not on disk",
-    "zero_optimization.offload_param.max_in_cpu": "offload_param keeps the shards on the host, not on disk",
+    "zero_optimization.offload_param.buffer_count": "the shards are whole host tensors (cpu) or mapped files (nvme)",
+    "zero_optimization.offload_param.buffer_size": "the shards are whole host tensors (cpu) or mapped files (nvme)",
+    "zero_optimization.offload_param.max_in_cpu": "the shards are whole host tensors (cpu) or mapped files (nvme)",
     "aio.block_size": "files are read and written whole per sub-group (numpy fromfile/tofile)",
     "aio.queue_depth": "files are read and written whole per sub-group (numpy fromfile/tofile)",
     "aio.single_submit": "files are read and written whole per sub-group (numpy fromfile/tofile)",
@@ -520,9 +520,10 @@ def _check_offload(zero: dict):
     if opt["device"] == "nvme" and zero["stage"] != 3:
         raise ConfigError(f"{where}.device='nvme' (ZeRO-Infinity) needs stage 3, as in DeepSpeed; use device 'cpu' "
                           f"at stage {zero['stage']}")
-    if param["device"] == "nvme":
-        raise ConfigError("zero_optimization.offload_param.device='nvme' is not implemented in minizero: use 'cpu' "
-                          "for the parameter shards (the optimizer state can go to nvme)")
+    if param["device"] == "nvme" and opt["device"] != "nvme":
+        raise ConfigError("zero_optimization.offload_param.device='nvme' needs offload_optimizer.device='nvme' in "
+                          "minizero (ZeRO-Infinity: the disk optimizer keeps the parameter files); or use 'cpu' for "
+                          "the parameter shards")
     if param["device"] != "none" and opt["device"] == "none":
         raise ConfigError("zero_optimization.offload_param without offload_optimizer: offload the optimizer "
                           "state first (it is 12 of the 16 bytes per parameter)")

@@ -44,7 +44,8 @@ The config, with DeepSpeed's meaning (checked against deepspeed/runtime/engine.p
     minizero key): the delayed parameter update after that many plain steps; an fp16 overflow drops that
     step's gradients and the update in flight still lands. device nvme (stage 3; zero/infinity.py): masters
     and state in files under nvme_path in sub_group_size pieces, prefetched (aio.overlap_events) by
-    aio.thread_count threads. offload_param cpu (stage 3): the parameter shards are host tensors, copied to
+    aio.thread_count threads. offload_param nvme (with offload_optimizer nvme): the parameter shards are mapped
+    files under its nvme_path. offload_param cpu (stage 3): the parameter shards are host tensors, copied to
     the device before each all-gather (counted). engine.offload_traffic() gives the bytes moved.
   A model built under `with minizero.zero.Init(): model = ...` (stage 3) is materialized one unit at a time.
   activation_checkpointing (DeepSpeed's section; activation_checkpointing.py): present = every element of every
@@ -498,7 +499,8 @@ class Engine:
             from minizero.zero.infinity import DiskOptimizer
             host = DiskOptimizer(params, cls, section["nvme_path"], int(zero["sub_group_size"]), self.comm.rank,
                                  traffic, prefetch=aio["overlap_events"], pin_memory=section["pin_memory"],
-                                 io_threads=aio["thread_count"], **kw)
+                                 io_threads=aio["thread_count"], param_nvme_path=zero["offload_param"]["nvme_path"]
+                                 if zero["offload_param"]["device"] == "nvme" else None, **kw)
         else:
             host = HostOptimizer(params, cls, traffic, section["pin_memory"], section["dpu_warmup_steps"], **kw)
         host.param_groups = self.optimizer.param_groups  # FSDPOptimizer's one group, as the user gave it
@@ -506,7 +508,7 @@ class Engine:
                                                                  if getattr(u, part) is not None)}
         # each unit's gradient goes down as soon as backward reduced it: the device keeps none between units
         self.wrapped.grad_sink = lambda unit, part, grad: host.accumulate(index[(id(unit), part)], grad)
-        if zero["offload_param"]["device"] == "cpu":
+        if zero["offload_param"]["device"] != "none":
             if self.device.type != "cpu":  # the shards would have to move to CPU memory and autograd with them
                 raise ConfigError("offload_param is implemented for CPU runs only (where the host shard and its device "
                                   "copy are both host memory); on CUDA remove offload_param, keep offload_optimizer")
@@ -515,14 +517,18 @@ class Engine:
         return host
 
     def _fetch_shard(self, unit, shard):
-        """offload_param: the shard lives on the host; this device copy exists for its all-gather."""
-        self.offload.traffic.to_device += shard.numel() * shard.element_size()
+        """offload_param: the shard lives on the host (cpu) or in a mapped file (nvme); this device copy
+        exists for its all-gather."""
+        nbytes = shard.numel() * shard.element_size()
+        if getattr(self.offload, "param_dir", None) is not None:
+            self.offload.traffic.disk_read += nbytes  # read out of the shard's file
+        self.offload.traffic.to_device += nbytes
         return shard.to(self.device, copy=True)
 
     def _offloaded_params(self):
         """offload_param: the parameter shards are reported where they live, on the host."""
-        if self.stage != 3 or self.config["zero_optimization"]["offload_param"]["device"] == "none":
-            return ()
+        if self.stage != 3 or self.config["zero_optimization"]["offload_param"]["device"] != "cpu":
+            return ()  # nvme: the DiskOptimizer reports the parameter files
         return (_HostShards([p for u in self.wrapped.units for p in (u.shard, u.whole) if p is not None]),)
 
     @torch.no_grad()

@@ -13,6 +13,11 @@ tensors with the master):
 the host as in ZeRO-Offload (zero/offload.py, whose counting and hooks this reuses) and the
 updated parameters go back to the device a sub-group at a time.
 
+With `param_nvme_path` (DeepSpeed's `offload_param.device: nvme`, stage 3) the parameter shards live in
+files too: each shard's storage is a file mapped into memory, the updated values are written into it
+(disk_written), and FSDP reads a shard out of it for each all-gather (the engine's fetch_shard,
+disk_read). Per step and rank that adds 4·S written and 4·S per all-gather of a unit read.
+
 `DiskOptimizer` keeps each sub-group in files `DIR/minizero-rank{r}-*/sg{i}.{master,exp_avg,...}` (raw fp32,
 numpy's tofile/fromfile, which release the GIL), read and written by a thread pool: reading i+1
 while i steps (prefetch=True), writing i back while i+1 steps. `traffic.disk_read/disk_written`
@@ -67,7 +72,7 @@ class DiskOptimizer(HostOptimizer):
 
     def __init__(self, device_params, optimizer_cls, nvme_path, sub_group_numel: int, rank: int = 0,
                  traffic: Traffic | None = None, prefetch: bool = True, pin_memory: bool = False, after_params=None,
-                 io_threads: int = 1, **optimizer_kwargs):
+                 io_threads: int = 1, param_nvme_path=None, **optimizer_kwargs):
         if sub_group_numel <= 0:
             raise ValueError(f"sub_group_numel must be > 0, got {sub_group_numel}")
         self.device_params = list(device_params)   # the flat tensors forward reads, on the device
@@ -79,6 +84,12 @@ class DiskOptimizer(HostOptimizer):
         # this optimizer's own directory (two engines on one nvme_path must not share files), removed with it
         self.dir = tempfile.mkdtemp(prefix=f"minizero-rank{rank}-", dir=check_nvme_path(nvme_path))
         weakref.finalize(self, shutil.rmtree, self.dir, True)
+        # offload_param nvme: the parameter shards' own files (None: they stay device tensors)
+        self.param_dir = None if param_nvme_path is None else tempfile.mkdtemp(
+            prefix=f"minizero-rank{rank}-params-", dir=check_nvme_path(param_nvme_path))
+        if self.param_dir is not None:
+            weakref.finalize(self, shutil.rmtree, self.param_dir, True)
+            self._map_params()
         self.offsets = [0]                         # device param i is [offsets[i], offsets[i+1]) of the concatenation
         for p in self.device_params:
             self.offsets.append(self.offsets[-1] + p.numel())
@@ -109,6 +120,18 @@ class DiskOptimizer(HostOptimizer):
         self._flush_writes()
 
     # ------------------------------------------------------------------ files
+    @torch.no_grad()
+    def _map_params(self):
+        """offload_param nvme: each parameter shard's storage becomes a file, mapped into memory
+        (torch.from_file, MAP_SHARED). Reading it pages it in from the file, writing it goes back to the
+        file, and the kernel may drop the pages once they are written back: the process keeps no anonymous
+        copy between uses (FSDP's fetch_shard copies a shard out for each all-gather). Each file is written
+        whole before it is mapped, so a full disk is a DiskError here, not a SIGBUS at a later write."""
+        for i, p in enumerate(self.device_params):
+            path = os.path.join(self.param_dir, f"param{i:05d}")
+            self._write_file(path, p.detach().reshape(-1).contiguous())
+            p.data = torch.from_file(path, shared=True, size=p.numel(), dtype=p.dtype).view(p.shape)
+
     def _path(self, i, key):
         return os.path.join(self.dir, f"sg{i:05d}.{key}")
 
@@ -208,7 +231,10 @@ class DiskOptimizer(HostOptimizer):
             for j, a, b, off in self._segments(lo, hi):  # parameters up, this sub-group's part
                 p = self.device_params[j]
                 p.view(-1)[a:b].copy_(master[off:off + b - a])
-                self.traffic.to_device += (b - a) * p.element_size()
+                if self.param_dir is not None:  # into the mapped file
+                    self.traffic.disk_written += (b - a) * p.element_size()
+                else:
+                    self.traffic.to_device += (b - a) * p.element_size()
             self._write(i, {"master": master, **{k: state[k] for k in self.keys}})
             self._held(-(master.numel() * 4 + sum(v.numel() * 4 for v in current.values())))
             memory.transient.free(name)
@@ -254,6 +280,9 @@ class DiskOptimizer(HostOptimizer):
     def memory_tensors(self):
         """Host gradients; the files' sizes on disk, by what they hold."""
         yield "gradients", self.flat_grad, "host"
+        if self.param_dir is not None:
+            for p in self.device_params:
+                yield "parameters", p, "disk"
         self._flush_writes()
         for name in os.listdir(self.dir):
             category = "master_params" if name.endswith(".master") else "optimizer_state"
