@@ -107,6 +107,9 @@ def main(comm, tmp):
     out["nvme_param/files_hold_the_values"] = len(names) == len(files.offload.device_params) and all(
         np.array_equal(np.fromfile(os.path.join(files.offload.param_dir, name), dtype=np.float32),
                        q.detach().reshape(-1).numpy()) for name, q in zip(names, files.offload.device_params))
+    mapped = {q.untyped_storage().data_ptr() for q in files.offload.device_params}
+    out["nvme_param/local_parts_in_files"] = all(q.untyped_storage().data_ptr() in mapped
+                                                 for q in files.wrapped.parameters())
     out["nvme_param"] = compare(params(files), cpu_tier)
     del files
     peaks = {}

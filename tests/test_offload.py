@@ -90,6 +90,7 @@ def test_parameter_shards_in_files_train_the_same_and_are_counted():
     for r in results():
         assert r["nvme_param"]["bitwise"], r["nvme_param"]
         assert r["nvme_param/files_hold_the_values"]
+        assert r["nvme_param/local_parts_in_files"]  # named_parameters() shows the values the files hold
         s = r["nvme_param/shard_numel"]
         want = memory.estimate_by_location(s * N, N, 3, param_bytes=4, state_bytes=4, offload_optimizer="nvme",
                                            offload_param="nvme")

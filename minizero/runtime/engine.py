@@ -501,6 +501,8 @@ class Engine:
                                  traffic, prefetch=aio["overlap_events"], pin_memory=section["pin_memory"],
                                  io_threads=aio["thread_count"], param_nvme_path=zero["offload_param"]["nvme_path"]
                                  if zero["offload_param"]["device"] == "nvme" else None, **kw)
+            if host.param_dir is not None:  # the shards' storage is now in files: the local parts follow it
+                self.wrapped.point_local_parts_at_shards()
         else:
             host = HostOptimizer(params, cls, traffic, section["pin_memory"], section["dpu_warmup_steps"], **kw)
         host.param_groups = self.optimizer.param_groups  # FSDPOptimizer's one group, as the user gave it
@@ -520,10 +522,14 @@ class Engine:
         """offload_param: the shard lives on the host (cpu) or in a mapped file (nvme); this device copy
         exists for its all-gather."""
         nbytes = shard.numel() * shard.element_size()
-        if getattr(self.offload, "param_dir", None) is not None:
-            self.offload.traffic.disk_read += nbytes  # read out of the shard's file
         self.offload.traffic.to_device += nbytes
-        return shard.to(self.device, copy=True)
+        if getattr(self.offload, "param_dir", None) is None:
+            return shard.to(self.device, copy=True)
+        from minizero.zero.infinity import release_pages
+        self.offload.traffic.disk_read += nbytes  # read out of the shard's file
+        copy = shard.to(self.device, copy=True)
+        release_pages(shard)  # the file's pages leave this process again until the next gather
+        return copy
 
     def _offloaded_params(self):
         """offload_param: the parameter shards are reported where they live, on the host."""

@@ -29,6 +29,7 @@ a failed write (disk full) fails the step with the path, and no checkpoint is to
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
@@ -65,6 +66,17 @@ def check_nvme_path(path) -> str:
 
 
 _write_hook = None  # tests: a function(path) called before each file write (simulates a full disk)
+_LIBC = ctypes.CDLL(None, use_errno=True)
+MADV_DONTNEED = 4  # Linux: drop the pages from this process; a shared file mapping reads them back on access
+
+
+def release_pages(t: torch.Tensor):
+    """Drop a file-mapped tensor's pages from this process (madvise MADV_DONTNEED). The values stay in
+    the file (and the kernel's page cache, which is the disk's, not the process's); the next access reads
+    them back in. RSS stops counting them. Only for storages made by torch.from_file (page-aligned)."""
+    storage = t.untyped_storage()
+    if _LIBC.madvise(ctypes.c_void_p(storage.data_ptr()), ctypes.c_size_t(storage.nbytes()), MADV_DONTNEED):
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on a mapped parameter file")
 
 
 class DiskOptimizer(HostOptimizer):
@@ -131,6 +143,12 @@ class DiskOptimizer(HostOptimizer):
             path = os.path.join(self.param_dir, f"param{i:05d}")
             self._write_file(path, p.detach().reshape(-1).contiguous())
             p.data = torch.from_file(path, shared=True, size=p.numel(), dtype=p.dtype).view(p.shape)
+        self.release_params()
+
+    def release_params(self):
+        """offload_param nvme: the parameter files leave the process's memory until their next use."""
+        for p in self.device_params:
+            release_pages(p)
 
     def _path(self, i, key):
         return os.path.join(self.dir, f"sg{i:05d}.{key}")
@@ -239,6 +257,8 @@ class DiskOptimizer(HostOptimizer):
             self._held(-(master.numel() * 4 + sum(v.numel() * 4 for v in current.values())))
             memory.transient.free(name)
         self._flush_writes()
+        if self.param_dir is not None:
+            self.release_params()
 
     def params_to_device(self):
         # cpu_step already copied each sub-group up as it finished
