@@ -229,6 +229,18 @@ class FSDP(nn.Module):
             for mod, attr in slots:
                 mod._parameters[attr] = p  # named_parameters() and the owner's state_dict() see it
 
+    @torch.no_grad()
+    def point_local_parts_at_shards(self):
+        """Make every visible local part a view of its unit's shard (or whole) tensor again: after the
+        shards' storage moved (offload_param nvme maps them into files), the views made by _expose would
+        still hold the old storage, with stale values and its bytes."""
+        for unit in self.units:
+            places = iter(unit.slots["shard"] + unit.slots["whole"])
+            for j, p in enumerate(unit.visible):
+                _, start, numel, _ = next(places)
+                source = unit.shard if j < unit.n_sharded else unit.whole
+                p.data = source.detach()[start:start + numel].view(p.shape)
+
     def local_parameter(self, p: torch.Tensor) -> torch.Tensor:
         """The Parameter this model trains in place of `p`: p itself if it is one of
         named_parameters() (a local part, or a frozen one), or the local part that took the name of
