@@ -500,7 +500,7 @@ def finish(args, summary, per_rank, report_fn, plot_fn, t0) -> int:
         with open(args.json, "w") as f:
             json.dump({**summary, "per_rank": per_rank}, f, indent=1)
         print(f"wrote {args.json}")
-    if args.plot:
+    if getattr(args, "plot", None):
         plot_fn(summary, args.plot)
         print(f"wrote {args.plot}")
     print(f"({time.time() - t0:.0f} s)")

@@ -27,7 +27,6 @@ down) measured from the real per-rank events, against the papers' formulas, with
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,7 +35,7 @@ import time
 import torch
 
 from minizero import memory
-from minizero.bench.bench import _quiet_barrier, paired_ratio
+from minizero.bench.bench import _quiet_barrier, finish, paired_ratio
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 TORCH_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -192,11 +191,4 @@ def main(argv=None) -> int:
     per_rank = launch.run("minizero.bench.pipeline:worker", nprocs=args.nprocs, timeout=args.timeout,
                           args={"schedules": args.schedules, "m": args.microbatches, "micro": args.micro,
                                 "steps": args.steps, "warmup": args.warmup})
-    summary = summarize(per_rank)
-    report(summary)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**summary, "per_rank": per_rank}, f, indent=1)
-        print(f"wrote {args.json}")
-    print(f"({time.time() - t0:.0f} s)")
-    return 0
+    return finish(args, summarize(per_rank), per_rank, report, None, t0)

@@ -12,12 +12,11 @@ one-element collectives: the loss broadcast and the gradient-norm all-reduces, a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
-from minizero.bench.bench import paired_ratio
+from minizero.bench.bench import finish, paired_ratio
 from minizero.bench.candidates import BENCH_GPT
 from minizero.experiments.three_d import LAYOUTS
 
@@ -82,10 +81,5 @@ def main(argv=None) -> int:
                           args={"layouts": LAYOUTS, "model_cfg": BENCH_GPT, "global_batch": 8 * args.micro,
                                 "micro": args.micro, "steps": args.steps})
     summary = summarize(per_rank)
-    report(summary)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**summary, "per_rank": per_rank}, f, indent=1)
-        print(f"wrote {args.json}")
-    print(f"({time.time() - t0:.0f} s)")
+    finish(args, summary, per_rank, report, None, t0)
     return 0 if summary["bytes_as_planned"] and summary["losses_equal"] else 1

@@ -71,6 +71,7 @@ from minizero.precision import LossScaler, MixedPrecisionOptimizer
 from minizero.runtime.schedulers import build_scheduler
 from minizero.runtime.tensor_parallel import check_model, norm_weights, split_over_tp
 from minizero.zero.flat_shard_optimizer import covering_param_groups
+from minizero.zero.infinity import release_pages
 
 
 def _world_size(comm) -> int:
@@ -525,7 +526,6 @@ class Engine:
         self.offload.traffic.to_device += nbytes
         if getattr(self.offload, "param_dir", None) is None:
             return shard.to(self.device, copy=True)
-        from minizero.zero.infinity import release_pages
         self.offload.traffic.disk_read += nbytes  # read out of the shard's file
         copy = shard.to(self.device, copy=True)
         release_pages(shard)  # the file's pages leave this process again until the next gather
