@@ -100,6 +100,20 @@ def subgroups(comm):
             "world_sent": comm.stats.sent(), "sub_sent": sub.stats.sent()}
 
 
+def sleeping_barrier(comm, late_s=0.3):
+    """Rank 0 arrives late at barrier(sleep_s=...), on the world and on a split: the others wait for
+    it asleep (little CPU) and the barriers are counted as calls of 0 bytes."""
+    comm.stats.reset()
+    sub = comm.split(comm.rank % 2)
+    if comm.rank == 0:
+        time.sleep(late_s)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    comm.barrier(sleep_s=0.001)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    sub.barrier(sleep_s=0.001)
+    return {"cpu": cpu, "wall": wall, "barrier": comm.stats.as_dict()["barrier"], "sent": comm.stats.sent()}
+
+
 def shape_mismatch_local(comm):
     comm.reduce_scatter(torch.empty(3), torch.empty(7))
 

@@ -41,6 +41,15 @@ def test_subgroups_and_rollup(backend):
         assert out["world_sent"] >= out["sub_sent"] > 0
 
 
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+def test_barrier_with_sleep_s_waits_asleep_and_counts_no_bytes(backend):
+    res = launch.run(W + "sleeping_barrier", nprocs=2, backend=backend, timeout=60)
+    early = res[1]  # rank 1 waited about 0.3 s for rank 0, polling and sleeping in between
+    assert early["wall"] > 0.2 and early["cpu"] < early["wall"] / 2
+    for out in res:
+        assert out["barrier"]["calls"] == 2 and out["barrier"]["payload_bytes"] == 0 and out["sent"] == 0
+
+
 def test_local_shape_mismatch_names_op_and_shapes():
     with pytest.raises(launch.RankError) as e:
         launch.run(W + "shape_mismatch_local", nprocs=2, timeout=60)

@@ -44,6 +44,7 @@ import time
 import torch
 
 from minizero import memory
+from minizero.bench.common import barrier, finish, paired_ratio, step
 from minizero.bench.candidates import (BENCH_GPT, CANDIDATES, DEEPSPEED, DEFAULT, REFERENCE, TARGETS, TORCH_STATS,
                                        build, count_torch_collectives, start_deepspeed)
 from minizero.data import shard
@@ -83,26 +84,6 @@ def _reset_hwm() -> bool:
 
 
 # ----------------------------------------------------------------------------- the worker
-def _quiet_barrier(comm):
-    """A barrier that sleeps while it waits (MPICH's own spins and takes a core)."""
-    if comm.backend != "mpi":
-        return comm.barrier()
-    from mpi4py import MPI
-    req = MPI.COMM_WORLD.Ibarrier()
-    while not req.Test():
-        time.sleep(0.0002)
-
-
-def _step(comm, c, x, y):
-    comm.stats.reset()
-    TORCH_STATS.reset()
-    _quiet_barrier(comm)
-    t0 = time.perf_counter()
-    loss = c.backward(x, y)
-    c.update()
-    return time.perf_counter() - t0, loss.detach()
-
-
 def round_order(candidates, k):
     """The order of round k: each target pair (candidate, its baseline) runs back to back, which of
     the two goes first alternating with k; the blocks rotate by k, so over the rounds every
@@ -167,11 +148,11 @@ def worker(comm, candidates=DEFAULT, steps=30, warmup=3, micro=4, lr=1e-3, seed=
         c = build(name, comm, cfg, seed, lr, micro, count_ddp=True, meta_init=meta_init, nvme_dir=nvme_dir,
                   sub_group_size=sub_group_size)
         for x, y in batches[:memory_steps - 1]:
-            _step(comm, c, x, y)
+            step(comm, c, x, y)
         comm.stats.reset()
         TORCH_STATS.reset()
         x, y = batches[memory_steps - 1]
-        _quiet_barrier(comm)
+        barrier(comm)
         c.backward(x, y)
         # gradients and optimizer state (from step 1) all exist now
         ledger = c.ledger() if c.ledger is not None else memory.measure(*c.held())
@@ -197,7 +178,7 @@ def worker(comm, candidates=DEFAULT, steps=30, warmup=3, micro=4, lr=1e-3, seed=
     losses = {name: [] for name in candidates}
     for k, (x, y) in enumerate(batches[:warmup + steps]):
         for name in round_order(candidates, k):
-            t, loss = _step(comm, built[name], x, y)
+            t, loss = step(comm, built[name], x, y)
             if k >= warmup:
                 times[name].append(t)
             losses[name].append(loss.item())
@@ -240,16 +221,6 @@ def summarize(per_rank: list) -> dict:
     return {"N": r0["N"], "backend": r0["backend"], "psi": r0["psi"], "model": r0["model"],
             "skipped": r0["skipped"], "candidates": rows, "reference": REFERENCE if ref else None,
             "targets": targets, "load_average": r0["load_average"]}
-
-
-def paired_ratio(a, b, resamples=2000):
-    """Median over steps of a[k] / b[k] (the same round, so the same machine load), with a
-    percentile-bootstrap 95% interval of that median."""
-    import random
-    ratios = [x / y for x, y in zip(a, b)]
-    rng = random.Random(0)
-    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    return statistics.median(ratios), (boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1])
 
 
 def report(summary, out=sys.stdout):
@@ -318,8 +289,8 @@ def cpu_adam(numel=5_000_000, repeats=5, out=sys.stdout) -> dict:
 def checkpointing(repeats=7, out=sys.stdout) -> dict:
     """Activation checkpointing's price, one process: forward+backward of a TinyGPT (4 blocks, width 128,
     sequence 128, batch 8) with and without every block checkpointed, interleaved. The recompute adds
-    about one forward, so the expected cost is forward / (forward + backward) of the plain step: the seed
-    says "about 33%" (backward = 2 forwards)."""
+    about one forward, so the expected cost is forward / (forward + backward) of the plain step: the
+    usual estimate is about 33% (backward = 2 forwards)."""
     import statistics
 
     from minizero.experiments.activation_checkpointing import step_times
@@ -328,10 +299,10 @@ def checkpointing(repeats=7, out=sys.stdout) -> dict:
     plain, ckpt, fwd = (statistics.median(t[k]) for k in ("plain", "checkpointed", "forward"))
     ratios = sorted(c / p for c, p in zip(t["checkpointed"], t["plain"]))
     result = {"plain_s": plain, "checkpointed_s": ckpt, "forward_s": fwd, "cost": ckpt / plain - 1,
-              "expected_cost": fwd / plain, "paired_ratios": ratios, "seed_cost": 1 / 3}
+              "expected_cost": fwd / plain, "paired_ratios": ratios, "usual_estimate": 1 / 3}
     print(f"forward+backward: plain {plain * 1e3:.1f} ms, checkpointed {ckpt * 1e3:.1f} ms (median of {repeats}); "
           f"cost +{result['cost']:.0%} (paired ratios {ratios[0]:.2f}-{ratios[-1]:.2f}); one forward is "
-          f"{result['expected_cost']:.0%} of the plain step; the seed says about 33%", file=out)
+          f"{result['expected_cost']:.0%} of the plain step; the usual estimate is about 33%", file=out)
     return result
 
 
@@ -429,7 +400,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-adam", action="store_true",
                     help="only time the CPU optimizer step: torch fused/foreach/for-loop AdamW vs DeepSpeedCPUAdam")
     ap.add_argument("--checkpointing", action="store_true",
-                    help="only time activation checkpointing's recompute: step with/without, vs the seed's 33%%")
+                    help="only time activation checkpointing's recompute: step with/without, vs the usual 33%%")
     ap.add_argument("--memory-only", action="store_true",
                     help="memory phase only, one fresh job per candidate (for --params 1e8); peers built as their "
                          "docs say for large models (FSDP2 on the meta device, DeepSpeed under zero.Init)")
@@ -492,16 +463,3 @@ def main(argv=None) -> int:
     summary["load_average"]["before_launch"] = load_before
     return finish(args, summary, per_rank, report, plot, t0)
 
-
-def finish(args, summary, per_rank, report_fn, plot_fn, t0) -> int:
-    """Print the report; write --json (the summary and every rank's raw numbers) and --plot."""
-    report_fn(summary)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**summary, "per_rank": per_rank}, f, indent=1)
-        print(f"wrote {args.json}")
-    if getattr(args, "plot", None):
-        plot_fn(summary, args.plot)
-        print(f"wrote {args.plot}")
-    print(f"({time.time() - t0:.0f} s)")
-    return 0

@@ -13,7 +13,7 @@ Ground truth: the weights are the same (one seed), so the last step's gradients 
 equal torch's; the table gives the atol that needs at rtol 1e-6 ("grad vs torch").
 Interleaved: step k of every candidate, then step k+1, each after a sleeping barrier, the order
 rotating with k; a step is done when its slowest rank is. Ratio: median over rounds of minizero /
-torch in the same round (paired), with a bootstrap 95% CI (bench.paired_ratio).
+torch in the same round (paired), with a bootstrap 95% CI (common.paired_ratio).
 
 Memory: the peak bytes autograd holds for backward during one step, per rank, counted by the same
 meter for every candidate (memory.SavedTensors: a saved-tensors hook whose packed objects report
@@ -35,7 +35,7 @@ import time
 import torch
 
 from minizero import memory
-from minizero.bench.bench import _quiet_barrier, finish, paired_ratio
+from minizero.bench.common import barrier, finish, paired_ratio
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 TORCH_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -94,7 +94,7 @@ def worker(comm, schedules=SCHEDULES, m=8, micro=4, steps=10, warmup=2, timed_ms
         for name in names[k % len(names):] + names[:k % len(names)]:
             step, stage = built[name]
             meter = memory.SavedTensors(exclude=stage.parameters())
-            _quiet_barrier(comm)
+            barrier(comm)
             t0 = time.perf_counter()
             with meter.hooks():
                 loss = step(x, y)

@@ -27,7 +27,7 @@ import time
 import torch
 
 from minizero import memory
-from minizero.bench.bench import _quiet_barrier, finish, paired_ratio
+from minizero.bench.common import barrier, finish, paired_ratio
 from minizero.comm import Mesh, init_torch_distributed
 from minizero.data import SyntheticTokens
 from minizero.models import GPTConfig, TinyGPT
@@ -142,7 +142,7 @@ def worker(comm, sizes=(2, 4), steps=20, warmup=3, batch=8, lr=1e-3, seed=0, mod
                                         {str(op).split(".")[-1]: n for op, n in debug.get_comm_counts().items()})
         for k, (x, y) in enumerate(batches):
             for name in (list(built) if k % 2 == 0 else list(built)[::-1]):
-                _quiet_barrier(comm)
+                barrier(comm)
                 t0 = time.perf_counter()
                 loss = built[name][0](x, y)
                 elapsed = time.perf_counter() - t0

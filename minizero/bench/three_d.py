@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 
-from minizero.bench.bench import finish, paired_ratio
+from minizero.bench.common import finish, paired_ratio
 from minizero.bench.candidates import BENCH_GPT
 from minizero.experiments.three_d import LAYOUTS
 

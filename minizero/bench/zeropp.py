@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from minizero.bench.bench import _quiet_barrier, _step, paired_ratio
+from minizero.bench.common import barrier, paired_ratio, step
 from minizero.bench.candidates import BENCH_GPT, build
 from minizero.data import shard
 from minizero.experiments.references import global_batches
@@ -53,14 +53,14 @@ def worker(comm, steps=20, warmup=3, micro=4, profile_steps=4, lr=1e-3):
     times = {name: [] for name in PAIR}
     for k, (x, y) in enumerate(batches[:warmup + steps]):
         for name in (PAIR if k % 2 == 0 else PAIR[::-1]):  # who goes first alternates
-            t, _ = _step(comm, built[name], x, y)
+            t, _ = step(comm, built[name], x, y)
             if k >= warmup:
                 times[name].append(t)
     where = {}
     for name in PAIR:
         profile, t = cProfile.Profile(), 0.0
         for x, y in batches[warmup + steps:]:
-            _quiet_barrier(comm)
+            barrier(comm)
             profile.enable()
             t0 = time.perf_counter()
             built[name].backward(x, y)

@@ -4,16 +4,19 @@
                      init()/get(): the global one; select_backend_and_device: the ONE place
                      that picks backend and device
     backends.py      MPIBackend (mpi4py), TorchBackend (torch.distributed), Work handles
+    launcher.py      who started this process (mpirun, torchrun, plain python), its launched rank and
+                     world size, read from the environment before any communicator exists
     stats.py         CommStats, ring_bytes_sent: the bytes each op sends, counted where it runs;
                      ring_bytes_split: which of them cross a node
     mesh.py          Mesh: the dp x pp x tp (x node) grid of ranks and its sub-communicators
     watchdog.py      ending a job started by hand: the collective watchdog, one message per failure
     ring.py          ring all-reduce from send/recv (lab 01)
 """
-from minizero.comm.communicator import (REDUCE_OPS, Communicator, get, init, is_initialized,
-                                        launched_rank, launched_world_size, launcher, local_rank, select_backend_and_device,
+from minizero.comm.communicator import (REDUCE_OPS, Communicator, get, init, is_initialized, select_backend_and_device,
                                         shutdown)
 from minizero.comm.backends import Work, init_torch_distributed
+# after the line above: the function `launcher`, not the module comm/launcher.py, is `minizero.comm.launcher`
+from minizero.comm.launcher import launched_rank, launched_world_size, launcher, local_rank
 from minizero.comm.mesh import Mesh, MeshError
 from minizero.comm.stats import CommStats, OpStats, ring_bytes_sent, ring_bytes_split
 

@@ -19,6 +19,9 @@ import time
 
 import torch
 
+from minizero.comm.launcher import launcher
+
+
 class _Heartbeat:
     """Writes 'which collective am I in' to a per-rank file, rank{r}.op in a directory shared by the
     job's ranks (MINIZERO_HEARTBEAT_DIR: launch.run's, or the one comm/watchdog.py sets up).
@@ -198,6 +201,10 @@ class MPIBackend:
     def barrier(self):
         self.mpi_comm.Barrier()
 
+    def ibarrier(self):
+        req = self.mpi_comm.Ibarrier()
+        return Work(req.Wait, "barrier", poll=req.Test)
+
     def allgather_obj(self, obj):
         return self.mpi_comm.allgather(obj)
 
@@ -262,6 +269,9 @@ class TorchBackend:
     def barrier(self):
         self.dist.barrier(group=self.group)
 
+    def ibarrier(self):  # no poll, as isend's: gloo's wait() already sleeps
+        return Work(self.dist.barrier(group=self.group, async_op=True).wait, "barrier")
+
     def allgather_obj(self, obj):
         out = [None] * self.size
         self.dist.all_gather_object(out, obj, group=self.group)
@@ -282,7 +292,7 @@ class TorchBackend:
 
 def init_torch_distributed(device: torch.device, timeout_s: float | None = None):
     """Start torch.distributed (NCCL on CUDA, gloo on CPU) unless it runs already, from whichever
-    launcher started this process (communicator.launcher()):
+    launcher started this process (comm/launcher.py):
       * torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): its env:// rendezvous;
       * mpirun: MPI's rank and size, rank 0 picks a free port and broadcasts it, so no
         MASTER_ADDR/PORT needs setting by hand;
@@ -293,7 +303,6 @@ def init_torch_distributed(device: torch.device, timeout_s: float | None = None)
 
     import torch.distributed as dist
 
-    from minizero.comm.communicator import launcher
     if dist.is_initialized():
         return
     timeout_s = float(os.environ.get("MINIZERO_INIT_TIMEOUT_S", "60")) if timeout_s is None else timeout_s

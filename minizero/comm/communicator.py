@@ -5,7 +5,8 @@ trainer needs (all_reduce, reduce_scatter, all_gather, broadcast, reduce, all_to
 send/recv, barrier), `async_op=True` handles so communication can overlap compute, and
 `split`/`new_group` for the DP/TP/PP/"node" sub-groups.
 
-Backends (comm/backends.py), chosen in ONE place, `select_backend_and_device`:
+Backends (comm/backends.py), chosen in ONE place, `select_backend_and_device`, from the launcher
+that started the process (comm/launcher.py):
   * "mpi"   : mpi4py on CPU tensors (the default on CPU under mpirun);
   * "torch" : torch.distributed, NCCL on CUDA and gloo on CPU.
 
@@ -22,50 +23,13 @@ import os
 import torch
 
 from minizero.comm.backends import MPIBackend, TorchBackend, Work, heartbeat, init_torch_distributed, mpi_module
+from minizero.comm.launcher import launcher, local_rank
 from minizero.comm.stats import CommStats, ring_bytes_split
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
 # ----------------------------------------------------------------------------- device choice
-def local_rank() -> int:
-    for var in ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
-
-
-MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")  # set by mpirun / mpiexec
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")   # set by torchrun (all four)
-
-
-def launcher() -> str:
-    """Who started this process, read from its environment: "mpi" (mpirun/mpiexec: MPICH's PMI_*,
-    Open MPI's OMPI_*/PMIX_*), "torchrun" (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: torchrun,
-    or a script that sets them for mp.spawn), or "none" (plain python: one rank)."""
-    if any(v in os.environ for v in MPI_ENV):
-        return "mpi"
-    if all(v in os.environ for v in TORCHRUN_ENV):
-        return "torchrun"
-    return "none"
-
-
-def launched_rank() -> int:
-    """This process's rank as the launcher announced it (PMI_RANK, OMPI_COMM_WORLD_RANK, RANK), read
-    WITHOUT creating a communicator: lets rank 0 alone report an input error every rank finds."""
-    for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "RANK"):
-        if v in os.environ:
-            return int(os.environ[v])
-    return 0
-
-
-def launched_world_size() -> int:
-    """The world size a launcher (mpirun: PMI_SIZE / OMPI_COMM_WORLD_SIZE; torchrun: WORLD_SIZE)
-    announced, read from the environment WITHOUT creating a communicator: 1 outside a launcher.
-    Lets a caller fail on bad input before any collective (the engine's config checks)."""
-    return max(int(os.environ.get(v, "1")) for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"))
-
-
 def select_backend_and_device(backend: str | None = None) -> tuple[str, torch.device]:
     """The single place that decides backend and device.
 
@@ -258,10 +222,19 @@ class Communicator:
         heartbeat.beat(f"idle (in flight: {work._op})")
         return work
 
-    def barrier(self):
+    def barrier(self, sleep_s: float | None = None):
+        """Wait until every rank of this group arrives. Counted as one barrier call, 0 bytes sent.
+        sleep_s: wait by polling, sleeping sleep_s seconds between polls, instead of in the backend's
+        own barrier (MPICH's busy-polls a core: with more ranks than cores, a rank that arrived
+        early takes the CPU from the ranks still computing). gloo's barrier sleeps already."""
         heartbeat.beat(f"barrier on {self.name}")
         self._count("barrier", 0)
-        self._impl.barrier()
+        if sleep_s is None:
+            self._impl.barrier()
+        else:
+            work = self._impl.ibarrier()
+            work._op = f"barrier on {self.name}"
+            work.wait(sleep_s=sleep_s)
         heartbeat.beat("idle (last: barrier)")
 
     def allgather_object(self, obj):
