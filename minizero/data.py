@@ -20,7 +20,7 @@ def _rng(seed: int, stream: int, step: int = 0) -> np.random.Generator:
 
     Why numpy and not torch.Generator: torch's CPU generator keeps only the low 32
     bits of manual_seed(), so packing (seed, step) into one integer silently
-    collides (seed 1 gave seed 0's batches). numpy's SeedSequence mixes a list of
+    collides (seed 1 would draw seed 0's batches). numpy's SeedSequence mixes a list of
     integers of any size, deterministically, without Python's per-process salted
     hash(). The draws are then plain float64 arrays handed to torch."""
     if min(seed, step) < 0:

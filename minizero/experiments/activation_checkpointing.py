@@ -1,7 +1,7 @@
 """Activation checkpointing's price (the engine runs with and without it are experiments/planner.py's).
 
 `step_times(comm, ...)` times a forward+backward of one larger TinyGPT with and without
-checkpointing, interleaved (the seed's "about 33%" of recompute)."""
+checkpointing, interleaved (against the usual estimate of about 33% recompute)."""
 from __future__ import annotations
 
 import time

@@ -19,8 +19,9 @@ forward, 2 in backward.
     biases, the row-parallel biases) then sees only its shard's tokens: its gradient is all-reduced
     over the tp group (sequence.mark_sequence_parallel), as Megatron's _allreduce_layernorm_grads.
 
-A pipeline stage (issue 14) converts just its own blocks with `parallelize_block(block, mesh.tp)`
-and passes [b, s, h] (or [b, s/t, h] with SP) activations between stages.
+A pipeline stage of a 3D run (dp x pp x tp) converts just its own blocks with
+`parallelize_block(block, mesh.tp)` and passes [b, s, h] (or [b, s/t, h] with SP) activations
+between stages.
 """
 from __future__ import annotations
 
