@@ -86,9 +86,10 @@ class ShardGradOp(nn.Module):
 
     def __init__(self, module: nn.Module, optimizer_cls, comm: comm_mod.Communicator | None = None,
                  bucket_numel: int = 6_250_000, overlap: bool = True, debug: bool | None = None,
-                 params=None, broadcast_buffers: bool = True, **optimizer_kwargs):
+                 params=None, broadcast_buffers: bool = True, offload=None, **optimizer_kwargs):
         """params: param groups of `module`'s parameters (nanoGPT's decay / no-decay pair), every
-        trainable parameter in one of them; default: one group of module.parameters()."""
+        trainable parameter in one of them; default: one group of module.parameters().
+        offload: a zero.tiers.OffloadSpec: the shard's master and optimizer on the host (ZeRO-Offload)."""
         super().__init__()
         check_optimizer_class(optimizer_cls)
         if not bucket_numel or bucket_numel <= 0:
@@ -102,7 +103,8 @@ class ShardGradOp(nn.Module):
         self.bucket_numel = bucket_numel  # gradients per bucket; a bigger parameter gets its own
         self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward (torch DDP's default)
         # The sharded step of ZeRO-1, told that gradients arrive reduced (it allocates none).
-        self.optim = ShardedOptimizer(groups, optimizer_cls, self.comm, gradients_reduced=True, **optimizer_kwargs)
+        self.optim = ShardedOptimizer(groups, optimizer_cls, self.comm, gradients_reduced=True, offload=offload,
+                                      **optimizer_kwargs)
         # frozen parameters and buffers: rank 0's (the flat buffer was broadcast by the optimizer)
         self.comm.broadcast_tensors([*(p for p in module.parameters() if not p.requires_grad), *module.buffers()])
         self.params = self.optim.params   # unique trainable parameters, in flat-buffer order
@@ -243,7 +245,7 @@ class ShardGradOp(nn.Module):
             with torch.enable_grad():
                 loss = closure()
         self._check_grad("step")
-        self.optim.step_shard(self.grad_shard)
+        self.optim.step_gradient(self.optim.gradient_for_step(self.grad_shard))
         return loss
 
     def _check_grad(self, what):
@@ -252,6 +254,8 @@ class ShardGradOp(nn.Module):
                                "inside no_sync() only accumulates; the next one outside it reduces)")
 
     def zero_grad(self, set_to_none: bool = True):
+        if self.optim.tier is not None:
+            self.optim.tier.zero_grad()
         self.grad_shard.zero_()
         self._has_grad = False
         self.optim.had_grad = [False] * len(self.params)

@@ -26,10 +26,10 @@ in the module, never sharded or reduced (parameters() yields them; optimizers sk
 stage3_param_persistence_threshold) stay whole on every rank (`unit.whole`), are not gathered,
 and have their gradients all-reduced: a collective per tiny bias would be all latency.
 
-A step, for unit unit: the forward pre-hook all-gathers unit's shards into a fresh flat buffer (or
+A step, unit by unit: the forward pre-hook all-gathers the unit's shards into a fresh flat buffer (or
 waits for its prefetch) and points the module's parameter attributes at views of it; the
-post-hook frees it; backward gathers unit again when it first needs one of unit's weights; when unit's
-gradient is complete it is reduce-scattered (avg) into the parameters' .grad and unit is freed. How, with
+post-hook frees it; backward gathers the unit again when it first needs one of its weights; when the
+unit's gradient is complete it is reduce-scattered (avg) into the parameters' .grad and the unit is freed. How, with
 public torch 2.13 API, the same on CPU and CUDA:
   * the buffer enters autograd through _Gather, a Function of the shard whose backward is the
     transpose of an all-gather, a reduce-scatter. The views are split()s of its output, so unit's
@@ -230,6 +230,13 @@ class FSDP(nn.Module):
                 mod._parameters[attr] = p  # named_parameters() and the owner's state_dict() see it
 
     @torch.no_grad()
+    def offload(self, grad_sink, fetch_shard=None):
+        """Plug in an optimizer tier off the device (FSDPOptimizer(offload=...), zero/tiers.py): each unit's
+        reduced gradient goes to grad_sink(unit, part, flat fp32 grad) during backward instead of a device
+        .grad; with fetch_shard(unit, shard) the shards live off the device and each all-gather copies one in."""
+        self.grad_sink = grad_sink
+        self.fetch_shard = fetch_shard
+
     def point_local_parts_at_shards(self):
         """Make every visible local part a view of its unit's shard (or whole) tensor again: after the
         shards' storage moved (offload_param nvme maps them into files), the views made by _expose would

@@ -77,29 +77,77 @@ def cpu_optimizer(optimizer_cls, params, **kwargs):
     return optimizer_cls(params, **kwargs)
 
 
-class HostOptimizer:
-    """fp32 masters, gradients and optimizer state of `device_params` on the host; steps on the CPU."""
+class OffloadedOptimizer:
+    """What every tier off the device shares (HostOptimizer here, infinity.DiskOptimizer): the device
+    tensors it updates, the bytes it moves, the front param groups schedulers edit, the step count, the
+    delayed update in flight. A tier builds its masters and its torch optimizer, then calls _front()."""
 
-    def __init__(self, device_params, optimizer_cls, traffic: Traffic | None = None, pin_memory: bool = False,
-                 dpu_warmup_steps: int | None = None, after_params=None, **optimizer_kwargs):
+    def __init__(self, device_params, traffic: Traffic | None = None, pin_memory: bool = False,
+                 dpu_warmup_steps: int | None = None, after_params=None):
         self.device_params = list(device_params)  # the flat tensors forward reads, on the device
         self.traffic = traffic or Traffic()       # bytes copied between tiers (the PCIe traffic)
         self.pin_memory = pin_memory              # page-locked host buffers (CUDA only; a no-op on CPU)
         self.dpu_warmup_steps = dpu_warmup_steps  # None: no DPU; k: steps 0..k-1 plain, then delayed
         self.after_params = after_params          # called after parameters reach the device (ZeRO-1/2 all-gather)
+        self._spare = None                        # DPU: the second gradient buffer (the other is being stepped)
+        self.steps = 0                            # CPU steps started
+        self._thread = None                       # DPU: the step in flight
+        self._error = None                        # an exception raised inside it
+
+    @torch.no_grad()
+    def accumulate(self, i: int, grad: torch.Tensor):
+        """Add one device gradient into host buffer i (ZeRO-3 hooks call this as each unit's gradient
+        is reduced, so it moves during backward; micro-batches add up on the host)."""
+        self.grads[i].add_(grad.reshape(-1).to(self.grads[i].device, torch.float32))
+        self.traffic.to_host += grad.numel() * grad.element_size()
+
+    @property
+    def delayed(self) -> bool:
+        """Whether the next step() is a delayed (DPU) one."""
+        return self.dpu_warmup_steps is not None and self.steps >= self.dpu_warmup_steps
+
+    def _front(self):
+        """What LR schedulers write; copied into self.optim when a step starts (no race with DPU's thread)."""
+        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optim.param_groups]
+
+    def _copy_front(self):
+        for front, back in zip(self.param_groups, self.optim.param_groups):  # lr, weight_decay, ... (not the
+            back.update((k, v) for k, v in front.items() if k not in IMPLEMENTATION)  # tensors, nor the kernel
+
+    def finish(self):
+        """Wait for a delayed step in flight and copy its parameters to the device (a no-op otherwise)."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the delayed CPU optimizer step failed: {error}") from error
+        self.params_to_device()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def zero_grad(self):
+        for g in self.grads:
+            g.zero_()
+
+
+class HostOptimizer(OffloadedOptimizer):
+    """fp32 masters, gradients and optimizer state of `device_params` on the host; steps on the CPU."""
+
+    def __init__(self, device_params, optimizer_cls, traffic: Traffic | None = None, pin_memory: bool = False,
+                 dpu_warmup_steps: int | None = None, after_params=None, **optimizer_kwargs):
+        super().__init__(device_params, traffic, pin_memory, dpu_warmup_steps, after_params)
         # host fp32 master copies: the optimizer steps these (the initial copy is the model's values)
         self.masters = [host_empty(p.numel(), pin=pin_memory) for p in self.device_params]
         with torch.no_grad():
             for m, p in zip(self.masters, self.device_params):
                 m.copy_(p.detach().reshape(-1))
         self.grads = self._zeros()                # host fp32 gradients, filled by grads_to_host / accumulate
-        self._spare = None                        # DPU: the second gradient buffer (the other is being stepped)
         self.optim = cpu_optimizer(optimizer_cls, self.masters, **optimizer_kwargs)
-        # what LR schedulers write; copied into self.optim when a step starts (no race with DPU's thread)
-        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optim.param_groups]
-        self.steps = 0                            # CPU steps started
-        self._thread = None                       # DPU: the step in flight
-        self._error = None                        # an exception raised inside it
+        self._front()
 
     def _zeros(self):
         return [torch.zeros_like(m) for m in self.masters]
@@ -115,13 +163,6 @@ class HostOptimizer:
         for host, g in zip(self.grads, device_grads):
             host.copy_(g.reshape(-1))
             self.traffic.to_host += g.numel() * g.element_size()
-
-    @torch.no_grad()
-    def accumulate(self, i: int, grad: torch.Tensor):
-        """Add one device gradient into host buffer i (ZeRO-3 hooks call this as each unit's gradient
-        is reduced, so it moves during backward; micro-batches add up on the host)."""
-        self.grads[i].add_(grad.reshape(-1).to(self.grads[i].device, torch.float32))
-        self.traffic.to_host += grad.numel() * grad.element_size()
 
     @torch.no_grad()
     def cpu_step(self, grads):
@@ -149,17 +190,11 @@ class HostOptimizer:
             self.after_params()
 
     # ------------------------------------------------------------------ driving it
-    @property
-    def delayed(self) -> bool:
-        """Whether the next step() is a delayed (DPU) one."""
-        return self.dpu_warmup_steps is not None and self.steps >= self.dpu_warmup_steps
-
     def step(self):
         """After grads_to_host (and unscaling/clipping the host grads): step and update the device.
         Under DPU the step runs in a thread and the device parameters change at finish()."""
         self.finish()
-        for front, back in zip(self.param_groups, self.optim.param_groups):  # lr, weight_decay, ... (not the
-            back.update((k, v) for k, v in front.items() if k not in IMPLEMENTATION)  # tensors, nor the kernel
+        self._copy_front()
         self.steps += 1
         if not (self.dpu_warmup_steps is not None and self.steps > self.dpu_warmup_steps):
             self.cpu_step(self.grads)
@@ -178,25 +213,6 @@ class HostOptimizer:
             self.cpu_step(grads)
         except BaseException as e:  # noqa: BLE001  re-raised on the main thread by finish()
             self._error = e
-
-    def finish(self):
-        """Wait for a delayed step in flight and copy its parameters to the device (a no-op otherwise)."""
-        if self._thread is None:
-            return
-        self._thread.join()
-        self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"the delayed CPU optimizer step failed: {error}") from error
-        self.params_to_device()
-
-    @property
-    def in_flight(self) -> bool:
-        return self._thread is not None
-
-    def zero_grad(self):
-        for g in self.grads:
-            g.zero_()
 
     # ------------------------------------------------------------------ checkpoints and state
     @property

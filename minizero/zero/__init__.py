@@ -17,6 +17,8 @@ is named after what it shards (the stage numbers are DeepSpeed's `zero_optimizat
     offload.py              HostOptimizer: ZeRO-Offload, the optimizer step on the host (+ DPU)  Ren et al. 2021
     infinity.py             DiskOptimizer: ZeRO-Infinity, masters and state in files by sub-group
                             (Rajbhandari et al. 2021)
+    tiers.py                OffloadSpec: where a strategy's fp32 state lives, passed to its constructor
+                            (ShardedOptimizer / ShardGradOp / FSDPOptimizer(offload=OffloadSpec("cpu")))
     init.py                 Init: `with zero.Init(): model = ...` builds a ZeRO-3 model on the meta device
 """
 from minizero.zero.flat_layout import FlatLayout
@@ -27,9 +29,10 @@ from minizero.zero.fsdp import FSDP
 from minizero.zero.fsdp_optimizer import FSDPOptimizer
 from minizero.zero.shard_grad_op import ReduceBucket, ShardGradOp
 from minizero.zero.sharded_optimizer import ShardedOptimizer
+from minizero.zero.tiers import OffloadSpec
 from minizero.zero.zeropp import ZeroPP
 
 STAGES = {1: ShardedOptimizer, 2: ShardGradOp, 3: FSDP}
 
-__all__ = ["DiskOptimizer", "FSDP", "FSDPOptimizer", "FlatLayout", "HostOptimizer", "Init", "ReduceBucket", "STAGES",
-           "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]
+__all__ = ["DiskOptimizer", "FSDP", "FSDPOptimizer", "FlatLayout", "HostOptimizer", "Init", "OffloadSpec",
+           "ReduceBucket", "STAGES", "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]

@@ -136,9 +136,10 @@ class FlatShardOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ runs
-    def _build_runs(self, masters):
+    def _build_runs(self, masters, tier=None):
         """masters: [(fp32 1-D tensor, [(param index, lo, hi, offset)], elements before the padding,
-        replicated)]. Cuts each into runs of one group; builds the inner optimizer on views of them."""
+        replicated)]. Cuts each into runs of one group; builds the inner optimizer on views of them,
+        unless an offload tier (zero/tiers.py) steps the masters instead: then it is the inner optimizer."""
         self.masters = [m for m, _, _, _ in masters]
         self.runs = []
         last = len(self.param_groups) - 1
@@ -158,6 +159,13 @@ class FlatShardOptimizer(torch.optim.Optimizer):
             self.runs.extend(mine)
         for run in self.runs:
             run.tensor = self.masters[run.master].detach()[run.lo:run.hi]
+        if tier is not None:
+            if len(self.param_groups) > 1:
+                raise ValueError(f"{type(self).__name__}: offload steps each shard on the host as ONE group, got "
+                                 f"{len(self.param_groups)} param groups: pass one group, or no offload")
+            tier.param_groups = self.param_groups  # the scheduler edits the user's group; each tier step copies it
+            self.optim = tier
+            return
         self.optim = self.optimizer_cls(
             [{**{k: v for k, v in g.items() if k != "params"}, "params": [r.tensor for r in self.runs if r.group == i]}
              for i, g in enumerate(self.param_groups)], **self.optimizer_kwargs)

@@ -20,12 +20,18 @@ accepts: each maps to the local part that took its name. A parameter in no group
 Persistent (whole) parameters are stepped whole on every rank, the same on each (their gradients
 are all-reduced). A step needs no communication: the gradients are already reduced, and the
 next forward gathers the updated shards.
+
+offload=OffloadSpec(...) (zero/tiers.py): ZeRO-Offload / ZeRO-Infinity. The tier (host or files) holds
+every unit's fp32 master, gradient and optimizer state and runs the step; FSDP sends each unit's reduced
+gradient down during backward (FSDP.offload), and with OffloadSpec.params "cpu"/"nvme" the shards
+themselves live off the device between all-gathers.
 """
 from __future__ import annotations
 
 import torch
 
 from minizero.zero.flat_shard_optimizer import FlatShardOptimizer
+from minizero.zero.tiers import ShardSource, build_tier
 
 
 def _map_groups(fsdp, params):
@@ -43,7 +49,7 @@ def _map_groups(fsdp, params):
 class FSDPOptimizer(FlatShardOptimizer):
     """`optimizer_cls` on the fp32 shards of an FSDP model (ZeRO-3), torch's optimizer interface."""
 
-    def __init__(self, fsdp, optimizer_cls, params=None, **optimizer_kwargs):
+    def __init__(self, fsdp, optimizer_cls, params=None, offload=None, **optimizer_kwargs):
         super().__init__(_map_groups(fsdp, params), optimizer_cls, optimizer_kwargs)
         self.fsdp = fsdp        # the model whose shards this steps
         self.comm = fsdp.comm   # its ranks (for the state dict's layout)
@@ -59,7 +65,19 @@ class FSDPOptimizer(FlatShardOptimizer):
                 masters.append((master, pieces, data_end, part == "whole"))
         self.parts = [(unit, part) for unit in fsdp.units for part in ("shard", "whole")
                       if getattr(unit, part) is not None]  # masters[i] is parts[i]'s tensor
-        self._build_runs(masters)
+        self.offload = offload  # where the state (and, with offload.params, the shards) live; None: the device
+        self.tier = None if offload is None else self._offload(offload, [m for m, _, _, _ in masters])
+        self._build_runs(masters, self.tier)
+
+    def _offload(self, spec, tensors):
+        """The tier that steps every unit part off the device; FSDP sends each unit's gradient to it."""
+        tier = build_tier(spec, tensors, self.optimizer_cls, self.comm.rank, **self.optimizer_kwargs)
+        if getattr(tier, "param_dir", None) is not None:  # the shards' storage is now in files: the local parts follow
+            self.fsdp.point_local_parts_at_shards()
+        index = {(id(unit), part): i for i, (unit, part) in enumerate(self.parts)}
+        self.fsdp.offload(lambda unit, part, grad: tier.accumulate(index[(id(unit), part)], grad),
+                          ShardSource(tier, self.fsdp.comm.device) if spec.params != "none" else None)
+        return tier
 
     def grads(self) -> list:
         """Per master (unit part): its flat fp32 gradient, or None when it has none."""
@@ -71,6 +89,9 @@ class FSDPOptimizer(FlatShardOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.tier is not None:  # the gradients went down during backward
+            self.tier.step()
+            return loss
         for master, grad in zip(self.masters, self.grads()):
             master.grad = grad
         try:
@@ -81,6 +102,8 @@ class FSDPOptimizer(FlatShardOptimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
+        if self.tier is not None:
+            self.tier.zero_grad()
         for p in self.params:
             if set_to_none:
                 p.grad = None  # the last view of a unit's flat gradient gone: the buffer is freed
@@ -88,8 +111,16 @@ class FSDPOptimizer(FlatShardOptimizer):
                 p.grad.zero_()
 
     def memory_tensors(self):
-        """The optimizer state only; the shards and their gradients are the model's (FSDP.memory_tensors)."""
-        yield from self.optimizer_state_tensors()
+        """The optimizer state only; the shards and their gradients are the model's (FSDP.memory_tensors).
+        Offloaded: the tier's masters, gradients and state where they live, and with offload.params "cpu"
+        the shards on the host (measure the optimizer before the model, so these locations win)."""
+        if self.tier is None:
+            yield from self.optimizer_state_tensors()
+            return
+        yield from self.tier.memory_tensors()
+        if self.offload.params == "cpu":  # "nvme": the disk tier reports the parameter files
+            for master in self.masters:
+                yield "parameters", master, "host"
 
     def __repr__(self):
         return (f"FSDPOptimizer({self.optimizer_cls.__name__}, rank {self.comm.rank}/{self.comm.size}, "

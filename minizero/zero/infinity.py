@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from minizero import memory
-from minizero.zero.offload import IMPLEMENTATION, HostOptimizer, Traffic, cpu_optimizer, host_empty
+from minizero.zero.offload import OffloadedOptimizer, Traffic, cpu_optimizer, host_empty
 
 
 class DiskError(OSError):
@@ -79,19 +79,16 @@ def release_pages(t: torch.Tensor):
         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on a mapped parameter file")
 
 
-class DiskOptimizer(HostOptimizer):
-    """HostOptimizer whose masters and optimizer state live in files, stepped sub-group by sub-group."""
+class DiskOptimizer(OffloadedOptimizer):
+    """A HostOptimizer whose masters and optimizer state live in files, stepped sub-group by sub-group
+    (its interface, not its host copies: it derives from what the tiers share, offload.OffloadedOptimizer)."""
 
     def __init__(self, device_params, optimizer_cls, nvme_path, sub_group_numel: int, rank: int = 0,
                  traffic: Traffic | None = None, prefetch: bool = True, pin_memory: bool = False, after_params=None,
                  io_threads: int = 1, param_nvme_path=None, **optimizer_kwargs):
         if sub_group_numel <= 0:
             raise ValueError(f"sub_group_numel must be > 0, got {sub_group_numel}")
-        self.device_params = list(device_params)   # the flat tensors forward reads, on the device
-        self.traffic = traffic or Traffic()        # bytes copied between device, host and disk
-        self.pin_memory = pin_memory               # page-locked host buffers (CUDA only)
-        self.after_params = after_params           # called after each full parameter update
-        self.dpu_warmup_steps = None               # no DPU on the disk tier
+        super().__init__(device_params, traffic, pin_memory, None, after_params)  # no DPU on the disk tier
         self.prefetch = prefetch                   # read sub-group i+1 while i steps
         # this optimizer's own directory (two engines on one nvme_path must not share files), removed with it
         self.dir = tempfile.mkdtemp(prefix=f"minizero-rank{rank}-", dir=check_nvme_path(nvme_path))
@@ -111,15 +108,11 @@ class DiskOptimizer(HostOptimizer):
         # host fp32 gradients: one flat buffer, a view per device param (the hooks and the clip use them)
         self.flat_grad = host_empty(self.numel, pin=pin_memory).zero_()
         self.grads = [self.flat_grad[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
-        self._spare = None
         self._work = torch.nn.Parameter(torch.zeros(1), requires_grad=False)  # each sub-group is swapped in here
         self.optim = cpu_optimizer(optimizer_cls, [self._work], **optimizer_kwargs)
-        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optim.param_groups]
+        self._front()
         self.keys = None                           # elementwise state names, known after the first step
         self.scalars = {}                          # sub-group -> its scalar state (Adam's step)
-        self.steps = 0
-        self._thread = None
-        self._error = None
         # at least 2: one reads the next sub-group while another writes the last one back (aio.thread_count)
         self._pool = ThreadPoolExecutor(max_workers=max(2, io_threads), thread_name_prefix="minizero-nvme")
         self._writes = {}                          # sub-group -> its pending write
@@ -266,8 +259,7 @@ class DiskOptimizer(HostOptimizer):
             self.after_params()
 
     def step(self):
-        for front, back in zip(self.param_groups, self.optim.param_groups):
-            back.update((k, v) for k, v in front.items() if k not in IMPLEMENTATION)
+        self._copy_front()
         self.steps += 1
         self.cpu_step(self.grads)
         self.params_to_device()

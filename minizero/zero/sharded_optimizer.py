@@ -52,6 +52,9 @@ Decisions, and why:
     DeepSpeed instead steps it with a zero gradient (weight decay shrinks it, momentum moves it).
   * fp16 loss scaling is the caller's: reduce_gradients() is the averaged shard, unscale and
     check it (minizero.precision), then step(), or zero_grad() to skip the step.
+  * offload=OffloadSpec(...) (zero/tiers.py; ZeRO-Offload): the fp32 master and the optimizer live on the
+    host and the step runs there; gradient_for_step() moves the averaged shard down, step_gradient()
+    steps and brings the parameters up, then the all-gather runs as without offload.
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ from minizero import comm as comm_mod
 from minizero import memory, precision
 from minizero.zero.flat_layout import FlatLayout
 from minizero.zero.flat_shard_optimizer import FlatShardOptimizer
+from minizero.zero.tiers import build_tier
 
 
 @torch.no_grad()
@@ -86,7 +90,7 @@ class ShardedOptimizer(FlatShardOptimizer):
     """ZeRO-1: `optimizer_cls` on this rank's 1/N of the flat parameters, one run per param group."""
 
     def __init__(self, params, optimizer_cls, comm: comm_mod.Communicator | None = None,
-                 gradients_reduced: bool = False, debug: bool | None = None, **optimizer_kwargs):
+                 gradients_reduced: bool = False, debug: bool | None = None, offload=None, **optimizer_kwargs):
         super().__init__(params, optimizer_cls, optimizer_kwargs)  # groups and values checked: nothing changed yet
         self.comm = comm or comm_mod.get()
         dtypes = {(p.dtype, p.device) for p in self.params}
@@ -105,11 +109,17 @@ class ShardedOptimizer(FlatShardOptimizer):
             p.data = view  # the model's parameters now live in self.flat
         self.shard = self.layout.shard(self.flat, self.comm.rank)
         self.mixed = self.flat.dtype != torch.float32
-        self.master = self.shard.float() if self.mixed else self.shard  # fp32: no redundant copy
+        # offload: the host tier (zero/tiers.py) holds the fp32 master and steps it; else the device does
+        self.tier = None if offload is None else build_tier(offload, [self.shard], optimizer_cls, self.comm.rank,
+                                                            after_params=self._all_gather_shard, **optimizer_kwargs)
+        if self.tier is not None:
+            self.master = self.tier.masters[0]
+        else:
+            self.master = self.shard.float() if self.mixed else self.shard  # fp32: no redundant copy
         rank, shard_numel = self.comm.rank, self.layout.shard_numel
         data_end = min(shard_numel, max(0, self.layout.numel - rank * shard_numel))  # then padding
         self._build_runs([(self.master, [(pc.index, pc.lo, pc.hi, pc.shard_lo) for pc in self.layout.pieces(rank)],
-                           data_end, False)])
+                           data_end, False)], self.tier)
         self.had_grad = [False] * len(self.params)  # this rank produced params[i].grad since zero_grad
         self.flat_grad, self._grad_shard = None, None
         if not gradients_reduced:
@@ -167,10 +177,37 @@ class ShardedOptimizer(FlatShardOptimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_shard = self.reduce_gradients()
-        self.step_shard(grad_shard)
+        if self.tier is None:
+            self.step_shard(grad_shard)
+        else:
+            self.step_gradient(self.gradient_for_step(grad_shard))
         self._grad_shard = None
         memory.transient.free("zero1.grad_shard")
         return loss
+
+    @torch.no_grad()
+    def gradient_for_step(self, grad_shard: torch.Tensor) -> torch.Tensor:
+        """The fp32 gradient the step will use, where it will use it (unscale and clip it in place): the
+        device shard (a copy when 16-bit), or, offloaded, the tier's host buffer (moved down, counted)."""
+        if self.tier is None:
+            return grad_shard.float()
+        self.tier.grads_to_host([grad_shard])
+        return self.tier.grads[0]
+
+    @torch.no_grad()
+    def step_gradient(self, grad: torch.Tensor):
+        """Step with gradient_for_step()'s gradient: on the device (step_shard), or on the host tier, which
+        steps (in a thread under DPU), copies the parameters up and all-gathers them."""
+        if self.tier is None:
+            self.step_shard(grad)
+        else:
+            self.tier.step()
+
+    @torch.no_grad()
+    def _all_gather_shard(self):
+        """After the host tier wrote this rank's shard of the parameters: every rank gets all of them."""
+        send = self.shard.clone()  # MPI may not send from inside the buffer it receives into
+        self.comm.all_gather(self.flat, send)
 
     def used(self, grad_shard: torch.Tensor) -> set:
         """Parameters (indices) with a piece in this shard that got a gradient in this step: a local
@@ -203,6 +240,8 @@ class ShardedOptimizer(FlatShardOptimizer):
         # END SOLUTION
 
     def zero_grad(self, set_to_none: bool = True):
+        if self.tier is not None:
+            self.tier.zero_grad()
         self.had_grad = [False] * len(self.params)
         for p in self.params:
             if set_to_none:
