@@ -157,21 +157,39 @@ class LossScaler:
 
 
 @torch.no_grad()
-def clip_grad_norm_(grads, max_norm: float, shard_comm=None) -> torch.Tensor:
+def clip_grad_norm_(grads, max_norm: float, shard_comm=None, *, replicated=(), weights=None,
+                    replicated_weights=None, model_comms=()) -> torch.Tensor:
     """Scale `grads` in place so that their global L2 norm is at most max_norm; return the norm.
 
     Call it on UNSCALED gradients (after unscale_and_check), or max_norm would be compared with
     S times the norm. shard_comm: the ranks over which the gradients are sharded (ZeRO-2/3): each
-    holds a different piece, so the squared norms are summed over them. None for replicated ones."""
-    grads = [g for g in grads if g is not None]
-    sq = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for g in grads:
-        sq += g.float().pow(2).sum()
+    holds a different piece, so the squared norms are summed over them. None for replicated ones.
+    The engine's clip (every parallelism at once) adds: `replicated`, gradients equal on every data-
+    parallel rank (counted once); per-tensor `weights` (a number or one per element: 1/t for a tensor
+    each tensor-parallel rank holds whole, 0 for a copy counted elsewhere); `model_comms`, the groups
+    over which the replicated ones differ (pipeline stages, tensor-parallel slices). shard_comm then
+    spans every rank holding a different piece (the world):
+        ||g||^2 = sum over shard_comm of sum_sharded w g^2  +  sum over model_comms of sum_replicated w g^2"""
+    def squares(tensors, ws, sq):
+        for g, w in zip(tensors, ws or [None] * len(tensors)):
+            if g is not None:
+                sq += g.float().pow(2).sum() if w is None else (w * g.float().pow(2)).sum()
+    tensors = [g for g in [*grads, *replicated] if g is not None]
+    sq = torch.zeros(1, dtype=torch.float32, device=tensors[0].device if tensors else "cpu")
+    squares(list(grads), weights, sq)
     if shard_comm is not None:
         shard_comm.all_reduce(sq, op="sum")
+    if model_comms:
+        whole = torch.zeros_like(sq)
+        squares(list(replicated), replicated_weights, whole)
+        for comm in model_comms:
+            comm.all_reduce(whole, op="sum")
+        sq += whole
+    else:
+        squares(list(replicated), replicated_weights, sq)
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s epsilon
-    for g in grads:
+    for g in tensors:
         g.mul_(coef.to(g.dtype))
     return norm
 
