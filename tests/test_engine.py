@@ -28,7 +28,7 @@ import minizero
 from minizero import comm as comm_mod
 from minizero import launch
 from minizero.runtime.config import ConfigError, load_config
-from minizero.runtime.engine import check_available
+from minizero.runtime.resolve import resolve
 from minizero.zero.flat_layout import FlatLayout
 from minizero.models import build_model
 
@@ -183,7 +183,7 @@ def test_seed_config_trains_unchanged_under_mpirun_4(tmp_path):
 def test_example_configs_are_valid_at_any_world_size():
     for path in EXAMPLES:
         for n in (1, 2, 3, 4):
-            check_available(load_config(path, world_size=n))
+            resolve(load_config(path, world_size=n), n)
 
 
 def _train_cli(*args, n=N):

@@ -164,7 +164,7 @@ def test_zero_init_leaves_the_global_rng_alone_and_handles_default_init():
     ({"stage": 2, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}, "needs stage 3"),
     ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "'nvme' (ZeRO-Infinity) needs stage 3"),
     ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "nvme_path is not set"),
-    ({"stage": 2, "offload_optimizer": {"device": "cpu", "dpu_warmup_steps": -1}}, "dpu_warmup_steps must be"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "dpu_warmup_steps": -1}}, "dpu_warmup_steps' must be at least 0"),
     ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "dpu_warmup_steps": 2}},
      "needs device 'cpu'"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "partial offload is not implemented"),

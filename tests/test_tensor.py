@@ -183,36 +183,34 @@ def test_engine_tp2_over_zero_stages_equals_one_process(run):
 
 def test_engine_config_errors_before_any_collective(tmp_path):
     from minizero.runtime.config import ConfigError, load_config
-    from minizero.runtime.engine import check_available
-    from minizero.runtime.tensor_parallel import check_model
+    from minizero.runtime.resolve import resolve
     base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     with pytest.raises(ConfigError, match="autotp_size=3 does not divide the world size 4"):
         load_config({**base, "tensor_parallel": {"autotp_size": 3}}, world_size=4)
     cfg = load_config({**base, "tensor_parallel": {"autotp_size": 2}}, world_size=4)
     assert cfg["train_batch_size"] == 4  # micro x accumulation x the 2 data-parallel ranks, as DeepSpeed
-    check_available(cfg)
+    resolve(cfg, 4)
     from minizero.models import MLP
     with pytest.raises(ConfigError, match="nanoGPT-named model .* MLP has no wte, wpe, h, ln_f, lm_head"):
-        check_model(MLP(), cfg)
-    sp3 = load_config({**base, "zero_optimization": {"stage": 3},
-                       "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}}, world_size=4)
+        resolve(cfg, 4, MLP())
+    sp3 = {**base, "zero_optimization": {"stage": 3}, "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}}
     with pytest.raises(ConfigError, match="sequence_parallel with zero_optimization.stage 3"):
-        check_model(_gpt(), sp3)
+        resolve(sp3, 4, _gpt())
     with pytest.raises(ConfigError, match="sequence_parallel needs tensor_parallel.autotp_size > 1"):
-        check_model(_gpt(), load_config({**base, "tensor_parallel": {"sequence_parallel": True}}, world_size=4))
-    with pytest.raises(ConfigError, match="autotp_size must be a positive integer"):
+        resolve(load_config({**base, "tensor_parallel": {"sequence_parallel": True}}, world_size=4), 4)
+    with pytest.raises(ConfigError, match="'tensor_parallel.autotp_size' must be at least 1, got 0"):
         load_config({**base, "tensor_parallel": {"autotp_size": 0}}, world_size=4)
     for stage, device in [(2, "cpu"), (3, "nvme")]:
         off = load_config({**base, "zero_optimization": {"stage": stage, "offload_optimizer": {
             "device": device, "nvme_path": str(tmp_path)}}, "tensor_parallel": {"autotp_size": 2}}, world_size=4)
         with pytest.raises(ConfigError, match="with zero_optimization.offload_optimizer: offload with tensor parallel"):
-            check_model(_gpt(), off)
+            resolve(off, 4, _gpt())
     from minizero.zero import Init
     with Init():
         meta_model = _gpt()
     z3 = load_config({**base, "zero_optimization": {"stage": 3}, "tensor_parallel": {"autotp_size": 2}}, world_size=4)
     with pytest.raises(ConfigError, match="with a model built under zero.Init"):
-        check_model(meta_model, z3)
+        resolve(z3, 4, meta_model)
 
 
 # ------------------------------------------------------------------------ bench --tp, against torch DTensor TP

@@ -5,6 +5,9 @@ Trains a model with the engine and a DeepSpeed config, the loop a DeepSpeed user
     for micro in range(accumulation):        # this rank's shard of each micro-batch
         loss = engine(x, y); engine.backward(loss); engine.step()
 
+or, with a "pipeline" section (stages > 1), DeepSpeed's pipeline loop: loss = engine.train_batch(data_iter),
+the accumulation steps being the pipeline's micro-batches.
+
 and measures as it goes. In DIR (default runs/train):
   train_log.jsonl   one JSON object per optimizer step: global-batch loss, lr, the loss scale used,
                     whether the step was skipped, step time, bytes this rank sent (comm.stats),
@@ -38,7 +41,7 @@ from minizero.comm import watchdog
 from minizero.precision import MinLossScaleError
 from minizero.runtime.checkpoint import CheckpointError
 from minizero.runtime.config import ConfigError, load_config
-from minizero.runtime.engine import check_available
+from minizero.runtime.resolve import resolve
 from minizero.data import SyntheticTokens, regression_batch, shard
 from minizero.models import MODELS, build_model
 
@@ -78,25 +81,28 @@ def train(comm, config, model_name="tiny-gpt", steps=50, out="runs/train", save_
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=steps, initial=engine.global_steps, desc=f"stage {engine.stage} on {size} ranks",
+        bar = tqdm(total=steps, initial=engine.global_steps, desc=f"{describe(engine)} on {size} ranks",
                    file=sys.stdout, mininterval=0.2)
     records = []
     while engine.global_steps < steps:
         lr, scale, sent0, t0 = engine.lr, engine.loss_scale, comm.stats.sent(), time.perf_counter()  # as used
         moved0 = engine.offload_traffic()
-        losses = []
-        for i in range(acc):
-            # the data-parallel ranks split the batch; the tp ranks of one group see the same rows
-            rows = batch_of(engine.global_steps * acc + i, micro * engine.dp_size)
-            batch = shard(rows, engine.dp_rank, engine.dp_size)
-            x, y = (t.to(engine.device) for t in batch)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().float())
-        dt, sent = time.perf_counter() - t0, comm.stats.sent() - sent0
-        mean = torch.stack(losses).mean().reshape(1)
-        comm.all_reduce(mean, op="avg")  # the global batch's loss (after `sent` was read: not training traffic)
+        # the data-parallel ranks split the batch; the tp ranks of one group (and a pipeline's stages) see the same rows
+        micro_batches = (shard(batch_of(engine.global_steps * acc + i, micro * engine.dp_size), engine.dp_rank,
+                               engine.dp_size) for i in range(acc))
+        if hasattr(engine, "train_batch"):  # a pipeline: the m micro-batches in one call; every rank gets the mean
+            mean = engine.train_batch(micro_batches).detach().float().reshape(1)
+            dt, sent = time.perf_counter() - t0, comm.stats.sent() - sent0
+        else:
+            losses = []
+            for x, y in micro_batches:
+                loss = engine(x.to(engine.device), y.to(engine.device))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach().float())
+            dt, sent = time.perf_counter() - t0, comm.stats.sent() - sent0
+            mean = torch.stack(losses).mean().reshape(1)
+            comm.all_reduce(mean, op="avg")  # the global batch's loss (after `sent` was read: not training traffic)
         ledger = engine.memory()
         rec = {"step": engine.global_steps, "loss": mean.item(), "lr": lr, "loss_scale": scale,
                "skipped": not engine.was_step_applied(), "step_time_s": dt, "sent_bytes": sent,
@@ -123,15 +129,24 @@ def train(comm, config, model_name="tiny-gpt", steps=50, out="runs/train", save_
     if rank == 0:
         log.close()
     return {"records": records, "ledger": engine.memory().as_dict(), "rank": rank, "n_params": n_params,
-            "stage": engine.stage, "dtype": str(engine.dtype).replace("torch.", ""), "world": size,
+            "stage": engine.stage, "layout": describe(engine), "dtype": str(engine.dtype).replace("torch.", ""), "world": size,
             "batch": (micro, acc, engine.train_batch_size()), "skipped": engine.skipped_steps}
+
+
+def describe(engine) -> str:
+    """ "ZeRO stage 1", with the mesh when there is one: "ZeRO stage 1, dp 2 x pp 2 x tp 2"."""
+    mesh = engine.mesh
+    if mesh is None:
+        return f"ZeRO stage {engine.stage}"
+    return f"ZeRO stage {engine.stage}, dp {mesh.dp_size} x pp {mesh.pp_size} x tp {mesh.tp_size}"
 
 
 def summary(result, ledgers, out=sys.stdout):
     recs = result["records"]
     micro, acc, total = result["batch"]
-    print(f"\nminizero train: {result['n_params']:,} parameters, ZeRO stage {result['stage']}, {result['dtype']}, "
-          f"{result['world']} ranks, {micro} x {acc} accumulation x {result['world']} ranks = {total} per step",
+    dp = total // (micro * acc)
+    print(f"\nminizero train: {result['n_params']:,} parameters, {result['layout']}, {result['dtype']}, "
+          f"{result['world']} ranks, {micro} x {acc} accumulation x {dp} {'ranks' if dp == result['world'] else 'data-parallel ranks'} = {total} per step",
           file=out)
     if recs:
         times = [r["step_time_s"] for r in recs]
@@ -191,7 +206,8 @@ def preflight(args, world_size: int):
         raise UsageError(f"--save-every must be 0 (never) or a number of steps, got {args.save_every}")
     if not os.path.isfile(args.config):
         raise UsageError(f"config file {args.config!r} not found (see configs/ for examples)")
-    check_available(load_config(args.config, world_size))
+    cfg = load_config(args.config, world_size)
+    resolve(cfg, world_size, build_model(args.model, seed=cfg["seed"]))  # every rule initialize() applies
     latest = os.path.join(args.out, "checkpoints", "latest")
     if args.resume and not args.resume_if_exists and not os.path.exists(latest):
         raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist). Check --out, or pass "
@@ -246,6 +262,6 @@ def main(argv=None) -> int:
             records = [json.loads(line) for line in f if line.strip()]
         if records:
             plot(records, os.path.join(args.out, "loss.png"), f"minizero train: {os.path.basename(args.config)}, "
-                 f"ZeRO stage {result['stage']}, {result['dtype']}, {result['world']} ranks")
+                 f"{result['layout']}, {result['dtype']}, {result['world']} ranks")
             print(f"wrote {log} and {os.path.join(args.out, 'loss.png')}")
     return 0

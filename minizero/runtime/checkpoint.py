@@ -11,15 +11,21 @@ On disk (DeepSpeed's shape: one directory per tag, and a `latest` file naming th
                             each rank file's size and sha256 (written once every rank file is)
     DIR/TAG/rank{r}.pt      rank r's part, torch.save of plain tensors and numbers
 
-One format for every stage (DeepSpeed calls this a "universal" checkpoint). Rank r's file holds,
-for each parameter NAME, the pieces [lo, hi) of the flattened parameter whose fp32 master values
-r steps, and the optimizer's elementwise state for those elements (Adam's exp_avg, exp_avg_sq;
-SGD's momentum_buffer), plus that name's scalar state (Adam's step). ZeRO-1/2 cut their one flat
-buffer through tensors, ZeRO-3 cuts one per unit; stage 0 and every replicated tensor (stage 3's
-persistent parameters, frozen parameters, buffers) are written by rank 0 only. Hence:
+One format for every stage and layout (DeepSpeed calls this a "universal" checkpoint). Rank r's file
+holds, for each KEY, the pieces [lo, hi) of the flattened tensor whose fp32 master values r steps, and
+the optimizer's elementwise state for those elements (Adam's exp_avg, exp_avg_sq; SGD's
+momentum_buffer), plus that key's scalar state (Adam's step). The segments come from the engine's
+data-parallel strategy (runtime/strategies.py): ZeRO-1/2 cut their one flat buffer through tensors,
+ZeRO-3 cuts one per unit; stage 0 and every replicated tensor (stage 3's persistent parameters) are
+written by data-parallel rank 0 only, frozen parameters and buffers by one rank of each stage. A key is
+the parameter's name; with tensor parallelism each tp rank's slice is `name@tp{k}` (meta.json's layout
+says how TP cut it, so consolidation puts it back with tensor.layers.unshard), and the copy of a tied
+weight a later pipeline stage holds is `name@pp{s}` (kept bitwise by its own stage, skipped when
+consolidating). Hence:
   * resuming at the same size and stage is bitwise: every value is copied back, none recomputed
     (with the loss scaler, the scheduler, the step counters and each rank's torch RNG state);
-  * any other world size, or stage, reshards for free: each rank assembles the full flat values
+  * any other data-parallel size, or stage, reshards for free (tp and pp sizes must match: another
+    cut is an error that says to consolidate): each rank assembles the full flat values
     from all files (they are small here; a real system reads only the overlapping pieces) and
     takes its own slices. The one thing that cannot be merged is a flat shard whose names carry
     different scalar state (stage 0 Adam steps a parameter unused in some steps fewer times):
@@ -49,7 +55,7 @@ import uuid
 
 import torch
 
-FORMAT = "minizero-checkpoint-1"
+FORMAT = "minizero-checkpoint-2"
 _interrupt = None  # tests: a function(point) called on every rank mid-save, to simulate a crash
 
 
@@ -58,56 +64,17 @@ class CheckpointError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------- what a rank owns
-def _groups(e):
-    """[(fp32 tensor the optimizer steps, that optimizer, [(name, lo, hi, offset, stepped)], replicated)]:
-    tensor[offset:offset + hi - lo] (flattened) holds elements [lo, hi) of parameter `name`; `stepped`
-    is False for a parameter never stepped yet (no gradient so far), which has no state in torch."""
-    opt, name_of = e.optimizer, e.param_names
-    if getattr(e, "offload", None) is not None:
-        return _offload_groups(e)
-    if e.stage == 0:
-        params, tensors, inner = (opt.params, opt.masters, opt.optimizer) if e.half else \
-            (e.wrapped.params, e.wrapped.params, opt)
-        return [(t, inner, [(name_of[id(p)], 0, t.numel(), 0, t in inner.state)], True)
-                for p, t in zip(params, tensors)]
-    # stages 1-3: the runs of the flat shards (zero/flat_shard_optimizer.py), one state per run
-    return [(run.tensor, opt.optim, [(name_of[id(opt.params[i])], lo, hi, off, i in opt.stepped)
-                                     for i, lo, hi, off in run.pieces], run.replicated) for run in opt.runs]
-
-
-def _offload_groups(e):
-    """_groups under offload_optimizer: the host optimizer (zero/offload.py, zero/infinity.py) steps whole
-    flat shards, as DeepSpeed does, every element every step; its state is keyed by the device tensor."""
-    rank, host = e.comm.rank, e.offload
-    if e.stage in (1, 2):
-        opt = e.optimizer  # ShardedOptimizer: opt.master is the host master now
-        return [(opt.master, host, [(e.param_names[id(opt.params[pc.index])], pc.lo, pc.hi, pc.shard_lo, True)
-                                    for pc in opt.layout.pieces(rank)], False)]
-    groups = []
-    for u in e.wrapped.units:
-        first = [fqns[0] for _, _, fqns in u.entries]
-        if u.gathered_numel:
-            groups.append((u.shard, host, [(first[pc.index], pc.lo, pc.hi, pc.shard_lo, True)
-                                           for pc in u.layout.pieces(rank)], False))
-        if u.persistent_numel:
-            segs, off = [], 0
-            for (shape, _, _), name in zip(u.entries[u.n_sharded:], first[u.n_sharded:]):
-                segs.append((name, 0, math.prod(shape), off, True))
-                off += math.prod(shape)
-            groups.append((u.whole, host, segs, True))
-    return groups
-
-
-def _extras(e) -> dict:
-    """Frozen parameters and buffers: replicated, not trained, still part of the model."""
-    frozen = [(n, p) for n, p in e.module.named_parameters() if not p.requires_grad]
-    return dict(frozen + list(e.module.named_buffers()))
+def _segments(e):
+    """The strategy's segments (runtime/strategies.py), each piece named by its checkpoint KEY: the
+    parameter's name, name@tp{k} for tensor-parallel ranks, name@pp{s} for a pipeline's tied copy."""
+    return [seg._replace(pieces=[pc._replace(name=e.checkpoint_key(pc.name)) for pc in seg.pieces])
+            for seg in e.strategy.segments(e.param_names)]
 
 
 def _record(e, client_state=None) -> dict:
     pieces, scalars = {}, {}
-    for t, optim, segs, replicated in _groups(e):
-        if replicated and e.comm.rank != 0:
+    for t, optim, segs, replicated in _segments(e):
+        if replicated and e.dp_comm.rank != 0:  # the same on every data-parallel rank: written once
             continue
         state = optim.state.get(t, {})
         flat = {k: v.detach().reshape(-1) for k, v in state.items()
@@ -123,18 +90,33 @@ def _record(e, client_state=None) -> dict:
                                                          **{k: v[sl].clone() for k, v in flat.items()}}))
             scalars[name] = other
     return {"format": FORMAT, "rank": e.comm.rank, "world_size": e.comm.size, "pieces": pieces, "scalars": scalars,
-            "extras": {n: t.detach().clone() for n, t in _extras(e).items()} if e.comm.rank == 0 else {},
+            "extras": {n: t.detach().clone() for n, t in e.extras().items()} if e.saves_extras() else {},
             "counters": {k: getattr(e, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")},
             "loss_scaler": e.loss_scaler.state_dict() if e.loss_scaler is not None else None,
             "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
             "rng": torch.get_rng_state(), "client_state": client_state}
 
 
-def _meta(e, tag, files=None) -> dict:
+def _inventory(e) -> dict:
+    """What this rank holds, for meta.json and the load check: its keys and the extras it writes."""
+    return {"keys": e.checkpoint_keys(),
+            "extras": [[n, list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in e.extras().items()]
+            if e.saves_extras() else []}
+
+
+def _union(inventories, what) -> list:
+    seen = {}
+    for inv in inventories:
+        for item in inv[what]:
+            seen.setdefault(item[0], item)
+    return list(seen.values())
+
+
+def _meta(e, tag, inventories, files=None) -> dict:
     return {"format": FORMAT, "tag": tag, "world_size": e.comm.size, "stage": e.stage,
             "dtype": str(e.dtype).replace("torch.", ""), "global_steps": e.global_steps,
-            "params": [[n, list(s)] for n, s in e.param_shapes],
-            "extras": [[n, list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in _extras(e).items()],
+            "layout": e.checkpoint_layout(), "model_params": [[n, list(s)] for n, s in e.param_shapes],
+            "params": _union(inventories, "keys"), "extras": _union(inventories, "extras"),
             "aliases": e.aliases, "state_dict_keys": e.state_dict_keys, "files": files}
 
 
@@ -183,7 +165,8 @@ def save(e, save_dir, tag=None, client_state=None) -> str:
     try:
         rec = _record(e, client_state)
         _write_atomic(path, lambda f: torch.save(rec, f))
-        info = {"file": f"rank{rank}.pt", "bytes": os.path.getsize(path), "sha256": _sha256(path)}
+        info = {"file": f"rank{rank}.pt", "bytes": os.path.getsize(path), "sha256": _sha256(path),
+                "inventory": _inventory(e)}
     except Exception as ex:  # noqa: BLE001  (disk full, an unpicklable client_state: the others must hear)
         info = f"rank {rank} could not write {path}: {type(ex).__name__}: {ex}"
     files = comm.allgather_object(info)
@@ -195,8 +178,9 @@ def save(e, save_dir, tag=None, client_state=None) -> str:
     final, err = os.path.join(save_dir, tag), None
     if rank == 0:
         try:
+            inventories = [f.pop("inventory") for f in files]
             _write_atomic(os.path.join(tmp, "meta.json"),
-                          lambda f: f.write(json.dumps(_meta(e, tag, files), indent=1).encode()))
+                          lambda f: f.write(json.dumps(_meta(e, tag, inventories, files), indent=1).encode()))
             aside = None
             if os.path.exists(final):
                 aside = os.path.join(save_dir, f".{tag}.old-{uuid.uuid4().hex[:8]}")
@@ -275,15 +259,26 @@ def _assemble(meta, records):
     return full, scalars
 
 
-def _check_model(e, meta, path):
-    mine, theirs = [[n, list(s)] for n, s in e.param_shapes], meta["params"]
+def _check_model(e, meta, path, inventories):
+    """The checkpoint holds this model, cut the same way over tp and pp (dp may differ: that reshards)."""
+    mine, theirs = [[n, list(s)] for n, s in e.param_shapes], meta["model_params"]
     if mine != theirs:
         diff = next(((a, b) for a, b in zip(theirs, mine) if a != b), None)
         what = (f"first difference: {diff[0][0]!r} {diff[0][1]} there, {diff[1][0]!r} {diff[1][1]} here" if diff
                 else f"{len(theirs)} trainable tensors there, {len(mine)} here")
         raise CheckpointError(f"{path} holds a different model ({sum(math.prod(s) for _, s in theirs):,} trainable "
                               f"parameters there, {sum(math.prod(s) for _, s in mine):,} here; {what})")
-    extras = {n: list(t.shape) for n, t in _extras(e).items()}
+    layout, saved = e.checkpoint_layout(), meta["layout"]
+    for axis, word in (("tp", "tensor-parallel"), ("pp", "pipeline")):
+        if layout[axis] != saved[axis]:
+            raise CheckpointError(f"{path} was saved with {saved[axis]} {word} ranks ({axis}), this job has "
+                                  f"{layout[axis]}: a checkpoint reshards over data-parallel ranks only. Consolidate it "
+                                  "(python -m minizero consolidate) and load the state dict into the model instead")
+    keys = {k: s for k, s in _union(inventories, "keys")}
+    if keys != {k: s for k, s in meta["params"]}:
+        raise CheckpointError(f"{path}: its tensors ({len(meta['params'])}) are not the ones this job's ranks hold "
+                              f"({len(keys)}): saved from another model or another cut")
+    extras = {n: s for n, s, _ in _union(inventories, "extras")}
     if extras != {n: s for n, s, _ in meta["extras"]}:
         raise CheckpointError(f"{path}: the frozen parameters and buffers differ from this model's "
                               f"({sorted(n for n, _, _ in meta['extras'])} vs {sorted(extras)})")
@@ -301,7 +296,7 @@ def _plan(e, full, scalars):
     """The new (master, optimizer state) of every tensor this rank steps; touches nothing. A parameter
     saved without state (never stepped) gets zeros in a shared flat state, and none of its own."""
     plan = []
-    for t, optim, segs, _ in _groups(e):
+    for t, optim, segs, _ in _segments(e):
         names = [s[0] for s in segs]
         ref = [n for n in names if _stateful(full, n)] or (  # a shard of padding only: state like any other
             [] if names else [n for n in full if _stateful(full, n)][:1])
@@ -326,9 +321,10 @@ def _plan(e, full, scalars):
 def load(e, load_dir, tag=None):
     """-> (checkpoint path, client_state). A collective; see the module docstring."""
     rank, err = e.comm.rank, None
+    inventories = e.comm.allgather_object(_inventory(e))
     try:
         path, meta, records = _read(load_dir, tag)
-        _check_model(e, meta, path)
+        _check_model(e, meta, path, inventories)
         full, scalars = _assemble(meta, records)
         plan = _plan(e, full, scalars)
     except Exception as ex:  # noqa: BLE001  every failure must reach the vote, or the others would hang
@@ -344,19 +340,11 @@ def load(e, load_dir, tag=None):
             optim.state.pop(t, None)
             if state:
                 optim.state[t] = state
-        if e.stage == 0 and e.half:
-            for p, m in zip(e.optimizer.params, e.optimizer.masters):
-                p.copy_(m)
-        elif e.stage in (1, 2):  # every rank holds the full (16-bit) flat parameters
-            opt = e.optimizer
-            for p, v in zip(opt.params, opt.layout.views(opt.flat)):
-                v.copy_(full[e.param_names[id(p)]]["master"].view(v.shape))
-        if e.stage > 0 and getattr(e, "offload", None) is None:  # which parameters have state now: the ones the
-            # checkpoint holds state for (the host optimizer of offload steps every element)
-            opt = e.optimizer
-            opt.stepped = {i for i, p in enumerate(opt.params) if _stateful(full, e.param_names[id(p)])}
-        for name, t in _extras(e).items():
-            t.copy_(records[0]["extras"][name])
+        e.strategy.after_load(lambda name: full[e.checkpoint_key(name)]["master"],
+                              lambda name: _stateful(full, e.checkpoint_key(name)), e.param_names)
+        saved = {n: t for rec in records for n, t in rec["extras"].items()}
+        for name, t in e.extras().items():
+            t.copy_(saved[name])
     r0 = records[0]
     for k, v in r0["counters"].items():
         setattr(e, k, v)
@@ -371,34 +359,51 @@ def load(e, load_dir, tag=None):
 
 # ---------------------------------------------------------------------------- full state dicts
 def _state_dict(meta, full, extras) -> dict:
-    """The plain model's state dict, fp32 (tied names share one tensor), in state_dict() order."""
-    shapes, out = {n: s for n, s in meta["params"]}, {}
-    for key in meta["state_dict_keys"]:
-        name = meta["aliases"].get(key, key)
-        if name in full:
-            out[key] = full[name]["master"].view(shapes[name])
+    """The plain model's state dict, fp32 (tied names share one tensor), in state_dict() order. With tensor
+    parallelism each split parameter is put back together from its tp slices (tensor.layers.unshard)."""
+    from minizero.tensor.layers import unshard
+    shapes, local, out = {n: s for n, s in meta["model_params"]}, {k: s for k, s in meta["params"]}, {}
+    tp, split = meta["layout"]["tp"], meta["layout"]["tp_split"]
+    key = (lambda name, k: name) if tp == 1 else (lambda name, k: f"{name}@tp{k}")
+    done = {}  # a tied weight's names share one tensor
+    for sd_key in meta["state_dict_keys"]:
+        name = meta["aliases"].get(sd_key, sd_key)
+        if name in done:
+            out[sd_key] = done[name]
+        elif key(name, 0) in full:
+            if name in split:
+                dim, chunks = split[name]
+                slices = [full[key(name, k)]["master"].view(local[key(name, k)]) for k in range(tp)]
+                out[sd_key] = unshard(slices, dim, chunks)
+            else:
+                out[sd_key] = full[key(name, 0)]["master"].view(shapes[name])
+            done[name] = out[sd_key]
         elif name in extras:
-            out[key] = extras[name].float() if extras[name].is_floating_point() else extras[name].clone()
+            out[sd_key] = extras[name].float() if extras[name].is_floating_point() else extras[name].clone()
         else:
-            raise CheckpointError(f"state dict key {key!r} is in no shard")
+            raise CheckpointError(f"state dict key {sd_key!r} is in no shard")
     return out
 
 
+def _gathered(e):
+    records, inventories = zip(*e.comm.allgather_object((_record(e), _inventory(e))))
+    return _meta(e, None, inventories), list(records)
+
+
 def gather(e):
-    """(full values and optimizer state per name, scalar state) from every rank. A collective."""
-    return _assemble(_meta(e, None), e.comm.allgather_object(_record(e)))
+    """(full values and optimizer state per key, scalar state) from every rank. A collective."""
+    return _assemble(*_gathered(e))
 
 
 def full_state_dict(e) -> dict:
-    records = e.comm.allgather_object(_record(e))
-    meta = _meta(e, None)
-    return _state_dict(meta, _assemble(meta, records)[0], records[0]["extras"])
+    meta, records = _gathered(e)
+    return _state_dict(meta, _assemble(meta, records)[0], {n: t for r in records for n, t in r["extras"].items()})
 
 
 def consolidate(load_dir, out=None, tag=None) -> dict:
     """zero_to_fp32: the checkpoint's full fp32 state dict (written to `out` if given). No ranks needed."""
     path, meta, records = _read(load_dir, tag)
-    sd = _state_dict(meta, _assemble(meta, records)[0], records[0]["extras"])
+    sd = _state_dict(meta, _assemble(meta, records)[0], {n: t for r in records for n, t in r["extras"].items()})
     if out:
         _write_atomic(os.path.abspath(out), lambda f: torch.save(sd, f))
     return sd

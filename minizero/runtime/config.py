@@ -20,6 +20,8 @@ import json
 import os
 import warnings
 
+from minizero.pipeline.schedules import SCHEDULES
+
 # Every key minizero implements, with its default. Nested dicts are sections.
 # `REQUIRED` marks keys without a default.
 REQUIRED = object()
@@ -160,7 +162,7 @@ CHECKPOINTING_NOT_IMPLEMENTED = {
     "profile": "timing each checkpointed block's forward and recompute",
 }
 
-# Keys that look like DeepSpeed's but are not (seen in the wild; seed 001 uses the first).
+# Keys that look like DeepSpeed's but are not, found in configs written for DeepSpeed.
 NOT_DEEPSPEED = {
     "zero_optimization.offload_gradients": "DeepSpeed has no such key: with offload_optimizer set, "
                                            "ZeRO-Offload already keeps the fp32 gradients on the CPU",
@@ -206,6 +208,7 @@ TYPES = {
     **{f"zero_optimization.{s}.{k}": t for s in ("offload_optimizer", "offload_param")
        for k, t in (("device", "str"), ("nvme_path", "str?"), ("buffer_size", "int"), ("max_in_cpu", "int"))},
     "pipeline.micro_batches": "int?", "pipeline.partition": "str",
+    "zero_optimization.offload_optimizer.dpu_warmup_steps": "int?",
 }
 # The optimizer's and scheduler's params that minizero knows (torch's names); others reach torch,
 # which names an unexpected one.
@@ -222,7 +225,9 @@ MINIMUM = {
     "zero_optimization.stage3_prefetch_bucket_size": (0, True),
     "zero_optimization.stage3_param_persistence_threshold": (0, True),
     "zero_optimization.zero_hpz_partition_size": (1, True),
-    "pipeline.stages": (1, True),  # tensor_parallel.autotp_size: its own check names the world size too
+    "pipeline.stages": (1, True), "pipeline.chunks": (1, True), "pipeline.micro_batches": (1, True),
+    "tensor_parallel.autotp_size": (1, True),
+    "zero_optimization.offload_optimizer.dpu_warmup_steps": (0, True),
 }
 _WORDS = {"bool": "a boolean (true or false)", "int": "an integer", "number": "a number", "str": "a string",
           "object": "a JSON object", "pair": "a list of two numbers", "str?": "a string or null",
@@ -299,9 +304,9 @@ def _check_keys(given: dict, schema: dict, where: str, out: dict):
                 for name, v in value.items():
                     if name in PARAM_TYPES:
                         check_type(f"{path}.{name}", v, PARAM_TYPES[name])
-            if path in MINIMUM and not (value > MINIMUM[path][0] or MINIMUM[path][1] and value == MINIMUM[path][0]):
-                raise ConfigError(f"'{path}' must be {'at least' if MINIMUM[path][1] else 'more than'} "
-                                  f"{MINIMUM[path][0]}, got {value!r}")
+            low, inclusive = MINIMUM.get(path, (None, True))
+            if low is not None and value is not None and not (value > low or inclusive and value == low):
+                raise ConfigError(f"'{path}' must be {'at least' if inclusive else 'more than'} {low}, got {value!r}")
             if _kind(path, default) in ("int", "int?") and isinstance(value, float):
                 value = int(value)  # DeepSpeed's 5e8: an integer written as a JSON float
             if path in NO_EFFECT and value != default:
@@ -356,7 +361,7 @@ def _resolve_batch(cfg: dict, world_size: int):
     cfg.update(train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=acc)
 
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")  # minizero.pipeline.SCHEDULES
+PIPELINE_SCHEDULES = tuple(SCHEDULES)  # the schedules minizero.pipeline implements
 
 # Why DeepSpeed refuses ZeRO-2/3 with a pipeline (its PipelineEngine asserts stage < 2), and minizero too.
 PP_ZERO_MSG = (
@@ -383,15 +388,10 @@ def _data_parallel_size(cfg: dict, world_size: int) -> int:
 def _check_pipeline(cfg: dict):
     pipe, zero = cfg["pipeline"], cfg["zero_optimization"]
     stages = pipe["stages"]
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ConfigError(f"pipeline.stages must be a positive integer, got {stages!r}")
     if stages > 1 and zero["stage"] in (2, 3):
         m = cfg["gradient_accumulation_steps"] or pipe["micro_batches"] or "m"
         raise ConfigError(PP_ZERO_MSG.format(stage=zero["stage"], stages=stages, m=m))
     micro_batches = pipe["micro_batches"]
-    if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
-                                      or micro_batches < 1):
-        raise ConfigError(f"pipeline.micro_batches must be a positive integer, got {micro_batches!r}")
     if micro_batches is not None and cfg["gradient_accumulation_steps"] is None:
         cfg["gradient_accumulation_steps"] = micro_batches  # the same number, DeepSpeed's name
     if pipe["schedule"] not in PIPELINE_SCHEDULES:
@@ -402,8 +402,6 @@ def _check_pipeline(cfg: dict):
                           "equal block count ('uniform'; 'parameters' is accepted when the blocks are of equal "
                           "size, which the engine checks); DeepSpeed's 'type:' partitions are not implemented")
     chunks = pipe["chunks"]
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ConfigError(f"pipeline.chunks must be a positive integer, got {chunks!r}")
     if (chunks > 1) != (pipe["schedule"] == "interleaved_1f1b"):
         raise ConfigError(f"pipeline.chunks = {chunks} with schedule {pipe['schedule']!r}: interleaved_1f1b needs "
                           "chunks >= 2 model chunks per rank, the other schedules run one")
@@ -419,13 +417,7 @@ def _check_micro_batches(cfg: dict):
 
 def _check_zeropp(zero: dict, world_size: int, tp_size: int = 1):
     """ZeRO++'s keys, as DeepSpeed reads them: stage 3 only; hpZ groups must tile the world."""
-    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
-        if not isinstance(zero[key], bool):
-            raise ConfigError(f"zero_optimization.{key} must be true or false, got {zero[key]!r}")
-    hpz = zero["zero_hpz_partition_size"]
-    if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
-        raise ConfigError(f"zero_optimization.zero_hpz_partition_size must be a positive integer (ranks per node; "
-                          f"1 = off), got {hpz!r}")
+    hpz = zero["zero_hpz_partition_size"]  # ranks per node (1 = off); its type and range: TYPES, MINIMUM
     on = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if zero[k]] + \
         (["zero_hpz_partition_size"] if hpz > 1 else [])
     if on and zero["stage"] != 3:
@@ -446,8 +438,19 @@ def _check_zeropp(zero: dict, world_size: int, tp_size: int = 1):
                           f"{world_size}")
 
 
+class CheckedConfig(dict):
+    """What load_config returns: a config already checked for `world_size` ranks (loading it again is a no-op)."""
+
+    world_size = None
+
+
 def load_config(config, world_size: int = 1) -> dict:
     """A dict or a JSON path -> a complete, validated config (see module docstring)."""
+    if isinstance(config, CheckedConfig):
+        if config.world_size != world_size:
+            raise ConfigError(f"this config was checked for {config.world_size} ranks, not {world_size}: "
+                              "load the JSON again for this world size")
+        return config
     if isinstance(config, (str, os.PathLike)):
         try:
             with open(config) as f:
@@ -462,15 +465,10 @@ def load_config(config, world_size: int = 1) -> dict:
     _check_keys(config, SCHEMA, "", cfg)
     _fill_defaults(SCHEMA, cfg)
     tp = cfg["tensor_parallel"]["autotp_size"]
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tensor_parallel.autotp_size must be a positive integer, got {tp!r}")
     if world_size % tp:
         raise ConfigError(f"tensor_parallel.autotp_size={tp} does not divide the world size {world_size}: the "
                           f"world is (world / t) data-parallel groups of t tensor-parallel ranks. Launch a multiple "
                           f"of {tp} ranks, or choose a t that divides {world_size}")
-    if not isinstance(cfg["tensor_parallel"]["sequence_parallel"], bool):
-        raise ConfigError("tensor_parallel.sequence_parallel must be true or false, got "
-                          f"{cfg['tensor_parallel']['sequence_parallel']!r}")
     _check_pipeline(cfg)  # before the batch: the data-parallel size depends on the stages
     _resolve_batch(cfg, _data_parallel_size(cfg, world_size))  # DeepSpeed: split over the data-parallel ranks only
     _check_micro_batches(cfg)
@@ -496,7 +494,9 @@ def load_config(config, world_size: int = 1) -> dict:
         raise ConfigError("zero_optimization.offload_param needs stage 3 (only stage 3 partitions parameters)")
     _check_offload(zero)
     _check_activation_checkpointing(cfg["activation_checkpointing"])
-    return cfg
+    checked = CheckedConfig(cfg)
+    checked.world_size = world_size
+    return checked
 
 
 def _check_activation_checkpointing(section):
@@ -529,10 +529,7 @@ def _check_offload(zero: dict):
                           "state first (it is 12 of the 16 bytes per parameter)")
     if opt["ratio"] != 1.0:
         raise ConfigError(f"{where}.ratio={opt['ratio']}: partial offload is not implemented; remove it (1.0)")
-    dpu = opt["dpu_warmup_steps"]
-    if dpu is not None:
-        if isinstance(dpu, bool) or not isinstance(dpu, int) or dpu < 0:
-            raise ConfigError(f"{where}.dpu_warmup_steps must be null (off) or an integer >= 0, got {dpu!r}")
+    if opt["dpu_warmup_steps"] is not None:  # null (off) or an integer >= 0: TYPES, MINIMUM
         if opt["device"] != "cpu":
             raise ConfigError(f"{where}.dpu_warmup_steps (the delayed parameter update) needs device 'cpu', "
                               f"got {opt['device']!r}")
@@ -540,6 +537,4 @@ def _check_offload(zero: dict):
         warnings.warn(f"'zero_optimization.sub_group_size': {zero['sub_group_size']!r} has an effect only with "
                       "offload_optimizer.device 'nvme' (the disk tier's piece); elsewhere minizero steps each rank's "
                       "shard as one group", ConfigWarning, stacklevel=3)
-    for section in ("offload_optimizer", "offload_param"):
-        if not isinstance(zero[section]["pin_memory"], bool):
-            raise ConfigError(f"zero_optimization.{section}.pin_memory must be true or false")
+

@@ -24,11 +24,15 @@ or has pipeline_parts() (TinyGPT); every rank keeps only its stage's blocks.
     are refused by the config, with the reason (config.PP_ZERO_MSG).
   gradient_clipping: the global norm over every stage (and ZeRO-1 shard); the tied embedding, which the
     first and last stage both hold after their all-reduce, is counted once; with TP a slice counts once
-    and a tensor every tp rank holds whole counts 1/t per rank (runtime/tensor_parallel.py).
+    and a tensor every tp rank holds whole counts 1/t per rank (runtime/trainer.py).
+  The data-parallel strategy is the plain engine's (runtime/strategies.py) over the stage's parameters;
+    counters, scheduler, accessors and the clip are the same TrainerCore (runtime/trainer.py).
+  Checkpoints: each stage's ranks save its parameters under their plain names (tp slices as name@tp{k};
+    the tied copy the last stage holds as name@pp{s}), so `consolidate` gives the plain model's state dict.
   activation_checkpointing: the stage's blocks run under torch.utils.checkpoint, as in the plain engine;
     ZB-H1's W pass recomputes a block a second time (after B), so the split keeps what it needs.
-Not available with a pipeline (errors before any collective): fp16/bf16, offload, sequence parallelism,
-checkpoints.
+Not available with a pipeline (errors before any collective, runtime/resolve.py): fp16/bf16, offload,
+sequence parallelism.
 """
 from __future__ import annotations
 
@@ -39,101 +43,77 @@ import torch
 from minizero import memory
 from minizero.comm import Mesh
 from minizero.pipeline import PipelineModel, PipelineRuntime, PipelineStage
-from minizero.pipeline.stage import partition
-from minizero.runtime.config import ConfigError
-from minizero.runtime.engine import Engine, _checkpoint, optimizer_spec
-from minizero.runtime.schedulers import build_scheduler
+from minizero.runtime import checkpoint
+from minizero.runtime.chain import checkpoint_blocks, model_names, strategy_part
+from minizero.runtime.resolve import Plan, pipeline_parts
+from minizero.runtime.strategies import STRATEGIES, norm_weights
+from minizero.runtime.trainer import TrainerCore, shares_core
 
 
-def check_pipeline(cfg: dict):
-    """What the pipeline engine cannot do with a valid config, before any collective."""
-    for section in ("fp16", "bf16"):
-        if cfg[section]["enabled"]:
-            raise ConfigError(f"{section} with pipeline.stages > 1: not available; the pipeline runs in fp32 "
-                              f"(set {section}.enabled false, or pipeline.stages 1)")
-    if cfg["tensor_parallel"]["sequence_parallel"]:
-        raise ConfigError("tensor_parallel.sequence_parallel with pipeline.stages > 1: not implemented (the pipes "
-                          "carry the whole sequence between stages); set sequence_parallel false or stages 1")
-    zero = cfg["zero_optimization"]
-    for section in ("offload_optimizer", "offload_param"):
-        if zero[section]["device"] != "none":
-            raise ConfigError(f"zero_optimization.{section}.device {zero[section]['device']!r} with pipeline.stages > 1: "
-                              "not available; the pipeline engine keeps each stage's optimizer on the device "
-                              f"(set {section}.device 'none', or pipeline.stages 1)")
-
-
-def pipeline_parts(model) -> PipelineModel:
-    if isinstance(model, PipelineModel):
+def _named(model, parts) -> torch.nn.Module:
+    """What names the parameters: the user's module, or the PipelineModel's parts under embed/blocks/head."""
+    if isinstance(model, torch.nn.Module):
         return model
-    if hasattr(model, "pipeline_parts"):
-        return model.pipeline_parts()
-    raise ConfigError(f"pipeline.stages > 1 needs a model cut into stages: a minizero.pipeline.PipelineModel "
-                      f"(embed, blocks, head, loss_fn, hidden_shape) or a model with pipeline_parts() (TinyGPT has "
-                      f"one); got a {type(model).__name__}")
+    return torch.nn.ModuleDict({"embed": parts.embed, "blocks": torch.nn.ModuleList(parts.blocks), "head": parts.head})
 
 
-class PipelineEngine(Engine):
-    def __init__(self, model, cfg: dict, comm):
-        pipe, zero = cfg["pipeline"], cfg["zero_optimization"]
-        tp_size = cfg["tensor_parallel"]["autotp_size"]
-        if tp_size > 1:  # 3D: checked before the mesh (a collective) and the split (in place)
-            from minizero.runtime.tensor_parallel import check_model
-            from minizero.tensor import TensorParallelGPT
-            check_model(model, cfg)
-            TensorParallelGPT.check(model, tp_size)  # heads, hidden, vocabulary divisible by t
-            partition(len(model.h), pipe["stages"], pipe["chunks"])  # more stages than blocks, uneven chunks
-            blocks = list(model.h)
-        else:
-            parts = pipeline_parts(model)
-            if parts.hidden_shape is None:
-                raise ConfigError("the PipelineModel has no hidden_shape: give one sample's hidden state shape, "
-                                  "e.g. (T, n_embd), so stages can allocate what they receive")
-            blocks = parts.blocks
-        sizes = {sum(p.numel() for p in b.parameters()) for b in blocks}
-        if pipe["partition"] == "parameters" and len(sizes) > 1:
-            raise ConfigError(f"pipeline.partition 'parameters': the blocks hold {sorted(sizes)} parameters; minizero "
-                              "cuts by block count, which balances parameters only for equal blocks: use 'uniform'")
-        self.config = cfg                 # the checked config
+@shares_core
+class PipelineEngine:
+    def __init__(self, model, plan: Plan, comm):
+        cfg, pipe = plan.config, plan.config["pipeline"]
+        self.plan = plan                  # the resolved config (runtime/resolve.py)
         self.world = comm                 # every rank of the job
-        # dp x pp x tp; mesh.dp is what DeepSpeed calls the dp world
-        self.mesh = Mesh(comm, pp=pipe["stages"], tp=tp_size)
-        if tp_size > 1:
-            model = TensorParallelGPT(model, self.mesh.tp)  # in place: the user's module holds its slices now
-            parts = PipelineModel(*model.pipeline_parts())
-        # activation_checkpointing: each block keeps only its input and recomputes its inside when its backward
-        # needs it (B; a split schedule's W unpacks the same tensors, and torch recomputes for it again)
-        self.checkpointed_blocks = (_checkpoint(torch.nn.ModuleList(parts.blocks))
-                                    if cfg["activation_checkpointing"] is not None else [])
-        self.comm = self.mesh.dp          # the data-parallel ranks (as Engine.comm)
-        self.dp_rank, self.dp_size = self.comm.rank, self.comm.size  # which rows of the batch are this rank's
-        self.module = model               # the plain model, as the user built it
-        self.stage = zero["stage"]        # 0 or 1 (the config refuses 2 and 3)
+        self.comm = comm                  # the same, as in Engine
+        self.stage = plan.stage           # 0 or 1 (the config refuses 2 and 3)
         self.dtype, self.half = torch.float32, False
         self.device = comm.device
+        self.offload = None               # refused with a pipeline (resolve.py)
+        # dp x pp x tp; mesh.dp is what DeepSpeed calls the dp world
+        self.mesh = Mesh(comm, pp=plan.pp_size, tp=plan.tp_size)
+        if plan.tp_size > 1:  # 3D: split over mesh.tp first (in place), then cut into stages
+            from minizero.tensor import TensorParallelGPT
+            _, self.aliases, self.state_dict_keys, self.param_shapes = model_names(model)
+            model = TensorParallelGPT(model, self.mesh.tp)
+            parts = PipelineModel(*model.pipeline_parts())
+        else:
+            parts = pipeline_parts(model)
+            _, self.aliases, self.state_dict_keys, self.param_shapes = model_names(_named(model, parts))
+        named = _named(model, parts)
+        self.name_of, _, _, _ = model_names(named)
+        self.tp_split = {n: [p.tensor_parallel_dim, p.tensor_parallel_chunks]  # how TP cut what it splits
+                         for n, p in named.named_parameters(remove_duplicate=False) if hasattr(p, "tensor_parallel_dim")}
+        self.module = model               # the plain model, as the user built it (split over tp in 3D)
+        # activation_checkpointing: each block keeps only its input and recomputes its inside when its backward
+        # needs it (B; a split schedule's W unpacks the same tensors, and torch recomputes for it again)
+        self.checkpointed_blocks = (checkpoint_blocks(torch.nn.ModuleList(parts.blocks))
+                                    if cfg["activation_checkpointing"] is not None else [])
+        self.dp_comm = self.mesh.dp       # the data-parallel ranks of this stage
+        self.dp_rank, self.dp_size = self.dp_comm.rank, self.dp_comm.size  # which rows of the batch are this rank's
         micro = cfg["train_micro_batch_size_per_gpu"]
         self.pipeline = PipelineStage(parts, self.mesh, (micro, *parts.hidden_shape), num_chunks=pipe["chunks"])
         self.pipeline.to(self.device)
-        cls, kw = optimizer_spec(cfg["optimizer"])
-        params = [p for p in self.pipeline.parameters() if p.requires_grad]
-        self.wrapped = None
-        if self.stage == 0:
-            from minizero.dp.ddp import DDP
-            if self.mesh.dp_size > 1:
-                self.wrapped = DDP(self.pipeline, self.comm, bucket_numel=int(zero["reduce_bucket_size"]),
-                                   overlap=zero["overlap_comm"])
-            self.optimizer = cls(params, **kw)
-        else:
-            from minizero.zero.sharded_optimizer import ShardedOptimizer
-            self._broadcast([p for p in self.pipeline.parameters() if not p.requires_grad]
-                            + list(self.pipeline.buffers()))
-            self.optimizer = ShardedOptimizer(params, cls, self.comm, **kw)
+        self.tied_names = {self.name_of[id(q)] for q in self.pipeline.tied} if not self.mesh.is_first_stage else set()
+        self.local_shapes = {self.name_of[id(p)]: tuple(p.shape) for p in self.pipeline.parameters() if p.requires_grad}
+        buffers = {id(b): n for n, b in named.named_buffers()}
+        self._extras = {**{self.name_of[id(p)]: p for p in self.pipeline.parameters() if not p.requires_grad},
+                        **{buffers[id(b)]: b for b in self.pipeline.buffers() if id(b) in buffers}}
+        part = strategy_part(plan, self.pipeline, self.dp_comm, runtime_syncs=True)
+        self.strategy = STRATEGIES[plan.stage](self.pipeline, self.dp_comm, part)
+        self.wrapped = getattr(self.strategy, "ddp", None)  # DDP of the stage (None: ZeRO-1, or one dp rank)
+        self.optimizer = self.strategy.optimizer
+        self.param_names = self.strategy.param_names(self.name_of)
         self.runtime = PipelineRuntime(self.pipeline, pipe["schedule"], cfg["gradient_accumulation_steps"],
                                        data_parallel=self.wrapped)
-        self.loss_scaler = None
-        self.lr_scheduler = build_scheduler(self.optimizer, cfg["scheduler"])
-        self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
-        self.overflow, self.grad_norm, self.outputs, self._shard_grad = False, None, None, None
+        self.core = TrainerCore(cfg, self.optimizer)
         self.timings = {"pipeline": 0.0, "step": 0.0}
+        self.outputs = None
+
+    def train(self, mode: bool = True):
+        self.pipeline.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
 
     # ------------------------------------------------------------------ the loop
     def train_batch(self, data_iter=None):
@@ -146,15 +126,12 @@ class PipelineEngine(Engine):
                                                   torch.cat([b[1] for b in batch]).to(self.device))
         loss = self.runtime.step(x, y)
         t1 = time.perf_counter()
+        grads = self.strategy.reduced_grads()
         if self.config["gradient_clipping"] > 0:
-            self.grad_norm = self._clip(self.config["gradient_clipping"])
-        self.optimizer.step()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.optimizer.zero_grad()
-        self.micro_steps += m
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+            self.clip(grads)
+        self.strategy.apply()
+        self.core.stepped(m)
+        self.strategy.zero_grad()
         self.timings = {"pipeline": t1 - t0, "step": time.perf_counter() - t1}
         return self._batch_loss(loss)
 
@@ -162,7 +139,7 @@ class PipelineEngine(Engine):
         """The last stage's mean over its micro-batches, averaged over dp, sent to every stage."""
         out = torch.zeros(1, device=self.device) if loss is None else loss.detach().reshape(1).clone()
         if self.mesh.is_last_stage:
-            self.comm.all_reduce(out, op="avg")
+            self.dp_comm.all_reduce(out, op="avg")
         self.mesh.pp.broadcast(out, src=self.mesh.pp_size - 1)
         return out[0]
 
@@ -172,50 +149,53 @@ class PipelineEngine(Engine):
 
     forward = backward = step = __call__
 
-    @torch.no_grad()
-    def _clip(self, max_norm):
-        """Global L2 norm over all stages (and ZeRO-1 shards, and tp slices), tied weights once; torch's
-        coefficient. A tensor every tp rank holds whole is weighted 1/t on each (runtime/tensor_parallel.py)."""
-        tied = {id(q) for q in self.pipeline.tied} if not self.mesh.is_first_stage else set()
-        t = self.mesh.tp_size
-        weight = lambda p: 1.0 if t == 1 or hasattr(p, "tensor_parallel_dim") else 1.0 / t  # noqa: E731
-        sq = torch.zeros(1, device=self.device)
-        if self.stage == 0:
-            grads = [p.grad for p in self.optimizer.param_groups[0]["params"] if p.grad is not None]
-            for p in self.optimizer.param_groups[0]["params"]:
-                if p.grad is not None and id(p) not in tied:  # the last stage's copy of a tied weight: once
-                    sq += p.grad.pow(2).sum() if t == 1 else weight(p) * p.grad.pow(2).sum()
-            self.mesh.pp.all_reduce(sq, op="sum")  # replicated over dp: add the stages only
-            if t > 1:
-                self.mesh.tp.all_reduce(sq, op="sum")  # and the tp slices of each stage
-        else:
-            opt = self.optimizer
-            shard = opt.reduce_gradients()
-            grads = [shard]
-            if t == 1:
-                sq += shard.pow(2).sum()
-            for piece in opt.layout.pieces(self.comm.rank):
-                p, part = opt.params[piece.index], shard[piece.shard_lo:piece.shard_lo + piece.hi - piece.lo]
-                if t == 1 and id(p) in tied:
-                    sq -= part.pow(2).sum()
-                elif t > 1 and id(p) not in tied:
-                    sq += weight(p) * part.pow(2).sum()
-            self.world.all_reduce(sq, op="sum")  # every rank holds a different piece: dp shards x stages x tp
-        norm = sq.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
-        for g in grads:
-            g.mul_(coef)
-        return norm.item()
+    def weight_of(self):
+        """name -> its weight in the global norm: 0 for the tied copy the first stage counts, 1/t for a
+        tensor every tp rank holds whole, else 1 (runtime/trainer.py)."""
+        t, split, tied = self.mesh.tp_size, self.tp_split, self.tied_names
+        return lambda name: 0.0 if name in tied else 1.0 if t == 1 or name in split else 1.0 / t
+
+    def clip(self, grads) -> float:
+        weights = norm_weights(grads, self.strategy.grad_names(self.param_names), self.weight_of(), self.device)
+        model_comms = [self.mesh.pp] + ([self.mesh.tp] if self.mesh.tp_size > 1 else [])
+        return self.core.clip(grads, weights, self.world if self.strategy.shards else None,
+                              model_comms if self.strategy.has_replicated else [])
 
     # ------------------------------------------------------------------ measurements
     def memory(self) -> memory.Ledger:
-        return memory.measure(self.wrapped or self.pipeline, self.optimizer)
+        return memory.measure(*self.strategy.memory_objects())
+
+    def offload_traffic(self) -> dict:
+        return {}
 
     def comm_stats(self) -> dict:
         return self.world.stats.as_dict()
 
-    def save_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError("checkpoints of a pipeline engine are not available: each stage would write its "
-                                  "own blocks; save the stages' state_dicts yourself (engine.pipeline)")
+    # ------------------------------------------------------------------ checkpoints (runtime/checkpoint.py)
+    def save_checkpoint(self, save_dir, tag=None, client_state=None):
+        """Every rank writes its stage's shard; a collective (Engine.save_checkpoint)."""
+        return checkpoint.save(self, save_dir, tag, client_state)
 
-    load_checkpoint = full_state_dict = save_checkpoint
+    def load_checkpoint(self, load_dir, tag=None):
+        """-> (path, client_state); validates everything on every rank before changing anything."""
+        return checkpoint.load(self, load_dir, tag)
+
+    def full_state_dict(self) -> dict:
+        """The plain model's state dict in fp32, on every rank (a collective)."""
+        return checkpoint.full_state_dict(self)
+
+    def checkpoint_layout(self) -> dict:
+        return {"dp": self.dp_size, "pp": self.mesh.pp_size, "tp": self.mesh.tp_size, "tp_split": self.tp_split}
+
+    def checkpoint_key(self, name: str) -> str:
+        key = name if self.mesh.tp_size == 1 else f"{name}@tp{self.mesh.tp_rank}"
+        return f"{key}@pp{self.mesh.pp_rank}" if name in self.tied_names else key
+
+    def checkpoint_keys(self) -> list:
+        return [(self.checkpoint_key(n), list(s)) for n, s in self.local_shapes.items()]
+
+    def saves_extras(self) -> bool:
+        return self.dp_comm.rank == 0 and self.mesh.tp_rank == 0
+
+    def extras(self) -> dict:
+        return dict(self._extras)

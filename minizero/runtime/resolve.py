@@ -1,0 +1,213 @@
+"""The engine's front door: a config (and the model it will train) -> a checked Plan, before any rank
+changes anything.
+
+    plan = resolve(config, world_size, model, model_parameters=None, node_size=None, device=cpu)
+
+config.load_config checks the JSON alone (keys, types, values, the batch triple, the cross-key rules of
+one section). resolve() adds every rule that needs the model, the device or what the engine implements,
+so `initialize` and `minizero train`'s preflight raise the same ConfigError, once, before the first
+collective (tests/test_engine.py runs every one of them on a communicator that records its calls).
+The Plan is all the engine reads: the chain it builds (runtime/engine.py) is a function of it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from minizero.runtime.config import ConfigError, load_config
+from minizero.runtime.schedulers import build_scheduler
+
+
+class Plan(NamedTuple):
+    config: dict             # the checked config, every default filled in (config.py)
+    world_size: int          # ranks in the job
+    dp_size: int             # ranks that split the batch (world / (pp x tp))
+    pp_size: int             # pipeline stages
+    tp_size: int             # tensor-parallel ranks
+    stage: int               # the ZeRO stage: strategies.STRATEGIES[stage] is the data-parallel strategy
+    dtype: torch.dtype       # fp32, fp16 or bf16 (the model is cast to it)
+    optimizer_cls: type      # the torch optimizer, by DeepSpeed's rules (optimizer_spec)
+    optimizer_kwargs: dict
+    groups: list | None      # model_parameters as param groups (None: one group)
+    zero_init: object        # the zero.Init recorder the model was built under, or None
+    offload: object          # a zero.tiers.OffloadSpec (DeepSpeed's offload sections), or None
+
+    @property
+    def half(self) -> bool:
+        return self.dtype != torch.float32
+
+
+def optimizer_spec(section: dict):
+    """DeepSpeed's optimizer section -> (torch optimizer class, kwargs), by DeepSpeed's rules."""
+    params = dict(section.get("params", {}))
+    if "max_grad_norm" in params:
+        raise ConfigError("'max_grad_norm' is not an optimizer parameter (as in DeepSpeed): use gradient_clipping")
+    if section["type"] == "SGD":
+        return torch.optim.SGD, params
+    adam_w_mode = params.pop("adam_w_mode", True)  # DeepSpeed: "Adam" is AdamW unless told otherwise
+    params.pop("torch_adam", None)                 # DeepSpeed's switch to torch's Adam: always torch here
+    params.setdefault("weight_decay", 0.0)          # FusedAdam's default (torch's AdamW says 0.01)
+    return (torch.optim.AdamW if section["type"] == "AdamW" or adam_w_mode else torch.optim.Adam), params
+
+
+def check_config(cfg: dict) -> tuple:
+    """The rules that need no model: the optimizer, scheduler and loss scaler built on a dummy tensor,
+    and the modes the pipeline engine does not implement. -> (optimizer class, kwargs)."""
+    from minizero.precision import LossScaler
+    if cfg["optimizer"] is None:
+        raise ConfigError("the engine needs an 'optimizer' section, "
+                          "e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}")
+    cls, kw = optimizer_spec(cfg["optimizer"])
+    try:
+        build_scheduler(cls([torch.zeros(1, requires_grad=True)], **kw), cfg["scheduler"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"optimizer/scheduler params: {e}") from None
+    if cfg["fp16"]["enabled"]:  # the loss scaler's own checks, on a throwaway one: before the model is cast
+        try:
+            LossScaler(**{k: v for k, v in cfg["fp16"].items() if k != "enabled"})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"fp16: {e}") from None
+    if cfg["tensor_parallel"]["sequence_parallel"] and cfg["tensor_parallel"]["autotp_size"] == 1:
+        raise ConfigError("tensor_parallel.sequence_parallel needs tensor_parallel.autotp_size > 1")
+    if cfg["pipeline"]["stages"] > 1:
+        _check_pipeline_modes(cfg)
+    return cls, kw
+
+
+def _check_pipeline_modes(cfg: dict):
+    for section in ("fp16", "bf16"):
+        if cfg[section]["enabled"]:
+            raise ConfigError(f"{section} with pipeline.stages > 1: not available; the pipeline runs in fp32 "
+                              f"(set {section}.enabled false, or pipeline.stages 1)")
+    if cfg["tensor_parallel"]["sequence_parallel"]:
+        raise ConfigError("tensor_parallel.sequence_parallel with pipeline.stages > 1: not implemented (the pipes "
+                          "carry the whole sequence between stages); set sequence_parallel false or stages 1")
+    zero = cfg["zero_optimization"]
+    for section in ("offload_optimizer", "offload_param"):
+        if zero[section]["device"] != "none":
+            raise ConfigError(f"zero_optimization.{section}.device {zero[section]['device']!r} with pipeline.stages > 1: "
+                              "not available; the pipeline engine keeps each stage's optimizer on the device "
+                              f"(set {section}.device 'none', or pipeline.stages 1)")
+
+
+def _check_tensor_parallel(model, cfg: dict):
+    """TP needs a nanoGPT-named model built normally, no offload, and no SP under ZeRO-3."""
+    tp = cfg["tensor_parallel"]
+    if tp["autotp_size"] == 1:
+        return
+    missing = [n for n in ("wte", "wpe", "h", "ln_f", "lm_head") if not hasattr(model, n)]
+    if missing:
+        raise ConfigError(f"tensor_parallel.autotp_size={tp['autotp_size']} splits a nanoGPT-named model "
+                          f"(wte, wpe, h.{{i}}.attn/mlp, ln_f, lm_head, as minizero.models.TinyGPT); "
+                          f"{type(model).__name__} has no {', '.join(missing)}")
+    zero = cfg["zero_optimization"]
+    offloaded = [k for k in ("offload_optimizer", "offload_param") if zero[k]["device"] != "none"]
+    if offloaded:  # the host optimizer's gradients and norm weights are not split-aware
+        raise ConfigError(f"tensor_parallel.autotp_size={tp['autotp_size']} with zero_optimization."
+                          f"{offloaded[0]}: offload with tensor parallelism is not implemented; set "
+                          f"autotp_size 1 or the offload device to none")
+    from minizero.zero.init import built_with_init
+    if built_with_init(model) is not None:  # TensorParallelGPT slices real weights, not meta tensors
+        raise ConfigError(f"tensor_parallel.autotp_size={tp['autotp_size']} with a model built under zero.Init: "
+                          "tensor parallelism slices the built weights; build the model normally")
+    if tp["sequence_parallel"] and zero["stage"] == 3:
+        raise ConfigError("tensor_parallel.sequence_parallel with zero_optimization.stage 3: FSDP replaces the "
+                          "parameters by flat shards, so the hooks that sum the LayerNorm gradients over the tp "
+                          "group would be lost. Use stage 0, 1 or 2 with sequence parallelism, or turn it off")
+    from minizero.tensor import TensorParallelGPT
+    try:
+        TensorParallelGPT.check(model, tp["autotp_size"])  # heads, hidden, vocabulary divisible by t
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def pipeline_parts(model):
+    """The model cut for a pipeline: a PipelineModel, or what model.pipeline_parts() gives (TinyGPT)."""
+    from minizero.pipeline import PipelineModel
+    if isinstance(model, PipelineModel):
+        return model
+    if hasattr(model, "pipeline_parts"):
+        return model.pipeline_parts()
+    raise ConfigError(f"pipeline.stages > 1 needs a model cut into stages: a minizero.pipeline.PipelineModel "
+                      f"(embed, blocks, head, loss_fn, hidden_shape) or a model with pipeline_parts() (TinyGPT has "
+                      f"one); got a {type(model).__name__}")
+
+
+def _check_pipeline_model(model, cfg: dict):
+    from minizero.pipeline.stage import PipelineError, partition
+    pipe = cfg["pipeline"]
+    if cfg["tensor_parallel"]["autotp_size"] > 1:
+        blocks = list(model.h)
+    else:
+        parts = pipeline_parts(model)
+        if parts.hidden_shape is None:
+            raise ConfigError("the PipelineModel has no hidden_shape: give one sample's hidden state shape, "
+                              "e.g. (T, n_embd), so stages can allocate what they receive")
+        blocks = parts.blocks
+    try:
+        partition(len(blocks), pipe["stages"], pipe["chunks"])  # more stages than blocks, uneven chunks
+    except (PipelineError, ValueError) as e:
+        raise ConfigError(f"pipeline: {e}") from None
+    sizes = {sum(p.numel() for p in b.parameters()) for b in blocks}
+    if pipe["partition"] == "parameters" and len(sizes) > 1:
+        raise ConfigError(f"pipeline.partition 'parameters': the blocks hold {sorted(sizes)} parameters; minizero "
+                          "cuts by block count, which balances parameters only for equal blocks: use 'uniform'")
+
+
+def resolve(config, world_size: int, model=None, model_parameters=None, node_size: int | None = None,
+            device=None) -> Plan:
+    """Every check, in one place, touching nothing (module docstring). model None: the config's rules only.
+    device: a function giving the ranks' device, called only by a rule that needs it."""
+    cfg = load_config(config, world_size)
+    cls, kw = check_config(cfg)
+    zero, pipe, tp = cfg["zero_optimization"], cfg["pipeline"], cfg["tensor_parallel"]["autotp_size"]
+    hpz = zero["zero_hpz_partition_size"]
+    if node_size is not None and hpz > 1 and hpz != node_size:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} but the mesh has nodes of "
+                          f"{node_size} ranks: hpZ's groups are the mesh's nodes; make them agree")
+    offload = None
+    if zero["offload_optimizer"]["device"] != "none":  # DeepSpeed's sections -> what the strategy's tier is built from
+        from minizero.zero.tiers import OffloadSpec
+        opt, param, aio = zero["offload_optimizer"], zero["offload_param"], cfg["aio"]
+        offload = OffloadSpec(device=opt["device"], pin_memory=opt["pin_memory"], dpu_warmup_steps=opt["dpu_warmup_steps"],
+                              nvme_path=opt["nvme_path"], sub_group_numel=int(zero["sub_group_size"]),
+                              prefetch=aio["overlap_events"], io_threads=aio["thread_count"], params=param["device"],
+                              param_nvme_path=param["nvme_path"])
+        where = device() if zero["offload_param"]["device"] != "none" and device is not None else None
+        if where is not None and where.type != "cpu":
+            raise ConfigError("offload_param is implemented for CPU runs only (where the host shard and its device "
+                              "copy are both host memory); on CUDA remove offload_param, keep offload_optimizer")
+    groups, zero_init = None, None
+    if model is not None:
+        if cfg["activation_checkpointing"] is not None and pipe["stages"] == 1:
+            from minizero.activation_checkpointing import repeated_blocks
+            if not repeated_blocks(model):  # the engine checkpoints every element of every nn.ModuleList
+                raise ConfigError(f"activation_checkpointing: {type(model).__name__} has no nn.ModuleList of blocks "
+                                  "to checkpoint: remove the section, or call minizero.activation_checkpointing."
+                                  "checkpoint_blocks(model, ['layer1', ...]) yourself")
+        _check_tensor_parallel(model, cfg)
+        if pipe["stages"] > 1:
+            _check_pipeline_model(model, cfg)
+        if model_parameters is not None:
+            from minizero.zero.flat_shard_optimizer import covering_param_groups
+            try:
+                groups = covering_param_groups(model, model_parameters, "model_parameters")
+            except (TypeError, ValueError) as e:
+                raise ConfigError(str(e)) from None
+        if groups and len(groups) > 1 and offload is not None:
+            raise ConfigError(f"model_parameters has {len(groups)} param groups, but offload_optimizer steps each "
+                              "shard on the host as ONE group: pass one group (its lr/weight_decay apply) or remove "
+                              "offload_optimizer")
+        for key, on in (("tensor_parallel.autotp_size", tp > 1), ("pipeline.stages", pipe["stages"] > 1)):
+            if groups and on:
+                raise ConfigError(f"model_parameters with {key} > 1 is not implemented: the split replaces the "
+                                  "model's parameters by their slices (or a stage's), so groups of the originals would "
+                                  f"train nothing; leave model_parameters out (one group) or set {key} 1")
+        from minizero.zero.init import built_with_init
+        zero_init = built_with_init(model)
+        if zero_init is not None and zero["stage"] != 3:
+            raise ConfigError(f"a model built under zero.Init needs ZeRO stage 3, got stage {zero['stage']}")
+    dtype = torch.float16 if cfg["fp16"]["enabled"] else torch.bfloat16 if cfg["bf16"]["enabled"] else torch.float32
+    return Plan(cfg, world_size, world_size // (pipe["stages"] * tp), pipe["stages"], tp, zero["stage"], dtype,
+                cls, kw, groups, zero_init, offload)

@@ -1,0 +1,410 @@
+"""The data-parallel strategies, one shape to the engine: a wrapped module plus a torch optimizer.
+
+DDP, ZeRO-1, ZeRO-2, ZeRO-3 (FSDP, and ZeRO++ which is FSDP with other collectives) differ in what a
+rank holds (Rajbhandari et al. 2020, Fig. 1: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N bytes for mixed-
+precision Adam) and where the gradient is reduced. The engine needs six things of each, and asks
+nothing else (no stage numbers outside STRATEGIES):
+
+    wrapped / optimizer          what forward calls / a torch.optim.Optimizer (schedulers take it)
+    backward_context(boundary)   DDP accumulates locally until the boundary (no_sync), the others not
+    reduced_grads() -> Grads     the averaged fp32 gradients this rank holds, sharded or replicated
+    apply() / zero_grad()        step what this rank owns / forget this step's gradients
+    segments() -> [Segment]      the fp32 tensors the optimizer steps, piece by piece (checkpoints)
+    memory_objects()             what the ledger walks (memory.measure)
+
+    strategy = STRATEGIES[stage](model, comm, part)     # part: a StrategyPart (below)
+
+Offload is a part of a strategy, passed to its constructor (`part.offload`, a zero.tiers.OffloadSpec):
+ShardedOptimizer / ShardGradOp / FSDPOptimizer build their tier (zero/offload.py's HostOptimizer,
+zero/infinity.py's DiskOptimizer), which then owns the fp32 masters, the gradients it steps and the
+step; the strategy's protocol is unchanged.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Callable, NamedTuple
+
+import torch
+
+
+class Piece(NamedTuple):
+    """Elements [lo, hi) of the flattened parameter `name` are tensor[offset:offset + hi - lo]."""
+    name: str
+    lo: int
+    hi: int
+    offset: int
+    stepped: bool  # False: never had a gradient yet, so torch keeps no optimizer state for it
+
+
+class Segment(NamedTuple):
+    """One fp32 tensor an optimizer steps, and what it holds."""
+    tensor: torch.Tensor
+    optimizer: object       # whose .state[tensor] is its state
+    pieces: list            # [Piece]
+    replicated: bool        # the same on every data-parallel rank (written once)
+
+
+class Grads(NamedTuple):
+    """The averaged fp32 gradients a rank holds for the step: `sharded` ones are this rank's piece
+    (their squares add up over the data-parallel ranks), `replicated` ones are equal on every rank."""
+    sharded: list
+    replicated: list
+
+
+class StrategyPart(NamedTuple):
+    """What a strategy is built from, resolved by the engine from the config (runtime/resolve.py)."""
+    optimizer_cls: type
+    optimizer_kwargs: dict
+    groups: list | None          # param groups (None: one group of every trainable parameter)
+    dtype: torch.dtype           # the model's training dtype
+    bucket_numel: int            # gradients per DDP / ZeRO-2 bucket (elements)
+    overlap: bool                # reduce during backward (DDP, ZeRO-2)
+    prefetch: bool               # ZeRO-3: gather the next unit while this one computes
+    persistence_threshold: int   # ZeRO-3: parameters below this many elements stay whole
+    zeropp: dict | None          # ZeRO-3: {"quantized_weights", "hpz", "quantized_gradients", "mesh"} or None
+    zero_init: object            # the zero.Init recorder the model was built under, or None
+    offload: object              # a zero.tiers.OffloadSpec (the optimizer's tier, ZeRO-3's shards) or None
+    runtime_syncs: bool = False  # a pipeline runtime calls DDP's finish_gradient_synchronization itself
+
+    @property
+    def half(self) -> bool:
+        return self.dtype != torch.float32
+
+
+class Strategy:
+    """The protocol (module docstring). Subclasses fill wrapped, optimizer and the methods."""
+
+    name = "?"
+    shards = True           # each rank holds a different piece of the gradient (its squares add up over the ranks)
+    has_replicated = False  # some gradients are equal on every data-parallel rank (DDP's; ZeRO-3's whole ones)
+
+    def __init__(self, model: torch.nn.Module, comm, part: StrategyPart):
+        self.model = model    # the module this strategy trains (a pipeline stage, a TP split: the part this rank has)
+        self.comm = comm      # the data-parallel ranks it reduces and shards over
+        self.part = part      # what it was built from
+        self.offload = None   # the host tier (HostOptimizer / DiskOptimizer) when part.offload is set
+        self.wrapped = model  # what forward calls
+        self.optimizer = None
+
+    def forward_prelude(self):
+        """Before a training forward (ZeRO-1 has no wrapper to broadcast rank 0's buffers)."""
+
+    def backward_context(self, boundary: bool):
+        return nullcontext()
+
+    def param_names(self, names: dict) -> dict:
+        """{id(trained tensor): name}: `names` maps the model's own parameters; ZeRO-3 trains local parts."""
+        return names
+
+    def memory_objects(self) -> tuple:
+        return (self.wrapped, self.optimizer)
+
+    def offload_traffic(self) -> dict:
+        return self.offload.traffic.as_dict() if self.offload is not None else {}
+
+    def finish_offload(self):
+        """DPU: the update in flight lands (before the next step, a checkpoint, the end)."""
+        if self.offload is not None:
+            self.offload.finish()
+
+    def after_load(self, master_of: Callable, stateful: Callable, name_of: dict):
+        """After a checkpoint wrote the fp32 masters: make the model's parameters follow."""
+
+
+# ---------------------------------------------------------------------------------------- DDP
+class DDPStrategy(Strategy):
+    """Stage 0: every rank holds everything; gradients all-reduced in buckets (minizero.dp.ddp)."""
+
+    name = "DDP"
+    shards = False
+    has_replicated = True
+
+    def __init__(self, model, comm, part):
+        super().__init__(model, comm, part)
+        from minizero.dp.ddp import DDP
+        from minizero.precision import MixedPrecisionOptimizer
+        # a pipeline of one data-parallel rank reduces nothing: no wrapper
+        self.ddp = None if part.runtime_syncs and comm.size == 1 else \
+            DDP(model, comm, bucket_numel=part.bucket_numel, overlap=part.overlap)
+        self.wrapped = self.ddp or model
+        self.params = self.ddp.params if self.ddp is not None else \
+            list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+        params = part.groups or self.params
+        kw = part.optimizer_kwargs
+        self.optimizer = MixedPrecisionOptimizer(params, part.optimizer_cls, None, 0.0, comm, **kw) if part.half \
+            else part.optimizer_cls(params, **kw)
+
+    def backward_context(self, boundary: bool):
+        return self.ddp.no_sync() if self.ddp is not None and not boundary else nullcontext()
+
+    def _trained(self):
+        """(model parameter, the fp32 tensor stepped for it) in order."""
+        opt = self.optimizer
+        return list(zip(opt.params, opt.masters)) if self.part.half else [(p, p) for p in self.params]
+
+    def reduced_grads(self) -> Grads:
+        if self.ddp is not None and not self.part.runtime_syncs:
+            self.ddp.finish_gradient_synchronization()
+        if not self.part.half:
+            return Grads([], [p.grad for p in self.params if p.grad is not None])
+        for p, m in self._trained():
+            m.grad = None if p.grad is None else p.grad.float()
+        return Grads([], [m.grad for _, m in self._trained() if m.grad is not None])
+
+    def grad_names(self, name_of):
+        """Per tensor of reduced_grads(): its parameter's name (for norm weights)."""
+        return [], [name_of[id(p)] for p, _ in self._trained() if p.grad is not None]
+
+    @torch.no_grad()
+    def apply(self):
+        if not self.part.half:
+            self.optimizer.step()
+            return
+        self.optimizer.step_masters()
+        for p, m in self._trained():
+            p.copy_(m)  # round the fp32 masters into the 16-bit model
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+        for _, m in self._trained():
+            m.grad = None
+
+    def segments(self, name_of: dict) -> list:
+        inner = self.optimizer.optimizer if self.part.half else self.optimizer
+        return [Segment(t, inner, [Piece(name_of[id(p)], 0, t.numel(), 0, t in inner.state)], True)
+                for p, t in self._trained()]
+
+    @torch.no_grad()
+    def after_load(self, master_of, stateful, name_of):
+        if self.part.half:
+            for p, m in self._trained():
+                p.copy_(m)
+
+    def memory_objects(self):
+        return (self.wrapped, self.optimizer)
+
+
+# ---------------------------------------------------------------------------------------- ZeRO-1/2
+class FlatStrategy(Strategy):
+    """ZeRO-1 and ZeRO-2: one flat buffer (zero/flat_layout.py), this rank steps its 1/N shard."""
+
+    def _local_grad_shard(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reduced_grads(self) -> Grads:
+        # fp32, where the step uses it: the device shard (a copy of a 16-bit one), or the host tier's buffer
+        self._shard_grad = self.optimizer.gradient_for_step(self._local_grad_shard())
+        return Grads([self._shard_grad], [])
+
+    def grad_names(self, name_of):
+        """The one shard gradient: [(name, shard_lo, numel)] of the pieces this rank holds, and its size."""
+        opt = self.optimizer
+        return [([(name_of[id(opt.params[pc.index])], pc.shard_lo, pc.hi - pc.lo)
+                  for pc in opt.layout.pieces(self.comm.rank)], opt.layout.shard_numel)], []
+
+    @torch.no_grad()
+    def apply(self):
+        self.optimizer.step_gradient(self._shard_grad)  # step the fp32 shard (device or host), all-gather
+
+    def segments(self, name_of):
+        opt = self.optimizer
+        if self.offload is not None:  # the host optimizer steps the whole shard, every element every step
+            return [Segment(opt.master, self.offload,
+                            [Piece(name_of[id(opt.params[pc.index])], pc.lo, pc.hi, pc.shard_lo, True)
+                             for pc in opt.layout.pieces(self.comm.rank)], False)]
+        return _run_segments(opt, name_of)
+
+    @torch.no_grad()
+    def after_load(self, master_of, stateful, name_of):
+        opt = self.optimizer  # every rank holds the full (16-bit) flat parameters
+        for p, v in zip(opt.params, opt.layout.views(opt.flat)):
+            v.copy_(master_of(name_of[id(p)]).view(v.shape))
+        if self.offload is None:  # which parameters have state now (the host optimizer steps every element)
+            opt.stepped = {i for i, p in enumerate(opt.params) if stateful(name_of[id(p)])}
+
+
+class Zero1Strategy(FlatStrategy):
+    """Stage 1: optimizer state sharded (zero.ShardedOptimizer); the model is the user's, unwrapped."""
+
+    name = "ZeRO-1"
+
+    def __init__(self, model, comm, part):
+        super().__init__(model, comm, part)
+        from minizero.zero.sharded_optimizer import ShardedOptimizer
+        comm.broadcast_tensors([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
+        self.optimizer = ShardedOptimizer(part.groups or model.parameters(), part.optimizer_cls, comm,
+                                          offload=part.offload, **part.optimizer_kwargs)
+        self.offload = self.optimizer.tier
+        self._shard_grad = None
+
+    def forward_prelude(self):
+        if torch.is_grad_enabled():  # no wrapper here: rank 0's buffers, as DDP does
+            self.comm.broadcast_tensors(list(self.model.buffers()))
+
+    def _local_grad_shard(self):
+        return self.optimizer.reduce_gradients()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+        self._shard_grad = None
+
+    def memory_objects(self):
+        # offloaded: the tier first (its explicit host locations win for the storages it shares)
+        return (self.offload, self.model) if self.offload is not None else (self.model, self.optimizer)
+
+
+class Zero2Strategy(FlatStrategy):
+    """Stage 2: gradients sharded too (zero.ShardGradOp reduce-scatters bucket by bucket in backward)."""
+
+    name = "ZeRO-2"
+
+    def __init__(self, model, comm, part):
+        super().__init__(model, comm, part)
+        from minizero.zero.shard_grad_op import ShardGradOp
+        self.wrapped = ShardGradOp(model, part.optimizer_cls, comm, bucket_numel=part.bucket_numel,
+                                   overlap=part.overlap, params=part.groups, offload=part.offload, **part.optimizer_kwargs)
+        self.optimizer = self.wrapped.optim
+        self.offload = self.optimizer.tier
+        self._shard_grad = None
+
+    def _local_grad_shard(self):
+        return self.wrapped.grad_shard
+
+    def zero_grad(self):
+        self.wrapped.zero_grad()
+        self._shard_grad = None
+
+    def memory_objects(self):
+        return (self.offload, self.wrapped) if self.offload is not None else (self.wrapped,)
+
+
+def _run_segments(opt, name_of) -> list:
+    """The runs of a FlatShardOptimizer's shards (zero/flat_shard_optimizer.py), one state per run."""
+    return [Segment(run.tensor, opt.optim, [Piece(name_of[id(opt.params[i])], lo, hi, off, i in opt.stepped)
+                                            for i, lo, hi, off in run.pieces], run.replicated) for run in opt.runs]
+
+
+# ---------------------------------------------------------------------------------------- ZeRO-3
+class Zero3Strategy(Strategy):
+    """Stage 3: parameters sharded too (zero.FSDP, or zero.ZeroPP for ZeRO++), zero.FSDPOptimizer."""
+
+    name = "ZeRO-3"
+
+    def __init__(self, model, comm, part):
+        super().__init__(model, comm, part)
+        from minizero.zero.fsdp import FSDP
+        from minizero.zero.fsdp_optimizer import FSDPOptimizer
+        if part.zero_init is None:  # FSDP shards each rank's OWN copy; zero.Init replays the same seed everywhere
+            comm.broadcast_tensors([*model.parameters(), *model.buffers()])
+        kw = dict(compute_dtype=part.dtype if part.half else None, prefetch=part.prefetch,
+                  persistence_threshold=part.persistence_threshold)
+        if part.zeropp is not None:
+            from minizero.zero.zeropp import ZeroPP
+            pp = part.zeropp
+            self.wrapped = ZeroPP(model, pp["mesh"], quantized_weights=pp["quantized_weights"], hpz=pp["hpz"],
+                                  quantized_gradients=pp["quantized_gradients"], **kw)
+        else:
+            self.wrapped = FSDP(model, comm, **kw)
+        if part.zero_init is not None:  # buffers and frozen parameters (the local parts stay fp32 shard views)
+            trained = {id(p) for p in self.wrapped.parameters() if p.requires_grad}
+            device = comm.device
+            for t in [*model.buffers(), *(p for p in model.parameters() if id(p) not in trained)]:
+                t.data = t.data.to(device, part.dtype if part.half and t.is_floating_point() else None)
+        self.optimizer = FSDPOptimizer(self.wrapped, part.optimizer_cls, part.groups, offload=part.offload,
+                                       **part.optimizer_kwargs)
+        self.offload = self.optimizer.tier
+        self._whole = {id(u.whole) for u in self.wrapped.units if u.whole is not None}
+        self.has_replicated = bool(self._whole)  # the same on every rank: the units are cut alike
+
+    def param_names(self, names):
+        return {id(p): n for n, p in self.wrapped.named_parameters()}  # FSDP's local parts carry the original names
+
+    def _unit_tensors(self):
+        return [p for u in self.wrapped.units for p in (u.shard, u.whole) if p is not None]
+
+    def reduced_grads(self) -> Grads:
+        if self.offload is not None:  # already on the host, moved unit by unit during backward
+            pairs = list(zip(self.offload.device_params, self.offload.grads))
+            return Grads([g for p, g in pairs if id(p) not in self._whole], [g for p, g in pairs if id(p) in self._whole])
+        opt = self.optimizer
+        parts = list(zip(opt.parts, opt.grads()))  # FSDP's flat fp32 gradients, unit by unit
+        return Grads([g for (_, name), g in parts if name == "shard" and g is not None],
+                     [g for (_, name), g in parts if name == "whole" and g is not None])
+
+    def grad_names(self, name_of):
+        """Per gradient tensor: ([(name, lo, numel)], numel) of the unit shard or persistent part."""
+        fsdp, rank = self.wrapped, self.comm.rank
+        shards, wholes = [], []
+        with_grad = (lambda u, name: True) if self.offload is not None else \
+            (lambda u, name: fsdp.unit_grad(u, name) is not None)
+        for u in fsdp.units:
+            names = [fqns[0] for _, _, fqns in u.entries]
+            if u.shard is not None and with_grad(u, "shard"):
+                shards.append(([(names[pc.index], pc.shard_lo, pc.hi - pc.lo) for pc in u.layout.pieces(rank)],
+                               u.layout.shard_numel))
+            if u.whole is not None and with_grad(u, "whole"):
+                segs, off = [], 0
+                for (shape, _, _), name in zip(u.entries[u.n_sharded:], names[u.n_sharded:]):
+                    segs.append((name, off, math.prod(shape)))
+                    off += math.prod(shape)
+                wholes.append((segs, off))
+        return shards, wholes
+
+    @torch.no_grad()
+    def apply(self):
+        self.optimizer.step()  # on the device, or on the tier (its gradients went down during backward)
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def segments(self, name_of):
+        if self.offload is None:
+            return _run_segments(self.optimizer, name_of)
+        rank, groups = self.comm.rank, []
+        for u in self.wrapped.units:  # the host optimizer steps whole flat shards, every element every step
+            first = [fqns[0] for _, _, fqns in u.entries]
+            if u.gathered_numel:
+                groups.append(Segment(u.shard, self.offload, [Piece(first[pc.index], pc.lo, pc.hi, pc.shard_lo, True)
+                                                              for pc in u.layout.pieces(rank)], False))
+            if u.persistent_numel:
+                pieces, off = [], 0
+                for (shape, _, _), name in zip(u.entries[u.n_sharded:], first[u.n_sharded:]):
+                    pieces.append(Piece(name, 0, math.prod(shape), off, True))
+                    off += math.prod(shape)
+                groups.append(Segment(u.whole, self.offload, pieces, True))
+        return groups
+
+    def after_load(self, master_of, stateful, name_of):
+        if self.offload is not None:
+            self.offload.sync_masters_from_device()  # the checkpoint wrote the device shards
+        else:
+            opt = self.optimizer
+            opt.stepped = {i for i, p in enumerate(opt.params) if stateful(name_of[id(p)])}
+
+    def memory_objects(self):
+        return (self.optimizer, self.wrapped)  # the optimizer first: an offloaded one says where its tensors live
+
+
+# The stage table: the one place a ZeRO stage number becomes code.
+STRATEGIES = {0: DDPStrategy, 1: Zero1Strategy, 2: Zero2Strategy, 3: Zero3Strategy}
+
+
+def norm_weights(grads: Grads, layout, weight_of: Callable | None, device) -> tuple[list, list]:
+    """Per-element weights of reduced_grads() for the global norm (1: counted here; 1/t: a tensor every tp
+    rank holds whole; 0: a tied copy another stage counts). None everywhere when weight_of is None.
+    layout: strategy.grad_names(name_of): per tensor a parameter name (DDP) or ([(name, lo, numel)], numel)."""
+    if weight_of is None:
+        return [None] * len(grads.sharded), [None] * len(grads.replicated)
+
+    def weights(entry):
+        if isinstance(entry, str):  # one whole parameter
+            return weight_of(entry)
+        pieces, numel = entry
+        w = torch.zeros(numel, device=device)
+        for who, lo, n in pieces:
+            w[lo:lo + n] = weight_of(who)
+        return w
+    sharded, replicated = layout
+    return [weights(e) for e in sharded], [weights(e) for e in replicated]
+
