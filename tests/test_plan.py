@@ -45,15 +45,47 @@ def test_plan_zero_paper_table(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     ([], "nothing to plan"),
-    (["--params=-7e9", "--gpus", "4"], "must be positive"),
-    (["--params", "-7", "--gpus", "4"], "must be positive"),
-    (["--params", "7e9", "--gpus", "0"], "at least 1 GPU"),
-    (["--params", "seven"], "not a parameter count"),
+    (["--params=-7e9", "--gpus", "4"], "argument --params: got -7e9, allowed: a number in [1, 1e15]"),
+    (["--params", "1e30"], "argument --params: got 1e30, allowed: a number in [1, 1e15]"),
+    (["--params", "7e9", "--gpus", "0"], "argument --gpus: got 0, allowed: a whole number in [1, 1e6]"),
+    (["--params", "7e9", "--gpus", "1e12"], "argument --gpus: got 1e12, allowed: a whole number in [1, 1e6]"),
+    (["--params", "7e9", "--gpus", "2.5"], "argument --gpus: got 2.5, allowed: a whole number in [1, 1e6]"),
+    (["--params", "seven"], "argument --params: 'seven' is not a number"),
+    (["--params", "7e9", "--k", "-1"], "argument --k: got -1, allowed: a number in [0, 64]"),
     (["--gpus", "4"], "--gpus needs --params"),
     (["--table", "nope"], "invalid choice"),
+    (["--params", "7e9", "--fit", "80", "--mfu", "-1"], "argument --mfu: got -1, allowed: a number in (0, 1]"),
+    (["--params", "7e9", "--zero", "1", "--mfu", "0"], "argument --mfu: got 0, allowed: a number in (0, 1]"),
+    (["--params", "7e9", "--zero", "1", "--flops", "nan"], "argument --flops: got nan, allowed: a number in (0, 1e18]"),
+    (["--params", "7e9", "--zero", "1", "--inter-bw", "inf"], "argument --inter-bw: got inf, allowed: a number in (0, 1e14]"),
+    (["--params", "7e9", "--fit", "0"], "argument --fit: got 0, allowed: a number in (0, 100000]"),
+    (["--params", "7e9", "--zero", "1", "--micro-batch", "0"], "argument --micro-batch: got 0, allowed: a whole number"),
+    (["--params", "7e9", "--zero", "1", "--node-size", "1e5"], "argument --node-size: got 1e5, allowed: a whole number in [1, 4096]"),
+    (["--layers", "2", "--hidden", "65", "--heads", "4", "--seq", "16", "--vocab", "64"],
+     "--hidden 65 does not divide by --heads 4"),
+    (["--params", "1e9", "--zero", "1", "--heads", "5"], "--hidden 2048 does not divide by --heads 5"),
+    (["--layers", "100000", "--hidden", "1000000", "--heads", "8", "--seq", "8", "--vocab", "8"],
+     "this shape has 1.2e18 parameters, allowed: at most 1e15"),
+    (["--params", "7e9", "--gpus", "2048", "--fit", "80"], "argument --gpus: got 2048 with --fit, allowed: a whole number in [1, 1024]"),
 ])
 def test_plan_bad_input(argv, message, capsys):
+    """One line on stderr naming the flag, the value and the range; exit 2; nothing on stdout."""
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert message in err and err.count("\n") == 1 and err.startswith("minizero plan: error: ") and out == ""
+
+
+def test_plan_table_columns_stay_apart_at_the_largest_sizes(capsys):
+    """1e15 parameters, K = 64 (the upper bounds): every figure is its own word, and the values are right."""
+    main(["--params", "1e15", "--k", "64"])
+    rows = _rows(capsys.readouterr().out)
+    assert rows["DDP"] == [2e6, 2e6, 64e6, 68e6] and rows["fp32"] == [4e6]
+
+
+def test_plan_accepts_the_bounds(capsys):
+    assert main(["--params", "7e9", "--zero", "1", "--mfu", "1", "--gpus", "8", "--json"]) == 0
+    assert '"world": 8' in capsys.readouterr().out
+    main(["--params", "1k", "--gpus", "1e6"])  # the smallest and largest counts, written as people write them
+    assert _rows(capsys.readouterr().out)["ZeRO-3"] == [0, 0, 0, 0]

@@ -106,7 +106,7 @@ def test_impossible_fit_says_the_smallest_footprint(capsys):
     (["--gpus", "32", "--tp", "16"], "tp 16 does not fit in a node of 8 ranks"),
     (["--gpus", "16", "--pp", "2", "--zero", "2"], "ZeRO stage 2 with pipeline parallelism"),
     (["--gpus", "16", "--pp", "2", "--zero", "3"], "ZeRO stage 3 with pipeline parallelism"),
-    (["--gpus", "16", "--tp", "8", "--heads", "12"], "12 attention heads do not divide by tp 8"),
+    (["--gpus", "16", "--tp", "8", "--heads", "4"], "4 attention heads do not divide by tp 8"),
     (["--gpus", "4", "--zero", "0", "--offload"], "offload needs ZeRO stage 1, 2 or 3"),
     (["--gpus", "4", "--sp"], "sequence parallelism needs tp > 1"),
     (["--gpus", "4", "--pp", "4", "--layers", "2"], "4 pipeline stages but only 2 layers"),

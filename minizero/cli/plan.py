@@ -26,36 +26,50 @@ from minizero.planner import HARDWARE, ModelShape, PlanError, Strategy, fit, pla
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
-def _count(text: str) -> float:
-    """A parameter count: 7e9, 7000000000, 7B, 1.3b, 350M."""
-    m = re.fullmatch(r"\s*([-+]?[0-9.]+(?:e[-+]?\d+)?)\s*([kmbgt]?)\s*", text, re.IGNORECASE)
-    try:
-        value = float(m.group(1)) * _SUFFIX[m.group(2).lower()]
-    except (AttributeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count (try 7e9 or 7B)")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"the parameter count must be positive, got {text}")
-    return value
+# Every number is range-checked here, at the edge: a bad one is one line naming the flag, the value and the
+# allowed range, exit 2, before anything is computed. The bounds are generous but keep the formulas honest
+# (no negative, zero, nan or infinite rates) and the tables readable:
+MAX_PARAMS = 1e15         # 1000x the largest trained models; 16 B/param x 1e15 = 1.6e7 GB still fits a column
+MAX_GPUS = 1_000_000      # 10x the largest clusters
+MAX_FIT_GPUS = 1024       # --fit plans every layout, each in O(gpus x pp): 1e12 params take 9 s here, 4096 GPUs minutes
+MAX_COUNT = 1_000_000     # batch sizes, micro-batches, tp, pp, dp, --top: far beyond any run
+MAX_K = 64                # optimizer bytes per parameter: mixed Adam 12, fp64 Adam with fp64 masters 24
+# shape flags: far past today's largest (GPT-3: 96 layers, h 12288, 96 heads; 1e6-token contexts; 256k vocabularies)
+SHAPE_MAX = {"layers": 100_000, "hidden": 1_000_000, "heads": 100_000, "seq": 100_000_000, "vocab": 100_000_000}
+MAX_NODE = 4096           # GPUs per node: 8 on a DGX, 72 on an NVL72 rack
+MAX_MEMORY_GB = 100_000   # --fit, per GPU: an H200 has 141 GB
+MAX_FLOPS = 1e18          # per GPU: an H100 does 989e12 dense bf16
+MAX_BW = 1e14             # bytes/s per rank: NVLink 5 is 9e11
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of GPUs")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"need at least 1 GPU, got {value}")
-    return value
-
-
-def _nonnegative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
+def _parse(text: str) -> float:
+    """A number as people write it: 7e9, 7000000000, 7B, 1.3b, 350M, 0.4."""
+    m = re.fullmatch(r"\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[-+]?\d+)?|[-+]?(?:nan|inf))\s*([kmbgt]?)\s*",
+                     text, re.IGNORECASE)
+    if m is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"K (optimizer bytes per parameter) must be >= 0, got {value}")
-    return value
+    return float(m.group(1)) * _SUFFIX[m.group(2).lower()]
+
+
+def _num(x: float, digits=6) -> str:
+    return f"{x:.{digits}g}".replace("e+0", "e").replace("e+", "e")  # 1e6 and 1e15, not 1e+06 and 1e+15
+
+
+def _in_range(lo: float, hi: float, integer=False, open_low=False):
+    """An argparse type: a number in [lo, hi] ((lo, hi] with open_low), a whole one with integer."""
+    allowed = ("a whole number" if integer else "a number") + f" in {'(' if open_low else '['}{_num(lo)}, {_num(hi)}]"
+
+    def check(text: str):
+        value = _parse(text)
+        if not (lo < value <= hi if open_low else lo <= value <= hi) or (integer and value != int(value)):
+            raise argparse.ArgumentTypeError(f"got {text.strip()}, allowed: {allowed}")
+        return int(value) if integer else value
+    return check
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block: every message names its flag
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def print_zero_paper_table() -> None:
@@ -71,14 +85,15 @@ def print_plan(num_params: float, gpus: int, k: float) -> None:
     print(f"Model states per GPU, Psi = {num_params / 1e9:g}B parameters on {gpus} GPU(s),")
     print(f"fp16/bf16 params and grads, K = {k:g} bytes of optimizer state per parameter.")
     print("GB = 1e9 bytes; activations and temporary buffers not included.\n")
-    print(f"{'strategy':<10}{'params':>10}{'grads':>10}{'optimizer':>11}{'total':>10}")
+    # 13 wide: the largest allowed total, (4 + MAX_K) x MAX_PARAMS bytes = 68000000.00 GB, keeps 2 spaces
+    print(f"{'strategy':<10}" + "".join(f"{c:>13}" for c in ("params", "grads", "optimizer", "total")))
     for name, stage in (("DDP", 0), ("ZeRO-1", 1), ("ZeRO-2", 2), ("ZeRO-3", 3)):
         e = estimate(num_params, gpus, stage, k)
-        print(f"{name:<10}{e.parameters / 1e9:>10.2f}{e.gradients / 1e9:>10.2f}"
-              f"{e.optimizer_state / 1e9:>11.2f}{e.total / 1e9:>10.2f}")
+        print(f"{name:<10}" + "".join(f"{b / 1e9:>13.2f}" for b in (e.parameters, e.gradients, e.optimizer_state,
+                                                                      e.total)))
     print("\nInference, weights only (one full copy, no KV cache):")
     for dtype in ("fp32", "fp16", "int8", "int4"):
-        print(f"{dtype:<10}{inference_bytes(num_params, dtype) / 1e9:>10.2f} GB")
+        print(f"{dtype:<10}{inference_bytes(num_params, dtype) / 1e9:>13.2f} GB")
 
 
 def print_stages(p, times=None) -> None:
@@ -110,9 +125,18 @@ def _planner(args, parser) -> int:
                                        vocab=args.vocab or 50257, heads=args.heads)
     else:
         parser.error("give the model: --params N, or --layers --hidden --heads --seq --vocab")
+    if shape.hidden % shape.heads:
+        parser.error(f"--hidden {shape.hidden} does not divide by --heads {shape.heads}: every head gets hidden / heads "
+                     "dimensions" + ("" if args.heads else " (without --heads: hidden // 128 heads)"))
+    if args.layers is not None and shape.num_params() > MAX_PARAMS:  # (--params is checked above)
+        parser.error(f"this shape has {_num(shape.num_params(), 3)} parameters, allowed: at most {_num(MAX_PARAMS)} "
+                     "(as --params)")
     hw = replace(HARDWARE[args.hardware], **{k: v for k, v in (("flops", args.flops), ("mfu", args.mfu),
                  ("intra_bw", args.intra_bw), ("inter_bw", args.inter_bw)) if v is not None})
     world = args.gpus or 1
+    if args.fit is not None and world > MAX_FIT_GPUS:
+        parser.error(f"argument --gpus: got {world} with --fit, allowed: a whole number in [1, {MAX_FIT_GPUS}] (--fit plans "
+                     "every layout and would take minutes; plan one layout with --tp --pp --zero instead)")
     try:
         if args.fit is not None:
             ranked = fit(shape, world, args.fit * 1e9, hw, args.global_batch or args.micro_batch * world,
@@ -141,26 +165,27 @@ def _planner(args, parser) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    count = _in_range(1, MAX_COUNT, integer=True)
+    parser = _Parser(
         prog="minizero plan",
         description="Per-GPU memory of model states for DDP and ZeRO-1/2/3 (ZeRO paper formulas).",
         epilog="examples: minizero plan --table zero-paper | minizero plan --params 7B --gpus 4")
     parser.add_argument("--table", choices=["zero-paper"], help="print a reference table")
-    parser.add_argument("--params", type=_count, help="model size, e.g. 7e9 or 7B")
-    parser.add_argument("--gpus", type=_positive_int, default=None,
+    parser.add_argument("--params", type=_in_range(1, MAX_PARAMS), help="model size, e.g. 7e9 or 7B")
+    parser.add_argument("--gpus", type=_in_range(1, MAX_GPUS, integer=True), default=None,
                         help="data-parallel degree N (default 1)")
-    parser.add_argument("--k", type=_nonnegative, default=12.0,
+    parser.add_argument("--k", type=_in_range(0, MAX_K), default=12.0,
                         help="optimizer bytes per parameter (12 = mixed-precision Adam)")
     shape = parser.add_argument_group("model shape (the planner)")
     for name, what in (("layers", "transformer blocks"), ("hidden", "width h"), ("heads", "attention heads"),
                        ("seq", "sequence length"), ("vocab", "vocabulary")):
-        shape.add_argument(f"--{name}", type=_positive_int, help=what)
+        shape.add_argument(f"--{name}", type=_in_range(1, SHAPE_MAX[name], integer=True), help=what)
     shape.add_argument("--tied", action="store_true", help="lm_head shares wte's weight")
     strat = parser.add_argument_group("strategy (the planner)")
-    strat.add_argument("--node-size", type=_positive_int, default=8, help="GPUs per node (default 8)")
+    strat.add_argument("--node-size", type=_in_range(1, MAX_NODE, integer=True), default=8, help="GPUs per node (default 8)")
     for name in ("tp", "pp"):
-        strat.add_argument(f"--{name}", type=_positive_int, default=1, help=f"{name} size (default 1)")
-    strat.add_argument("--dp", type=_positive_int, help="data-parallel size (default: gpus / (tp x pp))")
+        strat.add_argument(f"--{name}", type=count, default=1, help=f"{name} size (default 1)")
+    strat.add_argument("--dp", type=count, help="data-parallel size (default: gpus / (tp x pp))")
     strat.add_argument("--zero", type=int, choices=range(4), help="ZeRO stage over the DP group")
     strat.add_argument("--offload", action="store_true", help="ZeRO-Offload of the optimizer to the host")
     strat.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
@@ -168,20 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     strat.add_argument("--qwz", action="store_true", help="ZeRO++ int8 weight all-gathers (--zero 3)")
     strat.add_argument("--hpz", action="store_true", help="ZeRO++ secondary partition per node (--zero 3)")
     strat.add_argument("--qgz", action="store_true", help="ZeRO++ int4 hierarchical gradient all-to-all (--zero 3)")
-    strat.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per rank per micro-batch")
-    strat.add_argument("--micro-batches", type=_positive_int, default=1, help="accumulation = pipeline micro-batches")
+    strat.add_argument("--micro-batch", type=count, default=1, help="sequences per rank per micro-batch")
+    strat.add_argument("--micro-batches", type=count, default=1, help="accumulation = pipeline micro-batches")
     strat.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     strat.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="bf16")
     strat.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     search = parser.add_argument_group("--fit: which layouts fit, fastest first")
-    search.add_argument("--fit", type=_nonnegative, metavar="MEMORY_GB", help="device memory per GPU, GB")
-    search.add_argument("--global-batch", type=_positive_int, help="sequences per step (default micro-batch x gpus)")
-    search.add_argument("--top", type=_positive_int, default=10, help="how many to list")
+    search.add_argument("--fit", type=_in_range(0, MAX_MEMORY_GB, open_low=True), metavar="MEMORY_GB", help="device memory per GPU, GB")
+    search.add_argument("--global-batch", type=count, help="sequences per step (default micro-batch x gpus)")
+    search.add_argument("--top", type=count, default=10, help="how many to list")
     search.add_argument("--hardware", choices=sorted(HARDWARE), default="h100-ib",
                         help="; ".join(f"{k}: {v.name}" for k, v in HARDWARE.items()))
-    for name, what in (("flops", "peak FLOP/s per GPU"), ("mfu", "fraction of peak reached"),
-                       ("intra-bw", "intra-node bytes/s"), ("inter-bw", "cross-node bytes/s")):
-        search.add_argument(f"--{name}", type=float, help=f"override the hardware's {what}")
+    for name, what, top in (("flops", "peak FLOP/s per GPU", MAX_FLOPS), ("mfu", "fraction of peak reached", 1),
+                            ("intra-bw", "intra-node bytes/s", MAX_BW), ("inter-bw", "cross-node bytes/s", MAX_BW)):
+        search.add_argument(f"--{name}", type=_in_range(0, top, open_low=True), help=f"override the hardware's {what}")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (for notebooks)")
     args = parser.parse_args(argv)
     planner_flags = (args.layers, args.zero, args.fit, args.dp, args.global_batch)
