@@ -80,7 +80,7 @@ def same(a, b) -> list[str]:
     return bad
 
 
-def resume(comm, root):
+def resume(comm, root, full=None):
     out = {}
     for stage, dtype in CASES:
         key, d = f"{stage}/{dtype}", os.path.join(root, f"s{stage}_{dtype}")
@@ -96,7 +96,7 @@ def resume(comm, root):
                     "path": os.path.relpath(path, root), "skipped": [skipped_at_save, a.skipped_steps], "saved": saved,
                     "scales": sorted({a.loss_scale, b.loss_scale})}
     out["edge"] = edge(comm, root)
-    out["errors"] = errors(comm, root)
+    out["errors"] = errors(comm, root, full)
     return out
 
 
@@ -124,7 +124,7 @@ def edge(comm, root):
     return out
 
 
-def errors(comm, root):
+def errors(comm, root, full=None):
     """Each bad checkpoint: the error text, and whether the engine's state stayed as it was."""
     src, out = os.path.join(root, "s2_fp32"), {}
     engine = make(comm, 2)
@@ -187,6 +187,41 @@ def errors(comm, root):
     except CheckpointError as ex:
         out["unwritable"] = str(ex)
     out["interrupted"] = interrupted(comm, root)
+    out["disk_full"] = disk_full(comm, engine, root, full)
+    return out
+
+
+def disk_full(comm, engine, root, full):
+    """A save whose rank files cannot be written, after a good one. "fake": rank 1's torch.save raises what
+    torch.save makes of ENOSPC (rank 0's file is written). "real" (when the test could mount it): `full` is
+    a 1 MiB tmpfs, filled until 16 KiB are left, less than either rank's file."""
+    out = {}
+    for name, d in (("fake", os.path.join(root, "enospc")), ("real", full)):
+        if d is None:
+            continue
+        engine.save_checkpoint(d, tag="good")
+        if name == "real" and comm.rank == 0:
+            st = os.statvfs(d)
+            with open(os.path.join(d, "filler"), "wb") as f:
+                f.write(bytes(st.f_bavail * st.f_frsize - 16384))
+        comm.barrier()
+        torch_save = torch.save
+        if name == "fake" and comm.rank == 1:
+            def no_space(*args, **kwargs):
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            torch.save = no_space
+        try:
+            engine.save_checkpoint(d, tag="bad")
+            error = None
+        except CheckpointError as ex:
+            error = str(ex)
+        finally:
+            torch.save = torch_save
+        comm.barrier()  # rank 0 removes the failed save's directory before it raises
+        with open(os.path.join(d, "latest")) as f:
+            latest = f.read()
+        out[name] = {"error": error, "dir": d, "listing": sorted(os.listdir(d)), "latest": latest,
+                     "rank_file_bytes": [os.path.getsize(os.path.join(d, "good", f"rank{r}.pt")) for r in range(comm.size)]}
     return out
 
 

@@ -9,6 +9,8 @@ in fp32 (measured 1.6e-7 after 10 Adam steps), 2e-3 in fp16 (a few fp16 ulps of 
 measured 2.8e-4); the state right after loading must still equal the files bit for bit.
 """
 import hashlib
+import os
+import subprocess
 
 import pytest
 import torch
@@ -24,9 +26,24 @@ CASES = [f"{s}/{d}" for d in ("fp32", "fp16") for s in range(4)]
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def full_disk(tmp_path_factory):
+    """(a real 1 MiB tmpfs, None) where mount works (root), else (None, why not)."""
+    d = tmp_path_factory.mktemp("full")
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True, text=True)
+        why = r.returncode and f"cannot mount a small tmpfs here: {r.stderr.strip()}"
+    except OSError as ex:
+        why = f"cannot mount a small tmpfs here: {ex}"
+    yield (None, why) if why else (d, None)
+    if not why:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, full_disk):
     root = tmp_path_factory.mktemp("ckpt")
-    return root, launch.run(W + "resume", nprocs=2, args={"root": str(root)}, timeout=300)
+    full = str(full_disk[0]) if full_disk[0] else None
+    return root, launch.run(W + "resume", nprocs=2, args={"root": str(root), "full": full}, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +85,52 @@ def test_interrupted_save_leaves_the_last_good_checkpoint(saved):
     assert i["crashed"] and i["latest"] == "global_step2" and i["tags"] == ["global_step2", "latest"]
     assert len(i["leftovers"]) == 1 and i["leftovers"][0].startswith(".global_step4.tmp-")
     assert i["restored"], "loading `latest` after the crash did not give the last good state"
+
+
+def test_a_disk_full_on_one_rank_is_named_and_leaves_nothing(saved):
+    """Rank 1's torch.save fails as on a full disk; rank 0 wrote its file: every rank raises the same
+    "disk is full" naming the directory, the hidden .bad.tmp-* is gone, `latest` still names the good one."""
+    for rank, r in enumerate(saved[1]):
+        c = r["errors"]["disk_full"]["fake"]
+        assert c["error"].startswith("rank 1 could not write ") and "/.bad.tmp-" in c["error"], (rank, c["error"])
+        assert f"the disk is full: no space left in {c['dir']} (RuntimeError: [enforce fail" in c["error"]
+        assert c["listing"] == ["good", "latest"] and c["latest"] == "good", (rank, c["listing"])
+
+
+def test_a_really_full_disk_is_named_and_leaves_nothing(saved, full_disk):
+    """A real 1 MiB tmpfs with 16 KiB left: the OSError torch.save hides behind "unexpected pos" is found."""
+    if full_disk[0] is None:
+        pytest.skip(full_disk[1])
+    for rank, r in enumerate(saved[1]):
+        c = r["errors"]["disk_full"]["real"]
+        assert min(c["rank_file_bytes"]) > 16384, c["rank_file_bytes"]  # neither rank's file fits in what is left
+        assert c["error"].startswith("rank 0 could not write "), (rank, c["error"])
+        assert f"the disk is full: no space left in {full_disk[0]} (" in c["error"], c["error"]
+        assert c["listing"] == ["filler", "good", "latest"] and c["latest"] == "good", (rank, c["listing"])
+
+
+def test_consolidate_into_a_directory_is_one_clear_error(saved, tmp_path, capsys):
+    """Checked before anything is read or written: exit 2, says what to pass, no OUT.part anywhere."""
+    out = tmp_path / "out"
+    out.mkdir()
+    assert cli(["consolidate", str(saved[0] / "s0_fp32"), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"consolidate: {out} is a directory: pass the file to write, e.g. {out / 'model.pt'}\n"
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == []
+    assert cli(["consolidate", str(saved[0] / "s0_fp32"), str(tmp_path / "no" / "model.pt")]) == 2
+    assert f"{tmp_path / 'no'} does not exist" in capsys.readouterr().err and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_write_atomic_leaves_no_part_file(tmp_path):
+    def boom(f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint._write_atomic(str(tmp_path / "a.pt"), boom)
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError):  # the replace fails after the whole file was written
+        checkpoint._write_atomic(str(tmp_path / "d"), lambda f: f.write(b"whole"))
+    assert sorted(os.listdir(tmp_path)) == ["d"] and os.listdir(tmp_path / "d") == []
 
 
 def _digest(sd):

@@ -4,7 +4,7 @@ rank's file (minizero/runtime/checkpoint.py explains the format)."""
 import argparse
 import sys
 
-from minizero.runtime.checkpoint import CheckpointError, consolidate
+from minizero.runtime.checkpoint import CheckpointError, check_output, consolidate
 
 
 def main(argv=None) -> int:
@@ -14,6 +14,11 @@ def main(argv=None) -> int:
     ap.add_argument("out", help="where to write the state dict (torch.save)")
     ap.add_argument("--tag", default=None, help="which checkpoint (default: the one in DIR/latest)")
     args = ap.parse_args(argv)
+    try:
+        check_output(args.out)  # a bad OUT is a usage error (exit 2), found before anything is read
+    except CheckpointError as ex:
+        print(f"consolidate: {ex}", file=sys.stderr)
+        return 2
     try:
         sd = consolidate(args.dir, args.out, args.tag)
     except CheckpointError as ex:

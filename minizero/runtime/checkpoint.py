@@ -34,7 +34,9 @@ consolidating). Hence:
 
 Save is atomic: every rank writes into a fresh hidden DIR/.TAG.tmp-* directory (file.part, then
 os.replace), rank 0 writes meta.json, renames the directory to TAG and only then replaces
-`latest`. A save interrupted anywhere leaves the previous checkpoint and `latest` untouched.
+`latest`. A save interrupted anywhere leaves the previous checkpoint and `latest` untouched; one that
+fails (a rank's write: a full disk is named as such) also removes its .TAG.tmp-* directory (rank 0, once
+the ranks agree), and a crash's leftover one goes at the next save. No `.part` file outlives a failure.
 (Re-saving an existing TAG moves the old one aside first: between those two renames TAG is
 briefly missing; its old copy survives as DIR/.TAG.old-*.) The directory must be shared by all ranks.
 
@@ -45,6 +47,8 @@ so one rank's bad file stops all of them with the same error before any state is
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -130,11 +134,36 @@ def _sha256(path) -> str:
 
 
 def _write_atomic(path, write):
-    with open(path + ".part", "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".part", path)
+    """path.part, then os.replace: a reader sees the old file or the whole new one. On any failure
+    (a full disk, path a directory, Ctrl-C) the .part file is removed and the error raised."""
+    part = path + ".part"
+    try:
+        with open(part, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(part)
+        raise
+
+
+def _disk_full(ex: BaseException) -> bool:
+    """ENOSPC (or a full quota), also when torch.save turned it into "[enforce fail at
+    inline_container.cc:672] . unexpected pos" (the OSError is then its __context__, or lost)."""
+    seen = ex
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return isinstance(ex, RuntimeError) and "unexpected pos" in str(ex)
+
+
+def _failure(ex: BaseException, directory: str) -> str:
+    if _disk_full(ex):
+        return f"the disk is full: no space left in {directory} ({type(ex).__name__}: {ex}); free space or save elsewhere"
+    return f"{type(ex).__name__}: {ex}"
 
 
 def save(e, save_dir, tag=None, client_state=None) -> str:
@@ -168,10 +197,12 @@ def save(e, save_dir, tag=None, client_state=None) -> str:
         info = {"file": f"rank{rank}.pt", "bytes": os.path.getsize(path), "sha256": _sha256(path),
                 "inventory": _inventory(e)}
     except Exception as ex:  # noqa: BLE001  (disk full, an unpicklable client_state: the others must hear)
-        info = f"rank {rank} could not write {path}: {type(ex).__name__}: {ex}"
+        info = f"rank {rank} could not write {path}: {_failure(ex, save_dir)}"
     files = comm.allgather_object(info)
     bad = [f for f in files if isinstance(f, str)]
-    if bad:  # every rank gets here: all raise together, nothing is published
+    if bad:  # every rank gets here: all raise together, nothing is published and the partial save goes
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(bad[0] + f"; the previous checkpoint in {save_dir} is untouched")
     if _interrupt is not None:
         _interrupt("before_publish")
@@ -190,7 +221,8 @@ def save(e, save_dir, tag=None, client_state=None) -> str:
             if aside:
                 shutil.rmtree(aside, ignore_errors=True)
         except OSError as ex:
-            err = f"could not publish {final}: {ex}; `latest` still names the previous checkpoint"
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already once it became `final`
+            err = f"could not publish {final}: {_failure(ex, save_dir)}; `latest` still names the previous checkpoint"
     err = comm.allgather_object(err)[0]  # instead of a barrier: rank 0's failure reaches everyone
     if err:
         raise CheckpointError(err)
@@ -400,10 +432,24 @@ def full_state_dict(e) -> dict:
     return _state_dict(meta, _assemble(meta, records)[0], {n: t for r in records for n, t in r["extras"].items()})
 
 
+def check_output(out) -> str:
+    """consolidate's `out`: a file to write in a directory that exists; -> its absolute path."""
+    out = os.path.abspath(out)
+    if os.path.isdir(out):
+        raise CheckpointError(f"{out} is a directory: pass the file to write, e.g. {os.path.join(out, 'model.pt')}")
+    if not os.path.isdir(os.path.dirname(out)):
+        raise CheckpointError(f"{os.path.dirname(out)} does not exist: create it, or pass a file in a directory that does")
+    return out
+
+
 def consolidate(load_dir, out=None, tag=None) -> dict:
     """zero_to_fp32: the checkpoint's full fp32 state dict (written to `out` if given). No ranks needed."""
+    out = check_output(out) if out else None  # before reading anything
     path, meta, records = _read(load_dir, tag)
     sd = _state_dict(meta, _assemble(meta, records)[0], {n: t for r in records for n, t in r["extras"].items()})
     if out:
-        _write_atomic(os.path.abspath(out), lambda f: torch.save(sd, f))
+        try:
+            _write_atomic(out, lambda f: torch.save(sd, f))
+        except (OSError, RuntimeError) as ex:  # torch.save reports a full disk as a RuntimeError
+            raise CheckpointError(f"could not write {out}: {_failure(ex, os.path.dirname(out))}") from None
     return sd
