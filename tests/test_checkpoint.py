@@ -31,7 +31,7 @@ def full_disk(tmp_path_factory):
     d = tmp_path_factory.mktemp("full")
     try:
         r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True, text=True)
-        why = r.returncode and f"cannot mount a small tmpfs here: {r.stderr.strip()}"
+        why = r.returncode and f"cannot mount a small tmpfs here: {(r.stderr.strip().splitlines() or ['?'])[0]}"
     except OSError as ex:
         why = f"cannot mount a small tmpfs here: {ex}"
     yield (None, why) if why else (d, None)
