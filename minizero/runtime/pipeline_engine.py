@@ -153,10 +153,14 @@ class PipelineEngine:
         """name -> its weight in the global norm: 0 for the tied copy the first stage counts, 1/t for a
         tensor every tp rank holds whole, else 1 (runtime/trainer.py)."""
         t, split, tied = self.mesh.tp_size, self.tp_split, self.tied_names
+        if t == 1 and not tied:
+            return None  # every element counts once: no weights to build each step
         return lambda name: 0.0 if name in tied else 1.0 if t == 1 or name in split else 1.0 / t
 
     def clip(self, grads) -> float:
-        weights = norm_weights(grads, self.strategy.grad_names(self.param_names), self.weight_of(), self.device)
+        weight_of = self.weight_of()
+        weights = norm_weights(grads, self.strategy.grad_names(self.param_names) if weight_of else None, weight_of,
+                               self.device)
         model_comms = [self.mesh.pp] + ([self.mesh.tp] if self.mesh.tp_size > 1 else [])
         return self.core.clip(grads, weights, self.world if self.strategy.shards else None,
                               model_comms if self.strategy.has_replicated else [])

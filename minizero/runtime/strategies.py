@@ -75,7 +75,6 @@ class StrategyPart(NamedTuple):
 class Strategy:
     """The protocol (module docstring). Subclasses fill wrapped, optimizer and the methods."""
 
-    name = "?"
     shards = True           # each rank holds a different piece of the gradient (its squares add up over the ranks)
     has_replicated = False  # some gradients are equal on every data-parallel rank (DDP's; ZeRO-3's whole ones)
 
@@ -116,7 +115,6 @@ class Strategy:
 class DDPStrategy(Strategy):
     """Stage 0: every rank holds everything; gradients all-reduced in buckets (minizero.dp.ddp)."""
 
-    name = "DDP"
     shards = False
     has_replicated = True
 
@@ -181,9 +179,6 @@ class DDPStrategy(Strategy):
             for p, m in self._trained():
                 p.copy_(m)
 
-    def memory_objects(self):
-        return (self.wrapped, self.optimizer)
-
 
 # ---------------------------------------------------------------------------------------- ZeRO-1/2
 class FlatStrategy(Strategy):
@@ -227,7 +222,6 @@ class FlatStrategy(Strategy):
 class Zero1Strategy(FlatStrategy):
     """Stage 1: optimizer state sharded (zero.ShardedOptimizer); the model is the user's, unwrapped."""
 
-    name = "ZeRO-1"
 
     def __init__(self, model, comm, part):
         super().__init__(model, comm, part)
@@ -257,7 +251,6 @@ class Zero1Strategy(FlatStrategy):
 class Zero2Strategy(FlatStrategy):
     """Stage 2: gradients sharded too (zero.ShardGradOp reduce-scatters bucket by bucket in backward)."""
 
-    name = "ZeRO-2"
 
     def __init__(self, model, comm, part):
         super().__init__(model, comm, part)
@@ -289,7 +282,6 @@ def _run_segments(opt, name_of) -> list:
 class Zero3Strategy(Strategy):
     """Stage 3: parameters sharded too (zero.FSDP, or zero.ZeroPP for ZeRO++), zero.FSDPOptimizer."""
 
-    name = "ZeRO-3"
 
     def __init__(self, model, comm, part):
         super().__init__(model, comm, part)
