@@ -1,16 +1,11 @@
 """The links of the engine's chain that both engines build (runtime/engine.py, runtime/pipeline_engine.py):
-the names a checkpoint maps back to, activation checkpointing, and what the data-parallel strategy is
-built from. Each is a function of the resolved Plan (runtime/resolve.py) and the model."""
+the names a checkpoint maps back to, and what the data-parallel strategy is built from (activation
+checkpointing is minizero.activation_checkpointing.checkpoint_blocks, called as it is). Each is a
+function of the resolved Plan (runtime/resolve.py) and the model."""
 from __future__ import annotations
 
 from minizero.runtime.resolve import Plan
 from minizero.runtime.strategies import StrategyPart
-
-
-def checkpoint_blocks(model) -> list[str]:
-    """activation_checkpointing: every block of every nn.ModuleList recomputes its inside in backward."""
-    from minizero.activation_checkpointing import checkpoint_blocks as wrap
-    return wrap(model)
 
 
 def strategy_part(plan: Plan, model, comm, node_mesh=None, runtime_syncs=False) -> StrategyPart:

@@ -69,8 +69,9 @@ import torch
 
 from minizero import comm as comm_mod
 from minizero import memory
+from minizero.activation_checkpointing import checkpoint_blocks
 from minizero.runtime import checkpoint
-from minizero.runtime.chain import checkpoint_blocks, model_names, strategy_part
+from minizero.runtime.chain import model_names, strategy_part
 from minizero.runtime.pipeline_engine import PipelineEngine
 from minizero.runtime.resolve import Plan, optimizer_spec, resolve  # noqa: F401  (optimizer_spec: tests)
 from minizero.runtime.strategies import STRATEGIES, norm_weights

@@ -41,10 +41,11 @@ import time
 import torch
 
 from minizero import memory
+from minizero.activation_checkpointing import checkpoint_blocks
 from minizero.comm import Mesh
 from minizero.pipeline import PipelineModel, PipelineRuntime, PipelineStage
 from minizero.runtime import checkpoint
-from minizero.runtime.chain import checkpoint_blocks, model_names, strategy_part
+from minizero.runtime.chain import model_names, strategy_part
 from minizero.runtime.resolve import Plan, pipeline_parts
 from minizero.runtime.strategies import STRATEGIES, norm_weights
 from minizero.runtime.trainer import TrainerCore, shares_core
