@@ -1,13 +1,15 @@
 """Mesh: one grid of ranks, the single source of truth for every parallel group.
 
-3D parallelism puts each rank at a coordinate (d, p, t) of a dp x pp x tp grid:
+3D parallelism puts each rank at a coordinate (d, p, t) of a dp x pp x tp grid, and context
+parallelism (minizero/context: the sequence split over cp ranks) adds a fourth axis, c:
 
-    grid = arange(world).view(dp, pp, tp)        world rank = (d * pp + p) * tp + t
+    grid = arange(world).view(dp, pp, cp, tp)    world rank = ((d * pp + p) * cp + c) * tp + t
 
-and every group is a line through that grid: the tp group of a rank varies t with (d, p) fixed,
-its pp group varies p, its dp group varies d. TP varies fastest, so a tp group is made of
-neighbouring ranks (one server: TP needs the fastest links), PP next, DP outermost. This is
-the order of Megatron-LM's default and of picotron's `ProcessGroupManager`.
+and every group is a line through that grid: the tp group of a rank varies t with (d, p, c) fixed,
+its cp group varies c, its pp group varies p, its dp group varies d. TP varies fastest, so a tp
+group is made of neighbouring ranks (one server: TP needs the fastest links), CP next (ring
+attention's K/V blocks every layer), PP next, DP outermost. This is the order of Megatron-LM's
+default (tp-cp-dp-pp) and of picotron's `ProcessGroupManager`. With cp = 1 it is the dp x pp x tp grid.
 
 "Nodes" simulate servers on one machine: `node_size` consecutive world ranks form a node.
 ZeRO++ (Wang et al. 2023) needs two more groups from that: the `node` group (the ranks of one
@@ -32,7 +34,7 @@ import torch
 
 from minizero.comm.communicator import Communicator
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")
 
 
 class MeshError(ValueError):
@@ -46,20 +48,22 @@ def _positive_int(name, value):
 
 
 class Mesh:
-    """A dp x pp x tp grid over `comm`'s ranks, plus nodes of `node_size` consecutive ranks."""
+    """A dp x pp x cp x tp grid over `comm`'s ranks, plus nodes of `node_size` consecutive ranks."""
 
     def __init__(self, comm: Communicator, dp: int | None = None, pp: int = 1, tp: int = 1,
-                 node_size: int | None = None):
+                 node_size: int | None = None, cp: int = 1):
         world = comm.size
-        pp, tp = _positive_int("pp", pp), _positive_int("tp", tp)
+        pp, tp, cp = _positive_int("pp", pp), _positive_int("tp", tp), _positive_int("cp", cp)
+        model = pp * cp * tp
+        sizes = f"pp={pp} x tp={tp}" + (f" x cp={cp}" if cp > 1 else "")
         if dp is None:  # the usual way to ask: "the rest is data parallel"
-            if world % (pp * tp):
-                raise MeshError(f"Mesh: pp={pp} x tp={tp} = {pp * tp} does not divide the world size "
-                                f"{world}: launch a multiple of {pp * tp} ranks")
-            dp = world // (pp * tp)
+            if world % model:
+                raise MeshError(f"Mesh: {sizes} = {model} does not divide the world size "
+                                f"{world}: launch a multiple of {model} ranks")
+            dp = world // model
         dp = _positive_int("dp", dp)
-        if dp * pp * tp != world:
-            raise MeshError(f"Mesh: dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but the world has "
+        if dp * model != world:
+            raise MeshError(f"Mesh: dp={dp} x {sizes} = {dp * model} ranks, but the world has "
                             f"{world}: the sizes' product must equal the number of ranks")
         node_size = world if node_size is None else _positive_int("node_size", node_size)
         if world % node_size:
@@ -72,19 +76,21 @@ class Mesh:
         self.dp_size = dp                  # data-parallel replicas (ZeRO shards over this axis)
         self.pp_size = pp                  # pipeline stages
         self.tp_size = tp                  # tensor-parallel ranks per layer
+        self.cp_size = cp                  # context-parallel ranks: each holds s/cp of the sequence
         self.node_size = node_size         # ranks per simulated server
         self.num_nodes = world // node_size
-        self.grid = torch.arange(world).view(dp, pp, tp)  # grid[d, p, t] = world rank
+        self.grid = torch.arange(world).view(dp, pp, cp, tp)  # grid[d, p, c, t] = world rank
         coords = (self.grid == comm.rank).nonzero()[0].tolist()
-        self.dp_rank, self.pp_rank, self.tp_rank = coords
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = coords
         self.node_index = comm.rank // node_size   # which server this rank is on
         self.local_rank = comm.rank % node_size    # its index inside that server
-        d, p, t = coords
+        d, p, c, t = coords
         comm.set_nodes([r // node_size for r in range(world)])  # bytes booked intra/cross-node from now on
         # color = which line through the grid; key = position on it (becomes the sub-rank)
-        self.dp = comm.split(p * tp + t, d, name=f"dp{self.grid[:, p, t].tolist()}")
-        self.pp = comm.split(d * tp + t, p, name=f"pp{self.grid[d, :, t].tolist()}")
-        self.tp = comm.split(d * pp + p, t, name=f"tp{self.grid[d, p, :].tolist()}")
+        self.dp = comm.split((p * cp + c) * tp + t, d, name=f"dp{self.grid[:, p, c, t].tolist()}")
+        self.pp = comm.split((d * cp + c) * tp + t, p, name=f"pp{self.grid[d, :, c, t].tolist()}")
+        self.cp = comm.split((d * pp + p) * tp + t, c, name=f"cp{self.grid[d, p, :, t].tolist()}")
+        self.tp = comm.split((d * pp + p) * cp + c, t, name=f"tp{self.grid[d, p, c, :].tolist()}")
         self.node = comm.split(self.node_index, self.local_rank, name=f"node{self.node_index}")
         self.cross_node = comm.split(self.local_rank, self.node_index, name=f"cross_node{self.local_rank}")
         # pipeline neighbours, as ranks of self.pp (None at the ends: no wrap-around)
@@ -94,7 +100,7 @@ class Mesh:
         self.is_last_stage = p == pp - 1
 
     def groups(self, axis: str) -> list[list[int]]:
-        """Every group along `axis` ('dp', 'pp', 'tp', 'node', 'cross_node') as lists of world ranks."""
+        """Every group along `axis` ('dp', 'pp', 'cp', 'tp', 'node', 'cross_node') as lists of world ranks."""
         if axis in AXES:
             dim = AXES.index(axis)
             lines = self.grid.movedim(dim, -1).reshape(-1, self.grid.shape[dim])
@@ -106,8 +112,8 @@ class Mesh:
             return nodes.t().tolist()
         raise ValueError(f"unknown axis {axis!r}; use one of {AXES + ('node', 'cross_node')}")
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(d, p, t) of a world rank."""
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """(d, p, c, t) of a world rank."""
         return tuple((self.grid == rank).nonzero()[0].tolist())
 
     def same_node(self, rank_a: int, rank_b: int) -> bool:
@@ -115,6 +121,7 @@ class Mesh:
         return rank_a // self.node_size == rank_b // self.node_size
 
     def __repr__(self):
-        return (f"Mesh(dp={self.dp_size}, pp={self.pp_size}, tp={self.tp_size}, node_size={self.node_size}; "
-                f"rank {self.world.rank} at (d={self.dp_rank}, p={self.pp_rank}, t={self.tp_rank}), "
+        return (f"Mesh(dp={self.dp_size}, pp={self.pp_size}, cp={self.cp_size}, tp={self.tp_size}, "
+                f"node_size={self.node_size}; rank {self.world.rank} at (d={self.dp_rank}, p={self.pp_rank}, "
+                f"c={self.cp_rank}, t={self.tp_rank}), "
                 f"node {self.node_index})")
