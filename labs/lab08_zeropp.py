@@ -92,9 +92,12 @@ def quantize_blockwise(x, block_numel, bits=8):
     rows, n = x.shape
     qmax = 2 ** (bits - 1) - 1
     # TODO(lab 8): block-wise absmax quantization.
-    #   blocks = _blocks(x, block_numel); one scale per block = its max |x| / qmax;
-    #   codes = round(x / scale), clamped to [-qmax, qmax], as int8 (a block of zeros: scale 0,
-    #   codes 0; divide by 1 there). Return codes cut back to n per row (contiguous), and scales.
+    #   Invariant: |x - code * scale| <= scale / 2 for every element, at 4 AND 8 bits.
+    #   The block's largest |x| (of either sign) must land exactly on +-qmax, and one
+    #   scale per block of block_numel elements (not per row) keeps an outlier's
+    #   damage inside its own block (_blocks pads the last, short block).
+    #   Returns int8 codes of shape [rows, n] (the padding is not sent) and fp32 scales
+    #   [rows, ceil(n / B)]; a block of zeros has scale 0 and codes 0.
     raise NotImplementedError('lab 8: not implemented yet: block-wise absmax quantization')
 
 
@@ -104,8 +107,8 @@ def dequantize_blockwise(codes, scales, block_numel, dtype=torch.float32):
     codes = _rows(codes)
     rows, n = codes.shape
     # TODO(lab 8): dequantize: each code times its block's scale.
-    #   _blocks(codes, block_numel) gives them as float blocks; multiply by scales (one per
-    #   block), cut each row back to n elements, cast to dtype.
+    #   x' = code * scale, the scale of the block the code lies in (element j of a row is
+    #   in block j // B); the result has the codes' shape [rows, n], in `dtype`.
     raise NotImplementedError('lab 8: not implemented yet: dequantize')
 
 
@@ -172,10 +175,13 @@ def quantized_all_gather(comm, output, shard, block_numel, async_op=False):
         raise ValueError(f"quantized_all_gather: output has {output.numel()} elements, expected "
                          f"{comm.size} x {shard.numel()}")
     # TODO(lab 8): the int8 all-gather: one message per rank, codes and scales together.
-    #   encode(shard, block_numel, 8) is this rank's row [int8 codes | fp32 scales, as bytes].
-    #   All-gather the rows (async_op=True) into a new [comm.size, row bytes] uint8 tensor.
-    #   finish(): wait for it, then decode(rows, shard.numel(), block_numel, 8,
-    #   out=output.view(comm.size, -1)): one row of values per rank, cast to output's dtype.
+    #   Bytes per rank: s + 4 * ceil(s / B) for a shard of s elements (int8 codes + fp32
+    #   scales), in ONE collective: each collective pays a latency, so encode's
+    #   [codes | scale bytes] row is what travels. comm.all_gather(output, input,
+    #   async_op=True) fills output (comm.size x input, same dtype) and returns a handle;
+    #   the gathered bytes are valid only after handle.wait(). So the call must return
+    #   with the gather still in flight (FSDP prefetches with it), and finish() decodes
+    #   every rank's row (its codes with ITS scales) into output only after the wait.
     raise NotImplementedError('lab 8: not implemented yet: the int8 all-gather')
     pending = Pending(finish)
     if async_op:

@@ -1,4 +1,4 @@
-"""Lab 08 (ZeRO++ int8 quantized all-gather): plausible student bugs, each caught by one check."""
+"""Lab 08 (ZeRO++ quantized all-gather): plausible student bugs, each caught by one check."""
 from tests.mutants import Mutant
 
 GATHER = """    wire = encode(shard, block_numel, 8)
@@ -9,20 +9,36 @@ GATHER = """    wire = encode(shard, block_numel, 8)
         work.wait()
         decode(rows, shard.numel(), block_numel, 8, out=output.view(comm.size, -1))
 """  # the reference's int8 all-gather, as solutions/lab08_zeropp.py has it
+SCALE = "scales = blocks.abs().amax(dim=-1) / qmax"
+TWO_GATHERS = """    codes, scales = quantize_blockwise(shard, block_numel, 8)
+    all_codes = torch.empty(comm.size, codes.shape[1], dtype=torch.int8, device=shard.device)
+    all_scales = torch.empty(comm.size, scales.shape[1], dtype=torch.float32, device=shard.device)
+    works = [comm.all_gather(all_codes, codes, async_op=True), comm.all_gather(all_scales, scales, async_op=True)]
+
+    def finish():
+        for w in works:
+            w.wait()
+        output.view(comm.size, -1).copy_(dequantize_blockwise(all_codes, all_scales, block_numel))
+"""
+PADDED = "return codes.view(rows, -1)[:, :n].contiguous(), scales"
 
 MUTANTS = [
-    Mutant("divides by 2^(bits-1) = 128: the largest value clips to 127",
-           "scales = blocks.abs().amax(dim=-1) / qmax",
-           "scales = blocks.abs().amax(dim=-1) / (qmax + 1)",
-           "check_quantizer", "largest |x| of its block"),
+    Mutant("divides by 2^(bits-1) = 128: the largest value clips to 127", SCALE,
+           "scales = blocks.abs().amax(dim=-1) / (qmax + 1)", "check_quantizer", "dividing by qmax + 1"),
     Mutant("truncates toward zero instead of rounding to the nearest code",
-           "codes = torch.round(blocks / safe)",
-           "codes = (blocks / safe)",
-           "check_quantizer", "moved toward zero"),
-    Mutant("one scale per row (tensor-wise), not per block: an outlier flattens its whole row",
-           "scales = blocks.abs().amax(dim=-1) / qmax",
+           "codes = torch.round(blocks / safe)", "codes = (blocks / safe)", "check_quantizer", "moved toward zero"),
+    Mutant("one scale per row (tensor-wise), not per block: an outlier flattens its whole row", SCALE,
            "scales = blocks.abs().amax(dim=-1).amax(dim=-1, keepdim=True).repeat(1, blocks.shape[1]) / qmax",
            "check_quantizer", "not one scale per block"),
+    Mutant("one scale per shard (the same bug, seen in the gathered weights)", SCALE,
+           "scales = blocks.abs().amax(dim=-1).amax(dim=-1, keepdim=True).repeat(1, blocks.shape[1]) / qmax",
+           "check_matches_zero3", "one scale per shard"),
+    Mutant("scale from max x, not max |x|: a negative outlier clips", SCALE,
+           "scales = blocks.amax(dim=-1) / qmax", "check_quantizer", "not max |x|"),
+    Mutant("hard-codes int8's 127: 4-bit codes overflow their nibble", SCALE + "\n",
+           "scales = blocks.abs().amax(dim=-1) / 127\n    qmax = 127\n", "check_quantizer", "qmax = 2^(bits-1) - 1"),
+    Mutant("returns the padded codes (the last block's padding kept)", PADDED,
+           "return codes.view(rows, -1).contiguous(), scales", "check_quantizer", "padding of the last block"),
     Mutant("dequantize forgets to multiply by the scales",
            "return (_blocks(codes, block_numel) * _rows(scales).unsqueeze(-1)).view(rows, -1)[:, :n].to(dtype)",
            "return _blocks(codes, block_numel).view(rows, -1)[:, :n].to(dtype)",
@@ -34,6 +50,19 @@ MUTANTS = [
     Mutant("quantizes the weights to int4 instead of int8",
            GATHER, GATHER.replace("block_numel, 8", "block_numel, 4"),
            "check_matches_zero3", "fits 4-bit codes"),
+    Mutant("codes and scales in two all-gathers (same bytes, two latencies)", GATHER, TWO_GATHERS,
+           "check_one_async_gather", "ran 2 all-gathers, expected 1"),
+    Mutant("a blocking all-gather (nothing left to overlap)", GATHER,
+           GATHER.replace("work = comm.all_gather(rows, wire, async_op=True)", "comm.all_gather(rows, wire)")
+           .replace("        work.wait()\n", ""),
+           "check_one_async_gather", "was blocking"),
+    Mutant("waits and decodes before returning the handle", GATHER,
+           GATHER + "    finish()\n", "check_one_async_gather", "waited on the all-gather before returning"),
+    Mutant("decodes before waiting (reads rows still being received)", GATHER,
+           GATHER.replace("        work.wait()\n        decode(rows, shard.numel(), block_numel, 8, out=output.view(comm.size, -1))\n",
+                          "        work.wait()\n")
+           .replace("    def finish():", "    decode(rows, shard.numel(), block_numel, 8, out=output.view(comm.size, -1))\n\n    def finish():"),
+           "check_one_async_gather", "wrote into output before wait()"),
     Mutant("forgets to quantize: gathers the fp32 shard (right values, no bytes saved)",
            GATHER, GATHER.replace("encode(shard, block_numel, 8)", "shard.float().reshape(1, -1)")
            .replace("dtype=torch.uint8", "dtype=torch.float32")
