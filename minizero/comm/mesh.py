@@ -16,6 +16,11 @@ ZeRO++ (Wang et al. 2023) needs two more groups from that: the `node` group (the
 server) and the `cross_node` group (the ranks with the same local index on every server).
 A tp group must fit inside a node, so `node_size` must be a multiple of `tp`.
 
+Expert parallelism (minizero/moe) is not another axis of the grid: DeepSpeed-MoE cuts each dp
+group into slices of `ep` consecutive ranks. The experts are shared out over a slice (`mesh.ep`,
+the all-to-all group) and replicated across slices (`mesh.expert_dp`, the ranks that all-reduce
+the same experts' gradients); dense parameters stay replicated over the whole dp group.
+
     mesh = Mesh(comm, dp=2, pp=2, tp=2)            # on 8 ranks
     mesh.tp.all_reduce(x)                          # the 2 ranks of this rank's tp group
     mesh.pp.send(act, mesh.pp_next)                # pipeline neighbour, a rank of mesh.pp
@@ -51,7 +56,7 @@ class Mesh:
     """A dp x pp x cp x tp grid over `comm`'s ranks, plus nodes of `node_size` consecutive ranks."""
 
     def __init__(self, comm: Communicator, dp: int | None = None, pp: int = 1, tp: int = 1,
-                 node_size: int | None = None, cp: int = 1):
+                 node_size: int | None = None, cp: int = 1, ep: int = 1):
         world = comm.size
         pp, tp, cp = _positive_int("pp", pp), _positive_int("tp", tp), _positive_int("cp", cp)
         model = pp * cp * tp
@@ -65,6 +70,10 @@ class Mesh:
         if dp * model != world:
             raise MeshError(f"Mesh: dp={dp} x {sizes} = {dp * model} ranks, but the world has "
                             f"{world}: the sizes' product must equal the number of ranks")
+        ep = _positive_int("ep", ep)
+        if dp % ep:
+            raise MeshError(f"Mesh: ep={ep} does not divide dp={dp}: expert parallelism shares the experts out over "
+                            f"slices of ep consecutive ranks of each dp group. Use an ep that divides {dp}")
         node_size = world if node_size is None else _positive_int("node_size", node_size)
         if world % node_size:
             raise MeshError(f"Mesh: node_size={node_size} does not divide the world size {world}")
@@ -77,6 +86,7 @@ class Mesh:
         self.pp_size = pp                  # pipeline stages
         self.tp_size = tp                  # tensor-parallel ranks per layer
         self.cp_size = cp                  # context-parallel ranks: each holds s/cp of the sequence
+        self.ep_size = ep                  # expert-parallel ranks: a slice of the dp group sharing out the experts
         self.node_size = node_size         # ranks per simulated server
         self.num_nodes = world // node_size
         self.grid = torch.arange(world).view(dp, pp, cp, tp)  # grid[d, p, c, t] = world rank
@@ -91,6 +101,14 @@ class Mesh:
         self.pp = comm.split((d * cp + c) * tp + t, p, name=f"pp{self.grid[d, :, c, t].tolist()}")
         self.cp = comm.split((d * pp + p) * tp + t, c, name=f"cp{self.grid[d, p, :, t].tolist()}")
         self.tp = comm.split((d * pp + p) * cp + c, t, name=f"tp{self.grid[d, p, c, :].tolist()}")
+        # expert parallelism cuts each dp group into slices of ep consecutive ranks (DeepSpeed-MoE's layout):
+        # mesh.ep = this rank's slice (the all-to-all group), mesh.expert_dp = the ranks holding the same
+        # experts (their gradients' all-reduce group). ep = 1: no slice, expert_dp is dp.
+        self.ep_rank = d % ep
+        dp_line = self.grid[:, p, c, t].view(dp // ep, ep)
+        self.ep = self.dp.split(d // ep, d % ep, name=f"ep{dp_line[d // ep].tolist()}") if ep > 1 else None
+        self.expert_dp = self.dp.split(d % ep, d // ep, name=f"expert_dp{dp_line[:, d % ep].tolist()}") \
+            if ep > 1 else self.dp
         self.node = comm.split(self.node_index, self.local_rank, name=f"node{self.node_index}")
         self.cross_node = comm.split(self.local_rank, self.node_index, name=f"cross_node{self.local_rank}")
         # pipeline neighbours, as ranks of self.pp (None at the ends: no wrap-around)
@@ -100,7 +118,12 @@ class Mesh:
         self.is_last_stage = p == pp - 1
 
     def groups(self, axis: str) -> list[list[int]]:
-        """Every group along `axis` ('dp', 'pp', 'cp', 'tp', 'node', 'cross_node') as lists of world ranks."""
+        """Every group along `axis` ('dp', 'pp', 'cp', 'tp', 'ep', 'expert_dp', 'node', 'cross_node') as lists
+        of world ranks."""
+        if axis in ("ep", "expert_dp"):
+            slices = self.grid.movedim(0, -1).reshape(-1, self.dp_size // self.ep_size, self.ep_size)
+            lines = slices if axis == "ep" else slices.transpose(1, 2)
+            return sorted(line.tolist() for line in lines.reshape(-1, lines.shape[-1]))
         if axis in AXES:
             dim = AXES.index(axis)
             lines = self.grid.movedim(dim, -1).reshape(-1, self.grid.shape[dim])
@@ -110,7 +133,7 @@ class Mesh:
             return nodes.tolist()
         if axis == "cross_node":
             return nodes.t().tolist()
-        raise ValueError(f"unknown axis {axis!r}; use one of {AXES + ('node', 'cross_node')}")
+        raise ValueError(f"unknown axis {axis!r}; use one of {AXES + ('ep', 'expert_dp', 'node', 'cross_node')}")
 
     def coords(self, rank: int) -> tuple[int, ...]:
         """(d, p, c, t) of a world rank."""
