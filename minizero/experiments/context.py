@@ -1,0 +1,130 @@
+"""Context parallelism, measured: what lesson 12, lab 11 and tests/test_context.py launch.
+
+`attention_side_by_side(cp_comm, method, causal, balanced)` runs torch's scaled_dot_product_attention
+on the whole sequence (every rank, one process's answer) and ring attention or Ulysses on this
+rank's shard, then returns what it measured:
+  * the largest atol needed (at rtol 1e-6) of the gathered output and of dq, dk, dv;
+  * the bytes the cp group sent in forward and in backward (comm.stats), next to the formulas
+    ring_bytes_per_layer / ulysses_bytes_per_layer;
+  * the bytes autograd kept for backward (memory.SavedTensors) next to attention_activation_bytes;
+  * ring attention's BlockWork (scores computed per pass, pairs by kind, compute and wait seconds)
+    next to layout.scores_per_rank.
+`activation_sweep` measures the saved bytes per rank over sequence lengths; `longest_sequence`
+searches the longest sequence whose measured saved bytes fit under a cap.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minizero.context import (
+    BlockWork,
+    attention_activation_bytes,
+    online_softmax,
+    ring_attention,
+    ring_bytes_per_layer,
+    scores_per_rank,
+    shard_sequence,
+    ulysses_attention,
+    ulysses_bytes_per_layer,
+    unshard_sequence,
+)
+from minizero.experiments.tensor import atol_needed
+from minizero.memory import SavedTensors
+
+SHAPE = {"batch": 2, "heads": 4, "seq": 32, "head_dim": 8}  # 32 tokens: 2 x cp chunks for cp = 2 and 4
+
+
+def inputs(batch, heads, seq, head_dim, dtype=torch.float32, seed=0):
+    """q, k, v and the output gradient of the whole sequence, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, seq, head_dim, generator=g).to(dtype) for _ in range(4)]
+
+
+def _gather(comm, shard: torch.Tensor, balanced: bool) -> torch.Tensor:
+    buf = torch.empty((comm.size, *shard.shape), dtype=shard.dtype)
+    comm.all_gather(buf, shard.contiguous())
+    return unshard_sequence(list(buf.unbind(0)), balanced)
+
+
+def _sent(comm) -> dict:
+    return {op: s["sent_bytes"] for op, s in comm.stats.as_dict().items() if s["calls"]}
+
+
+def run_attention(comm, method: str, q, k, v, causal: bool, balanced: bool, work=None, kernels=online_softmax):
+    if method == "ring":
+        return ring_attention(q, k, v, comm, causal=causal, balanced=balanced, work=work, kernels=kernels)
+    return ulysses_attention(q, k, v, comm, causal=causal)
+
+
+def attention_side_by_side(comm, method: str = "ring", causal: bool = True, balanced: bool = True,
+                           dtype=torch.float32, kernels=online_softmax, **shape) -> dict:
+    shape = {**SHAPE, **shape}
+    balanced = balanced and method == "ring"  # Ulysses needs contiguous shards (it has no imbalance)
+    q, k, v, grad_out = inputs(**shape, dtype=dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+    ref.backward(grad_out)
+    mine = [shard_sequence(t, comm.rank, comm.size, balanced).clone().requires_grad_() for t in (q, k, v)]
+    work = BlockWork()
+    comm.stats.reset()
+    with SavedTensors() as saved:
+        out = run_attention(comm, method, *mine, causal, balanced, work, kernels)
+    forward = _sent(comm)
+    comm.stats.reset()
+    out.backward(shard_sequence(grad_out, comm.rank, comm.size, balanced))
+    backward = _sent(comm)
+    full = {"out": _gather(comm, out.detach(), balanced)}
+    full.update({f"d{n}": _gather(comm, t.grad, balanced) for n, t in zip("qkv", mine)})
+    want = {"out": ref.detach(), **{f"d{n}": t.grad for n, t in zip("qkv", leaves)}}
+    batch, heads, seq, head_dim = (shape[n] for n in ("batch", "heads", "seq", "head_dim"))
+    w, hidden, cp = torch.finfo(dtype).bits // 8, heads * head_dim, comm.size
+    formula = ring_bytes_per_layer if method == "ring" else ulysses_bytes_per_layer
+    return {"atol_needed": {n: atol_needed(full[n], want[n]) for n in want},
+            "max_diff": {n: (full[n] - want[n]).abs().max().item() for n in want},
+            "sent": {"forward": forward, "backward": backward},
+            "formula": {**formula(batch, seq, hidden, cp, w),
+                        "saved_bytes": attention_activation_bytes(batch, seq, hidden, heads, cp, w),
+                        "scores_per_rank": scores_per_rank(seq, cp, causal, balanced)},
+            "saved_bytes": saved.total, "work": work.as_dict(), "cp": cp, "rank": comm.rank}
+
+
+def saved_bytes(comm, method: str, seq: int, causal: bool = True, batch=1, heads=4, head_dim=16) -> int:
+    """Bytes autograd keeps for backward on this rank for one attention over `seq` tokens
+    (comm.size == 1 and method 'sdpa': one process). Measured, never computed from the formula."""
+    balanced = method == "ring" and causal
+    q, k, v, _ = inputs(batch, heads, seq, head_dim)
+    if method == "sdpa":
+        mine = [t.requires_grad_() for t in (q, k, v)]
+    else:
+        mine = [shard_sequence(t, comm.rank, comm.size, balanced).requires_grad_() for t in (q, k, v)]
+    with SavedTensors() as saved:
+        out = (F.scaled_dot_product_attention(*mine, is_causal=causal) if method == "sdpa"
+               else run_attention(comm, method, *mine, causal, balanced))
+    del out
+    return saved.total
+
+
+def activation_sweep(comm, seqs=(256, 512, 1024, 2048), methods=("ring", "ulysses")) -> dict:
+    """{method: {seq: saved bytes on this rank}}; 'sdpa' is one process on the whole sequence."""
+    out = {"sdpa": {s: saved_bytes(comm, "sdpa", s) for s in seqs}}
+    for method in methods:
+        out[method] = {s: saved_bytes(comm, method, s) for s in seqs}
+    return out
+
+
+def longest_sequence(comm, method: str, cap_bytes: int, step: int = 64, start: int = 256, limit: int = 1 << 16) -> dict:
+    """The longest multiple of `step` tokens whose MEASURED saved bytes per rank (the most over the
+    ranks) fit in cap_bytes: doubling, then bisection. Every probe is a real forward."""
+    def fits(seq):
+        used = max(comm.allgather_object(saved_bytes(comm, method, seq)))
+        probes.append((seq, used))
+        return used <= cap_bytes
+    probes: list = []
+    low, high = 0, start
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    while high - low > step:
+        mid = (low + high) // 2 // step * step
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return {"method": method, "cp": comm.size, "cap_bytes": cap_bytes, "longest": low, "probes": probes}
