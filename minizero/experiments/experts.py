@@ -232,3 +232,15 @@ def moe_vs_dense(comm, steps=6, hidden=64, ffn=256, tokens_per_rank=512, k=1, ca
         out[name] = {"step_ms": sorted(times[1:])[len(times[1:]) // 2] * 1e3, "sent": sent, "formula": formula,
                      "params_on_rank": params}
     return out
+
+
+def lesson(comm, steps=30) -> dict:
+    """Everything lesson 13 measures on 4 ranks, in one job: equality and bytes (ep 4 top-1, ep 2 x
+    expert-dp 2 top-2), the routing of a skewed router over `steps` steps with and without the
+    balancing loss, and MoE vs dense step time and bytes."""
+    meshes = {ep: Mesh(comm, ep=ep) for ep in (2, 4)}
+    return {"ep4/k1": side_by_side(meshes[4], k=1, steps=1, skew=1.0, capacity_factor=1.0),
+            "ep2/k2": side_by_side(meshes[2], k=2, steps=1),
+            "routing": {str(coef): routing_over_steps(meshes[4], steps=steps, aux_loss_coef=coef)
+                        for coef in (0.0, 0.1)},
+            "dense": moe_vs_dense(comm)}
