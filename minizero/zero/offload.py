@@ -2,15 +2,20 @@
 
 Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training" (USENIX ATC), Sec. 4.
 Mixed-precision Adam holds 2Ψ (16-bit params) + 2Ψ (16-bit grads) + 12Ψ (fp32 master, m, v).
-ZeRO-Offload keeps the 2Ψ + 2Ψ that forward and backward touch on the device and moves the 12Ψ
-that only the optimizer step touches to the host, where the step runs on the CPU. Each step, per
-rank, with this rank's shard of Ψ/N parameters (Sec. 4.1, the "offload strategy" that minimizes
-traffic):
+ZeRO-Offload (built on ZeRO-2) keeps only the 2Ψ of 16-bit parameters on the device: each bucket's
+16-bit gradients go to the host during backward, as soon as they are reduced, into an fp32 gradient
+partition there, and the 12Ψ that only the optimizer step touches live on the host, where the step
+runs on the CPU. Device model states: 16Ψ -> 2Ψ, 8x (plus the bucket buffers, which are transient).
+That is the paper's headline: 13B x 2 B = 26 GB fits a 32 GB V100 with room for activations;
+13B x 4 B = 52 GB would not. Each step, per rank, with this rank's shard of Ψ/N parameters
+(Sec. 4.1, the "offload strategy" that minimizes traffic):
 
     gradients down   g_bytes·Ψ/N   (2Ψ/N in fp16)        device -> host
     parameters up    p_bytes·Ψ/N   (2Ψ/N in fp16)        host -> device
                      ----------------------------
                      4Ψ/N per rank in fp16; 4Ψ on one GPU, the paper's figure.
+(With gradient accumulation ZeRO-2 sends each micro-batch's reduced gradients down.) ZeRO-3 +
+offload keeps the 16-bit parameter shard on the device and the fp32 master on the host.
 
 `HostOptimizer` is that step for any flat device tensors (ZeRO-1/2: the rank's flat shard; ZeRO-3:
 each unit's shard). It counts every byte it copies in `traffic` (to_host, to_device), where it is
@@ -91,10 +96,12 @@ class OffloadedOptimizer:
         self._error = None                        # an exception raised inside it
 
     @torch.no_grad()
-    def accumulate(self, i: int, grad: torch.Tensor):
-        """Add one device gradient into host buffer i (ZeRO-3 hooks call this as each unit's gradient
-        is reduced, so it moves during backward; micro-batches add up on the host)."""
-        self.grads[i].add_(grad.reshape(-1).to(self.grads[i].device, torch.float32))
+    def accumulate(self, i: int, grad: torch.Tensor, offset: int = 0):
+        """Add one device gradient into host buffer i at `offset` (ZeRO-3's hooks call this as each unit's
+        gradient is reduced, ZeRO-2 as each bucket's is: it moves during backward, in the device's width,
+        and micro-batches add up on the host in fp32)."""
+        flat = grad.reshape(-1)
+        self.grads[i][offset:offset + flat.numel()].add_(flat.to(self.grads[i].device, torch.float32))
         self.traffic.to_host += grad.numel() * grad.element_size()
 
     @property
@@ -128,6 +135,39 @@ class OffloadedOptimizer:
     def zero_grad(self):
         for g in self.grads:
             g.zero_()
+
+
+class HostGradShard:
+    """ZeRO-2's gradient shard when offloaded (Ren et al. 2021, Sec. 4.1): `shard[lo:hi].add_(part)` copies
+    the reduced bucket part down into the tier's fp32 host gradient at lo (counted in traffic.to_host) instead
+    of adding it into a device buffer, so no gradient outlives backward on the device: it holds the 16-bit
+    parameters and the bucket buffers only."""
+
+    def __init__(self, tier: OffloadedOptimizer, dtype: torch.dtype, device, index: int = 0):
+        self.tier = tier      # whose host gradient buffer receives the parts
+        self.dtype = dtype    # the device gradients' type (the buckets are allocated like the shard)
+        self.device = device  # ... and where they are
+        self.index = index    # which of the tier's buffers (ZeRO-1/2: the one flat shard)
+
+    def __getitem__(self, window: slice):
+        return _HostWindow(self.tier, self.index, window.start or 0)
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The fp32 host buffer the parts were added into: the gradient the step uses."""
+        return self.tier.grads[self.index]
+
+    def zero_(self):
+        self.host.zero_()
+        return self
+
+
+class _HostWindow:
+    def __init__(self, tier, index, offset):
+        self.tier, self.index, self.offset = tier, index, offset
+
+    def add_(self, part):
+        self.tier.accumulate(self.index, part, self.offset)
 
 
 class HostOptimizer(OffloadedOptimizer):
