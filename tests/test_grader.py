@@ -38,10 +38,12 @@ def test_untouched_labs_score_zero_fast(tmp_path):
 def test_solutions_score_full_marks_in_gradescope_format(lab, graded):
     proc, result = graded(lab, "solutions")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert result["score"] == result["max_score"] == sum(c.max_score for c in LABS[lab].checks())
-    for t in result["tests"]:
+    checks = LABS[lab].checks()
+    assert result["max_score"] == sum(c.max_score for c in checks if not c.extra)
+    assert result["score"] == sum(c.max_score for c in checks)  # and every stretch task's extra points
+    for t, c in zip(result["tests"], checks):
         assert set(t) >= {"name", "score", "max_score", "status", "output"}
-        assert t["status"] == "passed" and t["score"] == t["max_score"]
+        assert t["status"] == "passed" and t["score"] == c.max_score and t["max_score"] == (0 if c.extra else c.max_score)
     assert f"total: {result['score']:g} / {result['max_score']:g}" in proc.stdout
 
 

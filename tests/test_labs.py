@@ -5,14 +5,15 @@ import pytest
 
 from minizero.autograde import LABS
 
-CASES = [pytest.param(n, check.name, id=f"lab{n}-{check.fn.__name__}", marks=getattr(pytest.mark, f"lab{n}"))
+CASES = [pytest.param(n, check, id=f"lab{n}-{check.fn.__name__}", marks=getattr(pytest.mark, f"lab{n}"))
          for n, lab in sorted(LABS.items()) for check in lab.checks()]
 
 
-@pytest.mark.parametrize("lab,check_name", CASES)
-def test_lab_check(lab, check_name, impl, graded):
+@pytest.mark.parametrize("lab,check", CASES)
+def test_lab_check(lab, check, impl, graded):
     proc, result = graded(lab, impl)
     assert result is not None, f"the grader wrote no results.json:\n{proc.stdout}\n{proc.stderr}"
-    entry = next(t for t in result["tests"] if t["name"] == f"lab {lab}: {check_name}")
+    entry = next(t for t in result["tests"] if t["name"] == f"lab {lab}: {check.name}")
     assert entry["status"] == "passed", entry["output"]
-    assert entry["score"] == entry["max_score"] > 0
+    # a stretch task (extra=True) is extra credit: its points come with max_score 0 (Gradescope)
+    assert entry["score"] == check.max_score > 0 and entry["max_score"] == (0 if check.extra else check.max_score)

@@ -21,6 +21,7 @@ from minizero.autograde.batch import run_checks
 
 MUTANT_DIR = Path(__file__).resolve().parent / "mutants"
 MIN_PER_LAB = 6
+MIN_FROM_LAB_7 = 8  # labs 07-10 (issue 22): at least 8 plausible bugs each, a stretch task's own mutants on top
 
 
 def load_mutants() -> dict:
@@ -112,8 +113,13 @@ def test_every_lab_has_its_mutants(tmp_path):
     assert set(MUTANTS) <= set(LABS), f"mutant files for labs that do not exist: {sorted(set(MUTANTS) - set(LABS))}"
     for n, lab in LABS.items():
         mutants = MUTANTS.get(n, [])
-        assert len(mutants) >= MIN_PER_LAB, (f"lab {n} has {len(mutants)} mutants in tests/mutants/lab{n:02d}.py; "
-                                             f"every lab needs at least {MIN_PER_LAB} plausible student bugs")
+        least = MIN_FROM_LAB_7 if n >= 7 else MIN_PER_LAB
+        extra = {c.fn.__name__ for c in lab.checks() if c.extra}
+        main = [m for m in mutants if m.check not in extra]
+        assert len(main) >= least, (f"lab {n} has {len(main)} mutants of its main checks in tests/mutants/lab{n:02d}.py; "
+                                    f"it needs at least {least} plausible student bugs")
+        for name in extra:
+            assert any(m.check == name for m in mutants), f"lab {n}: the stretch task's check {name} has no mutant"
         checks = {c.fn.__name__ for c in lab.checks()}
         for m in mutants:
             assert m.check in checks, f"lab {n} mutant '{m.name}': no check {m.check!r} (the checks: {sorted(checks)})"

@@ -5,7 +5,9 @@ shared file) with
   * `LAB = Lab(number, name, title, source)`: `source` is the minizero module whose
     BEGIN/END SOLUTION regions become the lab's TODOs (see minizero.cli.labgen);
   * `CHECKS`: a list of `Check(name, max_score, fn)`; `fn(impl_file) -> str` returns what it
-    measured, or raises `CheckFailed` saying what was wrong;
+    measured, or raises `CheckFailed` saying what was wrong. A stretch task's check has
+    `extra=True`: its points are extra credit (Gradescope: max_score 0, the points as score when
+    it passes), so full marks never need it;
   * `demo(comm, impl)`: what `mpirun -n 4 python labs/labNN_*.py` prints for the student.
 Checks run the student's code on several ranks through `minizero.launch`, so a stub, a
 crash or a deadlock becomes a failed check with a clear message, never a hung grader.
@@ -62,6 +64,7 @@ class Check:
     name: str
     max_score: float
     fn: Callable[[str], str]
+    extra: bool = False  # a stretch task: extra credit, not part of the lab's max_score
 
 
 def get_lab(number: int) -> Lab:
@@ -106,8 +109,9 @@ def run_check(lab: Lab, check: Check, impl: str) -> dict:
         output = with_hint(f"the check could not run on this submission: {type(e).__name__}: {e}\n\n"
                            f"{traceback.format_exc()[-3000:]}")
         ok = False
-    return {"name": f"lab {lab.number}: {check.name}", "score": check.max_score if ok else 0.0,
-            "max_score": check.max_score, "status": "passed" if ok else "failed",
+    return {"name": f"lab {lab.number}: {check.name}",
+            "score": check.max_score if ok else 0.0,
+            "max_score": 0.0 if check.extra else check.max_score, "status": "passed" if ok else "failed",
             "output": output, "execution_time": round(time.time() - t0, 2)}
 
 
@@ -119,7 +123,8 @@ def grade(labs: list[int], impl: str, progress=print, tests: list | None = None)
         lab = get_lab(n)
         for check in lab.checks():
             entry = run_check(lab, check, impl)
-            progress(f"{'PASS' if entry['status'] == 'passed' else 'FAIL'}  {entry['score']:>4g}/{entry['max_score']:<4g} "
+            points = f"+{check.max_score:g} extra" if check.extra else f"{entry['max_score']:g}"
+            progress(f"{'PASS' if entry['status'] == 'passed' else 'FAIL'}  {entry['score']:>4g}/{points:<4} "
                      f"{entry['name']}  ({entry['execution_time']:.1f}s)")
             if entry["status"] != "passed":
                 for line in entry["output"].splitlines()[:2]:  # the message, and its likely cause if known
@@ -154,7 +159,7 @@ def main(argv=None) -> int:
     print(f"\ntotal: {result['score']:g} / {result['max_score']:g}")
     if args.json:
         print(f"wrote {args.json}")
-    return 0 if result["score"] == result["max_score"] else 1
+    return 0 if result["score"] >= result["max_score"] else 1  # stretch tasks' extra credit may exceed it
 
 
 def print_losses(label_a: str, losses_a, label_b: str, losses_b, digits: int = 5):

@@ -4,7 +4,11 @@ exactly like one process, holding at most min(p - rank, m) micro-batches' activa
 
 Two launches per submission, shared by the checks (cached per file): one rank plays the action
 lists against each other for p = 1..4 and m = 1..9 (schedules.simulate: no real ranks needed to
-find a deadlock), four ranks train TinyGPT with them (experiments.pipeline.train)."""
+find a deadlock), four ranks train TinyGPT with them (experiments.pipeline.train).
+
+Stretch task (extra points, not needed for full marks): `zero_bubble_h1(p, m, rank)`, ZB-H1's
+action list with B and W split, played in the same one-rank launch against ZB-H1's bubble
+formula (F = B = W) and its memory, min(p, m) micro-batches held (each freed by its W)."""
 from minizero.autograde import Check, CheckFailed, Lab
 
 LAB = Lab(9, "one_f_one_b", "Pipeline parallelism: the 1F1B schedule", "minizero/pipeline/schedules.py")
@@ -19,18 +23,39 @@ def shape_worker(comm, impl):
     """On one rank: for each (p, m), the first problem with the action lists, or their simulated
     bubble and the activations each rank holds at most."""
     from minizero.launch import load_target
-    from minizero.pipeline import ScheduleError, make_schedule, peak_in_flight, simulate
     fn = load_target(impl + ":one_f_one_b")
-    out = []
-    for p, m in SIZES:
-        try:
-            schedule = make_schedule("1f1b", p, m, rank_actions=fn)
-        except ScheduleError as e:
-            out.append({"p": p, "m": m, "error": str(e)})
-            continue
-        out.append({"p": p, "m": m, "bubble": simulate(schedule)["bubble"],
-                    "in_flight": [peak_in_flight(schedule, r) for r in range(p)]})
-    return out
+    out = [_played("1f1b", fn, p, m) for p, m in SIZES]
+    try:  # the stretch task: its stub must not cost the 1F1B checks anything
+        zb = load_target(impl + ":zero_bubble_h1")
+        zb_h1 = [_played("zb_h1", zb, p, m) for p, m in SIZES]
+    except NotImplementedError as e:
+        zb_h1 = {"stub": str(e)}
+    except Exception as e:  # noqa: BLE001  (a crash in the stretch task fails only its check)
+        zb_h1 = {"stub": f"zero_bubble_h1 raised {type(e).__name__}: {e}"}
+    return {"1f1b": out, "zb_h1": zb_h1}
+
+
+def _played(name, fn, p, m):
+    """The first problem with fn's action lists for (p, m), or their simulated bubble and peaks."""
+    from minizero.pipeline import ScheduleError, make_schedule, peak_in_flight, simulate
+    try:
+        schedule = make_schedule(name, p, m, rank_actions=fn)
+    except ScheduleError as e:
+        return {"p": p, "m": m, "error": str(e)}
+    return {"p": p, "m": m, "bubble": simulate(schedule)["bubble"],
+            "in_flight": [peak_in_flight(schedule, r) for r in range(p)],
+            "pending": [_peak_pending(actions) for actions in schedule.actions]}
+
+
+def _peak_pending(actions):
+    """Most W's a rank has pending when it starts a B (their B done, their W not yet): ZB-H1's
+    rank r keeps up to r, so that its W's wait for the cool-down instead of delaying a B."""
+    pending = peak = 0
+    for a in actions:
+        if a.kind == "B":
+            peak = max(peak, pending)
+        pending += (a.kind == "B") - (a.kind == "W")
+    return peak
 
 
 def train_worker(comm, impl):
@@ -66,7 +91,7 @@ def _launched(kind, impl):
 
 # ----------------------------------------------------------------------------- the checks
 def check_valid(impl):
-    results = _launched("shape", impl)[0]
+    results = _launched("shape", impl)[0]["1f1b"]
     for r in results:
         if "error" in r:
             raise CheckFailed(f"p={r['p']}, m={r['m']}: {r['error']}")
@@ -75,7 +100,7 @@ def check_valid(impl):
 
 def check_shape(impl):
     """The simulated schedule (unit F, B = 2F) has 1F1B's bubble and holds min(p - rank, m)."""
-    results = _launched("shape", impl)[0]
+    results = _launched("shape", impl)[0]["1f1b"]
     for r in results:
         if "error" in r:
             raise CheckFailed(f"p={r['p']}, m={r['m']}: not a valid schedule ({r['error']})")
@@ -121,11 +146,43 @@ def check_memory(impl):
     return "\n".join(lines)
 
 
+def check_zb_h1(impl):
+    """Stretch: ZB-H1's list is valid, has the paper's bubble for m >= p (F = B = W; below, no
+    more than the reference schedule's) and holds at most min(p, m) micro-batches."""
+    from minizero import pipeline
+    results = _launched("shape", impl)[0]["zb_h1"]
+    if "stub" in results:
+        raise CheckFailed(results["stub"])
+    for r in results:
+        p, m = r["p"], r["m"]
+        if "error" in r:
+            raise CheckFailed(f"ZB-H1, p={p}, m={m}: {r['error']}")
+        for rank, held in enumerate(r["in_flight"]):
+            want = pipeline.in_flight_formula("zb_h1", p, m, rank)
+            if held > want:
+                raise CheckFailed(f"ZB-H1, p={p}, m={m}: rank {rank} holds up to {held} micro-batches' activations (an "
+                                  f"activation lives until its W), ZB-H1 holds min(p, m) = {want}: rank r keeps only r "
+                                  "W's pending; run the oldest W as soon as more are pending")
+        want = (pipeline.bubble_formula("zb_h1", p, m) if m >= p else
+                pipeline.simulate(pipeline.make_schedule("zb_h1", p, m))["bubble"])
+        if r["bubble"] > want + 1e-9:
+            reference = [_peak_pending(a) for a in pipeline.make_schedule("zb_h1", p, m).actions]
+            early = [rank for rank, n in enumerate(r["pending"]) if n < reference[rank]]
+            raise CheckFailed(f"ZB-H1, p={p}, m={m}: the simulated bubble (F = B = W) is {r['bubble']:.3f}, ZB-H1's is "
+                              f"{want:.3f} (1F1B's {pipeline.bubble_formula('1f1b', p, m):.3f}): "
+                              + (f"rank {early[-1]} keeps at most {r['pending'][early[-1]]} W's pending, ZB-H1 keeps "
+                                 f"{reference[early[-1]]}: its W's run too early, on the critical path, where the next B "
+                                 "should be; postpone them into the cool-down" if early else
+                                 "B's are delayed: a B must run as soon as 1F1B would run it, W's fill the idle time"))
+    return "valid, bubble = (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)) for m >= p, min(p, m) held, p <= 4, m <= 9"
+
+
 CHECKS = [
     Check("action lists: complete, ordered, deadlock-free (p <= 4, m <= 9)", 3, check_valid),
     Check("1F1B's shape: bubble (p-1)/(m+p-1), min(p - rank, m) in flight (simulated)", 2, check_shape),
     Check("trains like one process (pp 4, m = 8 and 2; dp 2 x pp 2 with DDP)", 3, check_trains),
     Check("peak activations per stage <= min(p - rank, m) (ledger, 4 ranks)", 2, check_memory),
+    Check("stretch: ZB-H1's action list (bubble formula, min(p, m) held; extra points)", 2, check_zb_h1, extra=True),
 ]
 
 

@@ -62,10 +62,11 @@ def one_f_one_b(num_stages: int, num_microbatches: int, rank: int) -> list[Actio
     so never holds more than min(p-r, m) micro-batches' activations."""
     actions = []
     # BEGIN SOLUTION: the 1F1B action list of one rank.
-    #   warm-up: warmup = min(p - rank - 1, m) forwards Action("F", 0), Action("F", 1), ...;
-    #   steady state: for each remaining micro-batch, the F of the next one, then the B of the
-    #     oldest one still held;
-    #   cool-down: the backwards that are left. Micro-batches in order; chunk 0 (the default).
+    #   Invariant: rank r holds at most min(p - r, m) micro-batches' activations (an F stores
+    #   one, its B frees it) and the bubble stays GPipe's (p-1)/(m+p-1). Rank r's first B can
+    #   arrive only once its micro-batch has crossed the p - r - 1 later stages and come back,
+    #   so that many forwards fit before it; from then on each B makes room for one more F.
+    #   Each micro-batch's F and B run once, in micro-batch order, on chunk 0 (the default).
     warmup = min(num_stages - rank - 1, num_microbatches)
     actions += [Action("F", k) for k in range(warmup)]
     for k in range(num_microbatches - warmup):
@@ -111,6 +112,13 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int, rank: int) -> list[Ac
     """ZB-H1: 1F1B with B (input gradient) and W (weight gradient) split. Rank r keeps r W's
     pending: they run in the cool-down, where 1F1B would idle, so at most p micro-batches are held
     on any rank (the peak of 1F1B's first stage)."""
+    # BEGIN SOLUTION: the ZB-H1 action list of one rank (stretch task, extra points).
+    #   B (the input gradient) is on the critical path: stage r-1 waits for it. W (the weight
+    #   gradient) is not: only the optimizer needs it. So run F and B exactly as 1F1B would,
+    #   and postpone W's: rank r keeps r of them pending and runs them in the cool-down, where
+    #   1F1B idles. An activation is freed by its W, so every rank holds min(p, m), and the
+    #   bubble is (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)), a third of 1F1B's when F=B=W.
+    #   Every micro-batch's F, B and W once each, in micro-batch order.
     warmup = min(num_stages - rank - 1, num_microbatches)
     actions = [Action("F", k) for k in range(warmup)]
     backwards = weights = 0
@@ -129,6 +137,7 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int, rank: int) -> list[Ac
     while backwards < num_microbatches:
         backward()
     return actions + [Action("W", k) for k in range(weights, num_microbatches)]
+    # END SOLUTION
 
 
 # name -> (per-rank generator, whether B and W are separate actions)

@@ -30,3 +30,25 @@ MUTANTS = [
     Mutant("steady state backs the newest micro-batch", STEADY, STEADY.replace('Action("B", k)', 'Action("B", warmup + k)'),
            "check_valid", "runs B1 twice"),
 ]
+MUTANTS += [
+    Mutant("steady state restarts the forwards at micro-batch 0", STEADY, STEADY.replace("warmup + k", "k"),
+           "check_valid", "runs F0 twice"),
+]
+
+# the stretch task, ZB-H1 (extra points): its own mutants, graded by check_zb_h1 alone
+PENDING = "        if backwards - weights > rank:\n"
+COOLDOWN_ZB = "    while backwards < num_microbatches:\n        backward()\n"
+MUTANTS += [
+    Mutant("ZB-H1: each W right after its B (none postponed: 1F1B's bubble)", PENDING,
+           "        if backwards - weights > 0:\n", "check_zb_h1", "W's run too early"),
+    Mutant("ZB-H1: one W too many kept pending", PENDING, "        if backwards - weights > rank + 1:\n",
+           "check_zb_h1", "rank r keeps only r W's pending"),
+    Mutant("ZB-H1: every W postponed to the end", PENDING, "        if backwards - weights > num_microbatches:\n",
+           "check_zb_h1", "holds up to"),
+    Mutant("ZB-H1: the cool-down runs the pending W's before the B's", COOLDOWN_ZB,
+           "    while weights < backwards:\n        actions.append(Action(\"W\", weights))\n        weights += 1\n"
+           + COOLDOWN_ZB, "check_zb_h1", "B's are delayed"),
+    Mutant("ZB-H1: forgets the W's left at the end",
+           '    return actions + [Action("W", k) for k in range(weights, num_microbatches)]\n',
+           "    return actions\n", "check_zb_h1", "never runs W"),
+]
