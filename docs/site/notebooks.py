@@ -1,0 +1,72 @@
+"""Run a lesson notebook once, for both its test and the site.
+
+tests/test_lessons.py executes every lessons/*.ipynb (committed without outputs) and keeps the
+executed copy in build/lessons/ (git-ignored) with where and when it ran stamped in its metadata;
+`make site` renders those copies, and executes a lesson itself only when its copy is missing or
+was made from other cell sources than the notebook's now (a digest of the sources says which)."""
+import datetime
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXECUTED = ROOT / "build" / "lessons"
+HANG_S = 600  # per cell: a cell still running after this is hung (launch jobs time out well before)
+
+
+def digest(nb) -> str:
+    """sha256 of the cells' types and sources: what decides whether an executed copy is current."""
+    cells = [[c["cell_type"], "".join(c["source"]) if isinstance(c["source"], list) else c["source"]]
+             for c in nb["cells"]]
+    return hashlib.sha256(json.dumps(cells).encode()).hexdigest()
+
+
+def machine() -> dict:
+    """Where a notebook ran: the reader of a page needs it to know whose numbers these are."""
+    import torch
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), platform.processor())
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cores": os.cpu_count(), "cpu": model, "gpu": gpu, "python": platform.python_version(),
+            "torch": torch.__version__, "system": f"{platform.system()} {platform.release()}"}
+
+
+def _cpuinfo():
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def execute(path: Path, out_dir: Path = EXECUTED):
+    """Execute `path` in a fresh kernel (cwd = repo root), stamp the run into its metadata
+    (`minizero_run`: UTC start, seconds, load average before and after, the machine), write the
+    executed copy to out_dir/<name> and return (notebook, seconds)."""
+    import nbclient
+    import nbformat
+    nb = nbformat.read(path, as_version=4)
+    source_digest = digest(nb)
+    started, load_before, t0 = datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), time.time()
+    nbclient.NotebookClient(nb, timeout=HANG_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(ROOT)}}).execute()
+    elapsed = time.time() - t0
+    nb.metadata["minizero_run"] = {"started_utc": started.strftime("%Y-%m-%d %H:%M UTC"), "seconds": round(elapsed, 1),
+                                   "load_before": [round(x, 2) for x in load_before],
+                                   "load_after": [round(x, 2) for x in os.getloadavg()],
+                                   "machine": machine(), "source_digest": source_digest}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, out_dir / path.name)
+    return nb, elapsed
+
+
+def executed_copy(path: Path, out_dir: Path = EXECUTED):
+    """The executed copy of `path` if there is one made from its current sources, else None."""
+    import nbformat
+    copy = out_dir / path.name
+    if not copy.exists():
+        return None
+    nb = nbformat.read(copy, as_version=4)
+    current = digest(nbformat.read(path, as_version=4))
+    return nb if nb.metadata.get("minizero_run", {}).get("source_digest") == current else None
