@@ -6,15 +6,17 @@ from minizero.experiments.pipeline import GPT, train
 
 def suite(comm, configs, steps=5):
     """Every configuration of tests/test_pipeline.py, then torch DDP on the whole world with the
-    global batch of the dp x pp = 2 x 2 configurations (micro 2 x m 4 x dp 2 = 16), then the engine."""
+    global batch of the dp x pp = 2 x 2 configurations (micro 2 x m 4 x dp 2 = 16), then the engine,
+    then PP + ZeRO-1/2/3 at dp 2 x pp 2 (experiments.pp_zero)."""
     from minizero.experiments.references import train_torch_ddp
     runs = [train(comm, schedule, p, m, v, steps=steps, dp_mode=dp_mode, return_params=(p, m, dp_mode) == (2, 4, "ddp"))
             for schedule, p, m, v, dp_mode in configs]
     cfg = {**GPT, "n_layer": 2}
     ref = train_torch_ddp(comm, "tiny-gpt", steps=steps, global_batch=16, lr=0.1, seed=0, optimizer="sgd",
                           model_kwargs=cfg, data_seed=1)
+    from minizero.experiments.pp_zero import measure
     return {"runs": runs, "torch_ddp_params": ref["params"], "engine": engine_runs(comm), "verbose": verbose_trace(comm),
-            "checkpointing": checkpointing_runs(comm)}
+            "checkpointing": checkpointing_runs(comm), "pp_zero": measure(comm, steps=1, lost=("zero2-every",))}
 
 
 def checkpointing_runs(comm, steps=3):
@@ -39,7 +41,7 @@ def checkpointing_runs(comm, steps=3):
             if checkpointing:
                 config["activation_checkpointing"] = {}
             cfg = GPTConfig(**{**GPT, "n_layer": 4})
-            engine = minizero.initialize(TinyGPT(cfg), config, comm=comm)
+            engine, _, _, _ = minizero.initialize(model=TinyGPT(cfg), config=config, comm=comm)
             losses, peak = [], 0
             for x, y in global_batches(TinyGPT(cfg), steps, 8 * dp, seed=3):
                 mine = shard((x, y), engine.dp_rank, engine.dp_size)
@@ -106,7 +108,7 @@ def engine_runs(comm, steps=3, clip=0.05):
                   "zero_optimization": zero, "pipeline": pipeline}
         model = TinyGPT(cfg)
         names = {id(q): n for n, q in model.named_parameters()}
-        engine = minizero.initialize(model, config, comm=comm)
+        engine, _, _, _ = minizero.initialize(model=model, config=config, comm=comm)
         ref = TinyGPT(cfg)
         opt = make_optimizer("sgd", ref.parameters(), 0.1)
         losses, ref_losses, norms, ref_norms = [], [], [], []
@@ -151,7 +153,7 @@ def three_d_runs(comm, steps=5, clip=0.05):
         config = {"train_batch_size": 8 * dp, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": clip,
                   "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
                   "zero_optimization": zero, "pipeline": pipeline, "tensor_parallel": {"autotp_size": 2}}
-        engine = minizero.initialize(TinyGPT(cfg), config, comm=comm)
+        engine, _, _, _ = minizero.initialize(model=TinyGPT(cfg), config=config, comm=comm)
         names = {id(q): n for n, q in engine.module.named_parameters()}
         ref = TinyGPT(cfg)
         opt = make_optimizer("sgd", ref.parameters(), 0.1)

@@ -244,3 +244,55 @@ def test_3d_bytes_by_group_and_link_on_8_ranks_as_two_nodes():
         assert (links["dp"], links["tp"], links["pp"]) == ("cross-node", "intra-node", "intra-node")
         crossed = dp8["sent"]["by_link"]["cross-node"]
         assert crossed == (sum(dp8["sent"]["by_group"].values()) if rank in (3, 7) else 0), rank
+
+
+# ----------------------------------------------------------------------------- PP + ZeRO-2/3 (experiments.pp_zero)
+def _pp_zero(launched):
+    """{(mode, tie): [the run on each rank]} of the shared launch's dp 2 x pp 2 measurement."""
+    out = {}
+    for rank in launched:
+        for run in rank["pp_zero"]:
+            out.setdefault((run["mode"], run["tie"]), []).append(run)
+    return out
+
+
+def test_pp_zero_bytes_reduce_every_micro_batch_m_times(launched):
+    """ZeRO-2 reducing inside every micro-batch's backward sends m x the gradient bytes of the same ZeRO-2
+    reducing once per step (no_sync), which sends what ZeRO-1's one reduce-scatter sends; ZeRO-3 reduce-
+    scatters m times and all-gathers the weights about 2m times (a unit whose backward reads no weight is
+    not gathered again), against ZeRO-1's one all-gather."""
+    runs = _pp_zero(launched)
+    for rank in range(4):
+        z1, once, every, z3 = (runs[(mode, tie)][rank] for mode, tie in (
+            ("zero1", "full gradients"), ("zero2-once", "shards"), ("zero2-every", "shards"), ("zero3-every", "shards")))
+        m, ops = every["m"], lambda r: r["sent_by_op"]
+        assert ops(once)["reduce"] == ops(z1)["reduce_scatter"] > 0
+        assert ops(every)["reduce"] == m * ops(once)["reduce"]
+        assert ops(z3)["reduce_scatter"] == m * ops(z1)["reduce_scatter"]
+        assert m * ops(z1)["all_gather"] < ops(z3)["all_gather"] <= 2 * m * ops(z1)["all_gather"]
+        assert ops(every)["send"] == ops(z1)["send"] == ops(z3)["send"]  # the pipeline's own bytes do not change
+
+
+def test_pp_zero_memory_orders_as_the_shards_say(launched):
+    """Peak model states over a step (ledger after every pipeline action): ZeRO-2 reducing once keeps ZeRO-1's
+    full gradients AND its gradient shard (one shard more than ZeRO-1); reducing every micro-batch keeps only the
+    shard (full - shard less than ZeRO-1); ZeRO-3 shards the parameters too."""
+    runs = _pp_zero(launched)
+    for rank in range(4):
+        z1, once, every, z3 = (runs[(mode, tie)][rank]["states_peak"] for mode, tie in (
+            ("zero1", "full gradients"), ("zero2-once", "shards"), ("zero2-every", "shards"), ("zero3-every", "shards")))
+        numel = runs[("zero1", "full gradients")][rank]["numel"]
+        shard = (once - z1)
+        assert 0 < shard and 2 * shard >= 4 * numel  # a dp shard of the stage's fp32 gradient, padded
+        assert z1 - every == 4 * numel - shard
+        assert z3 < every < z1 < once
+
+
+def test_pp_zero_trains_like_one_process_once_the_tied_shards_are_summed(launched):
+    runs = _pp_zero(launched)
+    for (mode, tie), ranks in runs.items():
+        worst = max(r["max_diff"] for r in ranks)
+        if tie == "none":  # the embedding's gradient lost its other half: far from one process
+            assert worst > 1e-3, (mode, worst)
+        else:
+            assert worst < 1e-6, (mode, tie, worst)

@@ -68,8 +68,8 @@ def train(comm, schedule="1f1b", p=2, m=4, v=1, steps=5, micro=2, lr=0.1, gpt=No
     """Train TinyGPT (or, with timed_ms=(F, B, W), the emulated stages) with `schedule` on a
     dp x p mesh of comm's ranks, SGD with momentum, and measure every step.
 
-    dp_mode: "ddp" (minizero DDP over mesh.dp, reduced once per step), "zero1" (ShardedOptimizer
-    over mesh.dp) or "zero2" (ShardGradOp over mesh.dp: reduces after every micro-batch's backward).
+    dp_mode: "ddp" (minizero DDP over mesh.dp, reduced once per step) or "zero1" (ShardedOptimizer
+    over mesh.dp); ZeRO-2/3 under a pipeline are experiments.pp_zero's.
     rank_actions: a per-rank schedule generator replacing `schedule`'s (the lab's one_f_one_b).
     Returns this rank's measurements; with reference=True also how far its parameters are from
     one process trained on the whole batch (the atol needed at rtol 1e-6, and where)."""
@@ -91,11 +91,6 @@ def train(comm, schedule="1f1b", p=2, m=4, v=1, steps=5, micro=2, lr=0.1, gpt=No
     if dp_mode == "zero1":
         from minizero.zero import ShardedOptimizer
         opt = ShardedOptimizer(params, torch.optim.SGD, mesh.dp, lr=lr, momentum=0.9)
-    elif dp_mode == "zero2":
-        from minizero.zero import ShardGradOp
-        data_parallel = ShardGradOp(stage, torch.optim.SGD, mesh.dp, lr=lr, momentum=0.9)
-        opt = data_parallel
-        data_parallel = None  # reduces inside every backward: no no_sync, no finish
     else:
         from minizero.dp import DDP
         data_parallel = DDP(stage, mesh.dp, mode="bucketed") if mesh.dp_size > 1 else None
@@ -103,7 +98,8 @@ def train(comm, schedule="1f1b", p=2, m=4, v=1, steps=5, micro=2, lr=0.1, gpt=No
     pipe = PipelineRuntime(stage, plan, data_parallel=data_parallel, verbose=verbose)
     out = {"rank": comm.rank, "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "losses": [], "events": [],
            "sent": [], "sent_by_op": [], "peak_in_flight": [], "peak_activation_bytes": [], "transient_peak": [],
-           "p2p_theory": stage.p2p_bytes_per_step(m), "tied_numel": sum(q.numel() for q in stage.tied),
+           "p2p_theory": stage.p2p_bytes_per_step(m), "activation_nbytes": stage.activation_nbytes,
+           "activation_shape": list(stage.activation_shape), "tied_numel": sum(q.numel() for q in stage.tied),
            "numel": sum(q.numel() for q in params), "padded_numel": getattr(getattr(opt, "layout", None), "padded_numel", None),
            "activation_bytes": None, "config": dict(schedule=schedule, p=p, m=m, v=v, dp=mesh.dp_size)}
     for x, y in batches:
@@ -169,34 +165,38 @@ def correctness(comm, configs, **kwargs):
 
 # ----------------------------------------------------------------------------- lesson 09
 def lesson(comm, m=8, timed_ms=(4.0, 4.0, 4.0), sweep=(1, 4, 16)):
-    """Everything lesson 09 shows, in ONE 4-rank job (p = 4 unless said otherwise):
+    """Everything lesson 09 shows, in ONE job, p = comm.size stages (4 in the lesson):
       timelines   every schedule on the emulated device, and 1F1B on real TinyGPT (CPU contention)
       sweep       the measured bubble for several m (emulated device)
       memory      every schedule on TinyGPT: activations held per stage, bytes sent (1 step)
       growth      GPipe vs 1F1B activations as m grows
       exact       1F1B, 5 steps: distance to one process and both loss curves
-      zero2       dp 2 x pp 2: ZeRO-1 vs ZeRO-2 as the data-parallel half (bytes, distance)"""
+      pp_zero     dp 2 x pp 2: ZeRO-1, ZeRO-2 (reduced once or every micro-batch), ZeRO-3 as the data-parallel
+                  half: step time, ledger, bytes, distance (experiments.pp_zero.measure)"""
     import os
+    p = comm.size
     v_of = {"interleaved_1f1b": 2}
     out = {"load_average": [os.getloadavg()], "timelines": {}, "sweep": {}, "memory": {}, "growth": {}}
     keep = ("config", "rank", "pp_rank", "dp_rank", "events", "peak_in_flight", "transient_peak", "activation_bytes",
-            "sent_by_op", "p2p_theory", "tied_numel", "losses", "reference", "numel")
+            "sent_by_op", "p2p_theory", "activation_nbytes", "activation_shape", "tied_numel", "losses", "reference",
+            "numel")
 
     def run(*args, **kwargs):
         return {k: v for k, v in train(comm, *args, **kwargs).items() if k in keep}
     for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
-        out["timelines"][s] = run(s, 4, m, v_of.get(s, 1), steps=3, timed_ms=timed_ms, reference=False)["events"]
-    out["timelines"]["1f1b on TinyGPT"] = run("1f1b", 4, m, steps=3, gpt={"n_embd": 64, "block_size": 32},
+        out["timelines"][s] = run(s, p, m, v_of.get(s, 1), steps=3, timed_ms=timed_ms, reference=False)["events"]
+    out["timelines"]["1f1b on TinyGPT"] = run("1f1b", p, m, steps=3, gpt={"n_embd": 64, "block_size": 32},
                                                blocks_per_chunk=2, reference=False)["events"]
     for s in ("1f1b", "interleaved_1f1b", "zb_h1"):
-        out["sweep"][s] = {str(k): run(s, 4, k, v_of.get(s, 1), steps=2, timed_ms=timed_ms, reference=False)["events"]
+        out["sweep"][s] = {str(k): run(s, p, k, v_of.get(s, 1), steps=2, timed_ms=timed_ms, reference=False)["events"]
                            for k in sweep}
     out["load_average"].append(os.getloadavg())
     for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
-        out["memory"][s] = run(s, 4, m, v_of.get(s, 1), steps=1, reference=False)
+        out["memory"][s] = run(s, p, m, v_of.get(s, 1), steps=1, reference=False)
     for s in ("gpipe", "1f1b"):
-        out["growth"][s] = {str(k): run(s, 4, k, steps=1, reference=False)["peak_in_flight"][0] for k in (2, 16)}
-    out["exact"] = run("1f1b", 4, m, steps=5)
-    out["zero2"] = {mode: run("1f1b", 2, 4, dp_mode=mode, steps=3) for mode in ("zero1", "zero2")}
+        out["growth"][s] = {str(k): run(s, p, k, steps=1, reference=False)["peak_in_flight"][0] for k in (2, 16)}
+    out["exact"] = run("1f1b", p, m, steps=5)
+    from minizero.experiments.pp_zero import measure
+    out["pp_zero"] = measure(comm, steps=3, lost=("zero2-every",), mesh=_mesh(comm, 2))  # dp 2 x pp 2 on 4 ranks
     out["load_average"].append(os.getloadavg())
     return out

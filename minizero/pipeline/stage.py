@@ -146,6 +146,26 @@ class PipelineStage(nn.Module):
                 q.grad = torch.zeros_like(q)
             self.tie_comm.all_reduce(q.grad, op="sum")
 
+    @torch.no_grad()
+    def reduce_tied_shards(self, owned, dp_comm, tie_comm=None):
+        """The same sum when ZeRO-2/3 has already reduced the gradients into dp shards and freed the
+        full ones (reduce_tied_gradients would find nothing to sum). owned: per tied parameter q,
+        (q, lo, view): the reduced gradient of q's flattened elements [lo, lo + view.numel()) that this
+        rank holds. The two stages' shards cover different ranges of q, so q's reduced gradient is
+        rebuilt first (each element is held by exactly one dp rank: an all-reduce over dp), then
+        summed over the tied pair, and each rank keeps its range. Bytes per rank: 2(N-1)/N·S over dp
+        plus S over the pair (S the tied tensor's bytes): 2(N-1)/N·S more than reduce_tied_gradients sends."""
+        tie_comm = tie_comm or self.tie_comm
+        if tie_comm is None:
+            return
+        for q, lo, view in owned:
+            full = torch.zeros(q.full_shape.numel() if hasattr(q, "full_shape") else q.numel(),
+                               dtype=view.dtype, device=view.device)
+            full[lo:lo + view.numel()] = view
+            dp_comm.all_reduce(full, op="sum")
+            tie_comm.all_reduce(full, op="sum")
+            view.copy_(full[lo:lo + view.numel()])
+
     # ------------------------------------------------------------------ the pipes
     def tag(self, microbatch: int, chunk: int, gradient: bool) -> int:
         """Message tag: which micro-batch, for which chunk of the receiver, which direction."""
@@ -177,11 +197,15 @@ class PipelineStage(nn.Module):
         receiver_chunk = chunk - (self.rank == 0)
         return self.comm.isend(grad, self.prev_rank, tag=self.tag(microbatch, receiver_chunk, True))
 
+    @property
+    def activation_nbytes(self) -> int:
+        """A: the bytes of one micro-batch's message through a pipe (activation or its gradient)."""
+        return torch.Size(self.activation_shape).numel() * torch.empty(0, dtype=self.dtype).element_size()
+
     def p2p_bytes_per_step(self, num_microbatches: int) -> int:
         """What this rank should send per step through the pipes (module docstring)."""
-        nbytes = torch.Size(self.activation_shape).numel() * torch.empty(0, dtype=self.dtype).element_size()
         sends = sum(2 - self.is_first(c) - self.is_last(c) for c in range(self.num_chunks))
-        return num_microbatches * nbytes * sends
+        return num_microbatches * self.activation_nbytes * sends
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a PipelineStage is run by PipelineRuntime.step(inputs, targets), not called: "

@@ -363,15 +363,16 @@ def _resolve_batch(cfg: dict, world_size: int):
 
 PIPELINE_SCHEDULES = tuple(SCHEDULES)  # the schedules minizero.pipeline implements
 
-# Why DeepSpeed refuses ZeRO-2/3 with a pipeline (its PipelineEngine asserts stage < 2), and minizero too.
+# Why minizero's pipeline engine, like DeepSpeed's PipelineEngine (it asserts stage < 2), refuses ZeRO-2/3.
 PP_ZERO_MSG = (
-    "zero_optimization.stage {stage} cannot be combined with pipeline parallelism (pipeline.stages = {stages}). "
-    "A pipeline accumulates every micro-batch's gradient until the step, but ZeRO-2 keeps only a shard of the "
-    "gradient: each of the {m} micro-batches' backwards would be reduce-scattered on its own ({m}x the gradient "
-    "traffic of ZeRO-1, measured in lesson 09), and the tied embedding's gradient would be gone before the "
-    "first and last stage can sum it; ZeRO-3 would also re-gather each stage's parameters for every "
-    "micro-batch. PP + ZeRO-2 is slower and no smaller than ZeRO-2 alone. Use stage 0 or 1 with a pipeline, "
-    "or ZeRO-3 without one if memory is short.")
+    "zero_optimization.stage {stage} cannot be combined with pipeline parallelism in minizero's pipeline engine "
+    "(pipeline.stages = {stages}), nor in DeepSpeed's PipelineEngine, which asserts stage < 2 (torchtitan does "
+    "combine FSDP with a pipeline). A pipeline accumulates every micro-batch's gradient until the step: ZeRO-2 "
+    "reducing its shard after each of the {m} micro-batches' backwards sends {m}x the gradient traffic of ZeRO-1, "
+    "keeping the full gradients until the last backward instead holds ZeRO-1's memory plus the shard, ZeRO-3 also "
+    "re-gathers the stage's parameters for every micro-batch, and the tied embedding's gradient must then be summed "
+    "over its shards, which this engine does not do (lesson 09 section 9 measures all of it: "
+    "minizero.experiments.pp_zero). Use stage 0 or 1 with a pipeline, or ZeRO-3 without one.")
 
 
 def _data_parallel_size(cfg: dict, world_size: int) -> int:
