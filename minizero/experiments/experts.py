@@ -151,6 +151,7 @@ def side_by_side(mesh: Mesh, k=1, capacity_factor=1.25, steps=STEPS, skew=0.0, a
             "output": atol_needed(o.detach(), ref_o.detach()),
             "loss": [loss.item(), ref_loss.item()],
             "grads": worst(grads, ref_grads),
+            "grad_errors": {n: atol_needed(grads[n], ref_grads[n]) for n in ref_grads},
             "routing_equal": [torch.equal(routing.expert_index, choice), torch.equal(routing.kept, kept),
                               torch.equal(torch.where(kept, routing.positions, 0), torch.where(kept, slot, 0))],
             "tokens_per_expert": routing.tokens_per_expert(EXPERTS),
