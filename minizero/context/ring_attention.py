@@ -63,92 +63,127 @@ def _pairs(rank, source, cp, causal, balanced):
             for ki, b in enumerate(chunks_of(source, cp, balanced))]
 
 
-def _exchange(comm, send, tag):
-    """Post this step's ring transfer: `send` to rank+1, a same-shaped buffer from rank-1."""
-    incoming = torch.empty_like(send)
-    pending = [comm.isend(send, (comm.rank + 1) % comm.size, tag=tag),
-               comm.irecv(incoming, (comm.rank - 1) % comm.size, tag=tag)]
-    return incoming, pending
+class _Ring:
+    """This rank's transfers in flight. A block's compute that raises (a bad kernel) must not leave
+    a posted receive writing into a buffer Python then frees: `drain` waits for every transfer first
+    (all ranks post each step's transfers before computing, so they all complete)."""
 
+    def __init__(self, comm, work):
+        self.comm = comm        # the cp group
+        self.work = work        # BlockWork: wait seconds are booked here
+        self.inflight = []      # handles posted and not yet waited for
 
-def _wait(pending, work):
-    t0 = time.perf_counter()
-    for handle in pending:
-        handle.wait()
-    work.wait_s += time.perf_counter() - t0
+    def exchange(self, send, tag):
+        """Post this step's ring transfer: `send` to rank+1, a same-shaped buffer from rank-1."""
+        incoming = torch.empty_like(send)
+        pending = [self.comm.isend(send, (self.comm.rank + 1) % self.comm.size, tag=tag),
+                   self.comm.irecv(incoming, (self.comm.rank - 1) % self.comm.size, tag=tag)]
+        self.inflight.extend(pending)
+        return incoming, pending
+
+    def wait(self, pending):
+        t0 = time.perf_counter()
+        for handle in pending:
+            handle.wait()
+            self.inflight.remove(handle)
+        self.work.wait_s += time.perf_counter() - t0
+
+    def drain(self):
+        for handle in self.inflight:
+            handle.wait()
+        self.inflight.clear()
 
 
 class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, comm, causal, balanced, work, kernels):
-        cp, rank, pieces = comm.size, comm.rank, 2 if balanced else 1
-        q_chunks = q.chunk(pieces, SEQUENCE_DIM)
-        outs, lses = [None] * pieces, [None] * pieces
-        blocks = torch.stack([k, v]).contiguous()  # one message per step: [2, b, heads, s/cp, d]
-        for step in range(cp):
-            if step < cp - 1:
-                incoming, pending = _exchange(comm, blocks, KV_TAG)
-            t0 = time.perf_counter()
-            k_chunks, v_chunks = blocks[0].chunk(pieces, SEQUENCE_DIM), blocks[1].chunk(pieces, SEQUENCE_DIM)
-            for qi, ki, kind in _pairs(rank, (rank - step) % cp, cp, causal, balanced):
-                work.pairs[kind] += 1
-                if kind == "skip":
-                    continue
-                work.forward_scores += q_chunks[qi].size(SEQUENCE_DIM) * k_chunks[ki].size(SEQUENCE_DIM)
-                block = kernels.block_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], causal=kind == "diagonal")
-                outs[qi], lses[qi] = kernels.merge(outs[qi], lses[qi], *block)
-            work.compute_s += time.perf_counter() - t0
-            if step < cp - 1:
-                _wait(pending, work)
-                blocks = incoming
-        out, lse = torch.cat(outs, SEQUENCE_DIM), torch.cat(lses, SEQUENCE_DIM)
+        ring = _Ring(comm, work)
+        try:
+            out, lse = _forward(ring, q, k, v, causal, balanced, kernels)
+        except BaseException:
+            ring.drain()
+            raise
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.causal, ctx.balanced, ctx.work = comm, causal, balanced, work
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        comm, causal, balanced, work = ctx.comm, ctx.causal, ctx.balanced, ctx.work
-        cp, rank, pieces = comm.size, comm.rank, 2 if balanced else 1
-        grad_out = grad_out.contiguous()
-        delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # D = rowsum(dO * O)
-        split = [t.chunk(pieces, SEQUENCE_DIM) for t in (q, out, grad_out, lse, delta)]
-        grad_q = torch.zeros_like(q)
-        grad_q_chunks = grad_q.chunk(pieces, SEQUENCE_DIM)  # views: adding into them fills grad_q
-        blocks = torch.stack([k, v]).contiguous()
-        grad_incoming, grad_pending = None, None
-        for step in range(cp):
-            if step < cp - 1:
-                incoming, pending = _exchange(comm, blocks, KV_TAG)
-            t0 = time.perf_counter()
-            grad_blocks = torch.zeros_like(blocks)  # this rank's share of dK_B, dV_B
-            k_chunks, v_chunks = blocks[0].chunk(pieces, SEQUENCE_DIM), blocks[1].chunk(pieces, SEQUENCE_DIM)
-            dk_chunks, dv_chunks = grad_blocks[0].chunk(pieces, SEQUENCE_DIM), grad_blocks[1].chunk(pieces, SEQUENCE_DIM)
-            for qi, ki, kind in _pairs(rank, (rank - step) % cp, cp, causal, balanced):
-                if kind == "skip":
-                    continue
-                q_c, out_c, grad_out_c, lse_c, delta_c = (s[qi] for s in split)
-                work.backward_scores += q_c.size(SEQUENCE_DIM) * k_chunks[ki].size(SEQUENCE_DIM)
-                dq, dk, dv = online_softmax.block_grads(q_c, k_chunks[ki], v_chunks[ki], out_c, grad_out_c, lse_c,
-                                                        delta_c, causal=kind == "diagonal")
-                grad_q_chunks[qi].add_(dq)
-                dk_chunks[ki].add_(dk)
-                dv_chunks[ki].add_(dv)
-            work.compute_s += time.perf_counter() - t0
-            if grad_pending is not None:  # the accumulator of this block, from the ranks before
-                _wait(grad_pending, work)
-                grad_blocks.add_(grad_incoming)
-            if cp > 1:  # pass it on with the block: rank r+1 holds this block at its next step
-                grad_incoming, grad_pending = _exchange(comm, grad_blocks, GRAD_TAG)
-            if step < cp - 1:
-                _wait(pending, work)
-                blocks = incoming
-        if cp > 1:  # the last accumulator to arrive is this rank's own block's: complete
-            _wait(grad_pending, work)
-            grad_blocks = grad_incoming
-        return grad_q, grad_blocks[0], grad_blocks[1], None, None, None, None, None
+        ring = _Ring(ctx.comm, ctx.work)
+        try:
+            grads = _backward(ring, grad_out, *ctx.saved_tensors, ctx.causal, ctx.balanced)
+        except BaseException:
+            ring.drain()
+            raise
+        return (*grads, None, None, None, None, None)
+
+
+def _forward(ring, q, k, v, causal, balanced, kernels):
+    comm, work = ring.comm, ring.work
+    cp, rank, pieces = comm.size, comm.rank, 2 if balanced else 1
+    q_chunks = q.chunk(pieces, SEQUENCE_DIM)
+    outs, lses = [None] * pieces, [None] * pieces
+    blocks = torch.stack([k, v]).contiguous()  # one message per step: [2, b, heads, s/cp, d]
+    for step in range(cp):
+        if step < cp - 1:
+            incoming, pending = ring.exchange(blocks, KV_TAG)
+        t0 = time.perf_counter()
+        k_chunks, v_chunks = blocks[0].chunk(pieces, SEQUENCE_DIM), blocks[1].chunk(pieces, SEQUENCE_DIM)
+        for qi, ki, kind in _pairs(rank, (rank - step) % cp, cp, causal, balanced):
+            work.pairs[kind] += 1
+            if kind == "skip":
+                continue
+            work.forward_scores += q_chunks[qi].size(SEQUENCE_DIM) * k_chunks[ki].size(SEQUENCE_DIM)
+            block = kernels.block_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], causal=kind == "diagonal")
+            outs[qi], lses[qi] = kernels.merge(outs[qi], lses[qi], *block)
+        work.compute_s += time.perf_counter() - t0
+        if step < cp - 1:
+            ring.wait(pending)
+            blocks = incoming
+    return torch.cat(outs, SEQUENCE_DIM), torch.cat(lses, SEQUENCE_DIM)
+
+
+def _backward(ring, grad_out, q, k, v, out, lse, causal, balanced):
+    comm, work = ring.comm, ring.work
+    cp, rank, pieces = comm.size, comm.rank, 2 if balanced else 1
+    grad_out = grad_out.contiguous()
+    delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # D = rowsum(dO * O)
+    split = [t.chunk(pieces, SEQUENCE_DIM) for t in (q, out, grad_out, lse, delta)]
+    grad_q = torch.zeros_like(q)
+    grad_q_chunks = grad_q.chunk(pieces, SEQUENCE_DIM)  # views: adding into them fills grad_q
+    blocks = torch.stack([k, v]).contiguous()
+    grad_incoming, grad_pending = None, None
+    for step in range(cp):
+        if step < cp - 1:
+            incoming, pending = ring.exchange(blocks, KV_TAG)
+        t0 = time.perf_counter()
+        grad_blocks = torch.zeros_like(blocks)  # this rank's share of dK_B, dV_B
+        k_chunks, v_chunks = blocks[0].chunk(pieces, SEQUENCE_DIM), blocks[1].chunk(pieces, SEQUENCE_DIM)
+        dk_chunks, dv_chunks = grad_blocks[0].chunk(pieces, SEQUENCE_DIM), grad_blocks[1].chunk(pieces, SEQUENCE_DIM)
+        for qi, ki, kind in _pairs(rank, (rank - step) % cp, cp, causal, balanced):
+            if kind == "skip":
+                continue
+            q_c, out_c, grad_out_c, lse_c, delta_c = (s[qi] for s in split)
+            work.backward_scores += q_c.size(SEQUENCE_DIM) * k_chunks[ki].size(SEQUENCE_DIM)
+            dq, dk, dv = online_softmax.block_grads(q_c, k_chunks[ki], v_chunks[ki], out_c, grad_out_c, lse_c,
+                                                    delta_c, causal=kind == "diagonal")
+            grad_q_chunks[qi].add_(dq)
+            dk_chunks[ki].add_(dk)
+            dv_chunks[ki].add_(dv)
+        work.compute_s += time.perf_counter() - t0
+        if grad_pending is not None:  # the accumulator of this block, from the ranks before
+            ring.wait(grad_pending)
+            grad_blocks.add_(grad_incoming)
+        if cp > 1:  # pass it on with the block: rank r+1 holds this block at its next step
+            grad_incoming, grad_pending = ring.exchange(grad_blocks, GRAD_TAG)
+        if step < cp - 1:
+            ring.wait(pending)
+            blocks = incoming
+    if cp > 1:  # the last accumulator to arrive is this rank's own block's: complete
+        ring.wait(grad_pending)
+        grad_blocks = grad_incoming
+    return grad_q, grad_blocks[0], grad_blocks[1]
 
 
 def ring_attention(q, k, v, comm, causal: bool = False, balanced: bool = False, work: BlockWork | None = None,
