@@ -1,7 +1,8 @@
 """Hybrid sharding (minizero/zero/hybrid.py) against one process, ZeRO-3 and hpZ on the same nodes.
 
-ONE 4-rank job (4 ranks as 2 simulated nodes x 2, experiments.hybrid.compare) trains TinyGPT 3 SGD
-steps under ZeRO-3, hpZ alone and HybridShard, and the single-process model on the global batch.
+ONE 4-rank job (4 ranks as 2 simulated nodes x 2, experiments.hybrid.compare, torch backend: gloo) trains
+TinyGPT 3 SGD steps under ZeRO-3, hpZ alone and HybridShard, the single-process model on the global batch,
+and the peer: torch FSDP2's HSDP (fully_shard on a 2-D DeviceMesh).
 Tolerance: 1e-6 on every parameter after 3 steps (fp32; the reduce order differs from one process, and
 hybrid averages twice: a node's reduce-scatter, then the nodes' all-reduce). Measured: 7.5e-9.
 """
@@ -16,7 +17,7 @@ _job = []
 
 def results():
     if not _job:
-        _job.append(launch.run("minizero.experiments.hybrid:compare", nprocs=4, timeout=300))
+        _job.append(launch.run("minizero.experiments.hybrid:compare", nprocs=4, timeout=300, backend="torch"))
     return _job[0]
 
 
@@ -33,10 +34,13 @@ def _per_node(name, k=2):
     return nodes
 
 
-def test_hybrid_trains_as_one_process():
+def test_hybrid_trains_as_one_process_and_as_torch_hsdp():
     for r in results():
         for name, v in r["variants"].items():
             assert v["max_param_diff"] <= 1e-6, (name, v["max_param_diff"])
+        peer = r["torch-hsdp"]
+        assert peer["max_param_diff"] <= 1e-6, peer
+        assert peer["shard_numel"] * r["k"] >= r["variants"]["hybrid"]["psi"]  # torch shards over the node too
 
 
 def test_cross_node_bytes_equal_the_formulas_and_hybrid_sends_least():

@@ -5,6 +5,9 @@ world), ZeRO++'s hpZ alone (ZeroPP) and HybridShard, and the single-process mode
 `steps` SGD steps each. It returns per variant the last step's bytes by op, intra- vs cross-node
 (comm.stats, per rank), the ledger after backward, the units' gathered sizes and the largest parameter
 difference from the single process; the formulas are zeropp.formula's and hybrid.cross_node_bytes_per_node.
+Under the torch backend it also trains the peer, torch FSDP2's HSDP (fully_shard over a 2-D DeviceMesh,
+(replicate = nodes, shard = node_size)), and reports its largest parameter difference from the single
+process (its bytes go through torch.distributed, which minizero does not count).
 """
 from __future__ import annotations
 
@@ -66,4 +69,26 @@ def compare(comm, node_size=2, steps=3, micro=2) -> dict:
             "gathered_numel": [u.gathered_numel for u in wrapped.units],
             "max_param_diff": max(float((full[n] - p.detach()).abs().max()) for n, p in ref_params.items()),
             "psi": sum(p.numel() for p in ref_params.values())}
+    if comm.backend == "torch":
+        out["torch-hsdp"] = torch_hsdp(comm, node_size, batches, ref_params)
     return out
+
+
+def torch_hsdp(comm, node_size, batches, ref_params) -> dict:
+    """The peer: FSDP2 fully_shard with a (nodes, node_size) mesh is HYBRID_SHARD; same model, data, SGD."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (comm.size // node_size, node_size), mesh_dim_names=("replicate", "shard"))
+    net = build_model("tiny-gpt", seed=0, **LESSON_GPT)
+    for block in net.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    for batch in batches:
+        x, y = shard(batch, comm.rank, comm.size)
+        net(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    full = {n: p.full_tensor() for n, p in net.named_parameters()}
+    return {"max_param_diff": max(float((full[n] - p.detach()).abs().max()) for n, p in ref_params.items()),
+            "shard_numel": sum(p.to_local().numel() for p in net.parameters())}
