@@ -8,6 +8,7 @@ is named after what it shards (the stage numbers are DeepSpeed's `zero_optimizat
     2      ShardGradOp       shard_grad_op.py      + gradients (P_os+g)            FSDP SHARD_GRAD_OP
     3      FSDP              fsdp.py               + parameters (P_os+g+p)         FSDP FULL_SHARD
     3      ZeroPP            zeropp.py             ZeRO-3, less cross-node traffic DeepSpeed ZeRO++ (qwZ/hpZ/qgZ)
+    3      HybridShard       hybrid.py             ZeRO-3 in a node, nodes replicas FSDP HYBRID_SHARD, MiCS
 
     flat_layout.py          FlatLayout: the parameters as views into one flat buffer padded to N shards
     flat_shard_optimizer.py FlatShardOptimizer: a torch.optim.Optimizer (param groups, schedulers,
@@ -27,6 +28,7 @@ from minizero.zero.init import Init
 from minizero.zero.offload import HostOptimizer, Traffic
 from minizero.zero.fsdp import FSDP
 from minizero.zero.fsdp_optimizer import FSDPOptimizer
+from minizero.zero.hybrid import HybridShard
 from minizero.zero.shard_grad_op import ReduceBucket, ShardGradOp
 from minizero.zero.sharded_optimizer import ShardedOptimizer
 from minizero.zero.tiers import OffloadSpec
@@ -34,5 +36,6 @@ from minizero.zero.zeropp import ZeroPP
 
 STAGES = {1: ShardedOptimizer, 2: ShardGradOp, 3: FSDP}
 
-__all__ = ["DiskOptimizer", "FSDP", "FSDPOptimizer", "FlatLayout", "HostOptimizer", "Init", "OffloadSpec",
+__all__ = ["DiskOptimizer", "FSDP", "FSDPOptimizer", "FlatLayout", "HostOptimizer", "HybridShard", "Init",
+           "OffloadSpec",
            "ReduceBucket", "STAGES", "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]
