@@ -28,7 +28,7 @@ Activations kept for backward per rank: q, k, v, o (4 b (s/cp) h w) + the log-su
 Causal attention with `balanced=True`: each rank holds chunks r and 2cp-1-r (layout.py), so every
 rank computes the same (2cp+1) chunk pairs; blocks wholly in the future are skipped, not masked.
 `work` (a BlockWork) records what this rank really computed: scores per pass, pairs by kind,
-and the seconds spent computing and waiting for the ring.
+the CPU seconds spent computing and the wall seconds spent waiting for the ring.
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ class BlockWork:
         self.forward_scores = 0    # q.k scores computed in forward (a diagonal pair counted whole)
         self.backward_scores = 0   # the same in backward (each pair's scores are recomputed)
         self.pairs = {"full": 0, "diagonal": 0, "skip": 0}  # forward chunk pairs by kind
-        self.compute_s = 0.0       # seconds in block compute (forward + backward)
+        self.compute_s = 0.0       # CPU seconds of this thread in block compute (forward + backward):
+                                   # work, not inflated when ranks share cores
         self.wait_s = 0.0          # seconds blocked on the ring after the compute (transfer not hidden)
 
     def as_dict(self) -> dict:
@@ -128,7 +129,7 @@ def _forward(ring, q, k, v, causal, balanced, kernels):
     for step in range(cp):
         if step < cp - 1:
             incoming, pending = ring.exchange(blocks, KV_TAG)
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         k_chunks, v_chunks = blocks[0].chunk(pieces, SEQUENCE_DIM), blocks[1].chunk(pieces, SEQUENCE_DIM)
         for qi, ki, kind in _pairs(rank, (rank - step) % cp, cp, causal, balanced):
             work.pairs[kind] += 1
@@ -137,7 +138,7 @@ def _forward(ring, q, k, v, causal, balanced, kernels):
             work.forward_scores += q_chunks[qi].size(SEQUENCE_DIM) * k_chunks[ki].size(SEQUENCE_DIM)
             block = kernels.block_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], causal=kind == "diagonal")
             outs[qi], lses[qi] = kernels.merge(outs[qi], lses[qi], *block)
-        work.compute_s += time.perf_counter() - t0
+        work.compute_s += time.thread_time() - t0
         if step < cp - 1:
             ring.wait(pending)
             blocks = incoming
@@ -157,7 +158,7 @@ def _backward(ring, grad_out, q, k, v, out, lse, causal, balanced):
     for step in range(cp):
         if step < cp - 1:
             incoming, pending = ring.exchange(blocks, KV_TAG)
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         grad_blocks = torch.zeros_like(blocks)  # this rank's share of dK_B, dV_B
         k_chunks, v_chunks = blocks[0].chunk(pieces, SEQUENCE_DIM), blocks[1].chunk(pieces, SEQUENCE_DIM)
         dk_chunks, dv_chunks = grad_blocks[0].chunk(pieces, SEQUENCE_DIM), grad_blocks[1].chunk(pieces, SEQUENCE_DIM)
@@ -171,7 +172,7 @@ def _backward(ring, grad_out, q, k, v, out, lse, causal, balanced):
             grad_q_chunks[qi].add_(dq)
             dk_chunks[ki].add_(dk)
             dv_chunks[ki].add_(dv)
-        work.compute_s += time.perf_counter() - t0
+        work.compute_s += time.thread_time() - t0
         if grad_pending is not None:  # the accumulator of this block, from the ranks before
             ring.wait(grad_pending)
             grad_blocks.add_(grad_incoming)

@@ -113,7 +113,7 @@ def activation_sweep(comm, seqs=(256, 512, 1024, 2048), methods=("ring", "ulysse
     return out
 
 
-def longest_sequence(comm, method: str, cap_bytes: int, step: int = 64, start: int = 256, limit: int = 1 << 16) -> dict:
+def longest_sequence(comm, method: str, cap_bytes: int, step: int = 16, start: int = 256, limit: int = 1 << 16) -> dict:
     """The longest multiple of `step` tokens whose MEASURED saved bytes per rank (the most over the
     ranks) fit in cap_bytes: doubling, then bisection. Every probe is a real forward."""
     def fits(seq):
@@ -128,3 +128,48 @@ def longest_sequence(comm, method: str, cap_bytes: int, step: int = 64, start: i
         mid = (low + high) // 2 // step * step
         low, high = (mid, high) if fits(mid) else (low, mid)
     return {"method": method, "cp": comm.size, "cap_bytes": cap_bytes, "longest": low, "probes": probes}
+
+
+# ------------------------------------------------------------------------------ lesson 12
+LESSON_SHAPE = {"batch": 1, "heads": 8, "seq": 512, "head_dim": 16}  # hidden 128, fp32
+SWEEP = (256, 512, 1024, 2048)
+CAP_BYTES = 1 << 19  # 512 KiB of saved attention activations per rank
+
+
+def work_per_rank(comm, seq=2048, heads=4, head_dim=16, repeats=2) -> dict:
+    """Causal ring attention, contiguous and load-balanced: scores and CPU seconds of block compute
+    (forward + backward) on this rank, the best of `repeats` runs."""
+    out = {}
+    for balanced in (False, True):
+        best = None
+        for _ in range(repeats):
+            q, k, v, grad_out = inputs(1, heads, seq, head_dim)
+            mine = [shard_sequence(t, comm.rank, comm.size, balanced).requires_grad_() for t in (q, k, v)]
+            work = BlockWork()
+            ring_attention(*mine, comm, causal=True, balanced=balanced, work=work).backward(
+                shard_sequence(grad_out, comm.rank, comm.size, balanced))
+            best = work if best is None or work.compute_s < best.compute_s else best
+        out["balanced" if balanced else "contiguous"] = best.as_dict()
+    out["formula"] = {name: scores_per_rank(seq, comm.size, True, name == "balanced") for name in ("contiguous", "balanced")}
+    return out
+
+
+def lesson_worker(comm) -> dict:
+    """Everything lesson 12 shows, from one 4-rank job: cp = 4, then cp = 2 (x dp 2)."""
+    from minizero.comm import Mesh
+    torch.set_num_threads(1)
+    out = {"sweep": {"cp1": activation_sweep(comm, SWEEP, methods=())["sdpa"]}, "bytes": {}, "correct": {},
+           "longest": {"cp1": longest_sequence(comm.split(comm.rank, name="one"), "sdpa", CAP_BYTES)}}
+    for cp in (4, 2):
+        mesh = Mesh(comm, cp=cp)
+        for method in ("ring", "ulysses"):
+            r = attention_side_by_side(mesh.cp, method, True, True, **LESSON_SHAPE)
+            out["bytes"][f"{method}/cp{cp}"] = {"sent": r["sent"], "formula": r["formula"]}
+            out["correct"][f"{method}/cp{cp}"] = r["max_diff"]
+        sweep = activation_sweep(mesh.cp, SWEEP, methods=("ring", "ulysses"))
+        out["sweep"].update({f"ring/cp{cp}": sweep["ring"], f"ulysses/cp{cp}": sweep["ulysses"]})
+        out["longest"][f"cp{cp}"] = longest_sequence(mesh.cp, "ring", CAP_BYTES)
+        if cp == 4:
+            out["work"] = work_per_rank(mesh.cp)
+    out["formula_per_token"] = attention_activation_bytes(1, 1, 4 * 16, 4, 1, 4)  # sweep shape: 4 heads x 16
+    return out
