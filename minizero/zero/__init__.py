@@ -37,5 +37,4 @@ from minizero.zero.zeropp import ZeroPP
 STAGES = {1: ShardedOptimizer, 2: ShardGradOp, 3: FSDP}
 
 __all__ = ["DiskOptimizer", "FSDP", "FSDPOptimizer", "FlatLayout", "HostOptimizer", "HybridShard", "Init",
-           "OffloadSpec",
-           "ReduceBucket", "STAGES", "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]
+           "OffloadSpec", "ReduceBucket", "STAGES", "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]
