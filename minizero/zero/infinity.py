@@ -83,21 +83,30 @@ class DiskOptimizer(OffloadedOptimizer):
     """A HostOptimizer whose masters and optimizer state live in files, stepped sub-group by sub-group
     (its interface, not its host copies: it derives from what the tiers share, offload.OffloadedOptimizer)."""
 
-    def __init__(self, device_params, optimizer_cls, nvme_path, sub_group_numel: int, rank: int = 0,
-                 traffic: Traffic | None = None, prefetch: bool = True, pin_memory: bool = False, after_params=None,
-                 io_threads: int = 1, param_nvme_path=None, **optimizer_kwargs):
+    def __init__(self, *args, **kwargs):
+        self._removers = []  # weakref.finalize per directory made: a constructor that fails removes them now
+        try:
+            self._build(*args, **kwargs)
+        except BaseException:
+            for remove in self._removers:  # (a rank that then ends with os._exit runs no finalizer)
+                remove()
+            raise
+
+    def _build(self, device_params, optimizer_cls, nvme_path, sub_group_numel: int, rank: int = 0,
+               traffic: Traffic | None = None, prefetch: bool = True, pin_memory: bool = False, after_params=None,
+               io_threads: int = 1, param_nvme_path=None, **optimizer_kwargs):
         if sub_group_numel <= 0:
             raise ValueError(f"sub_group_numel must be > 0, got {sub_group_numel}")
         super().__init__(device_params, traffic, pin_memory, None, after_params)  # no DPU on the disk tier
         self.prefetch = prefetch                   # read sub-group i+1 while i steps
         # this optimizer's own directory (two engines on one nvme_path must not share files), removed with it
         self.dir = tempfile.mkdtemp(prefix=f"minizero-rank{rank}-", dir=check_nvme_path(nvme_path))
-        weakref.finalize(self, shutil.rmtree, self.dir, True)
+        self._removers.append(weakref.finalize(self, shutil.rmtree, self.dir, True))
         # offload_param nvme: the parameter shards' own files (None: they stay device tensors)
         self.param_dir = None if param_nvme_path is None else tempfile.mkdtemp(
             prefix=f"minizero-rank{rank}-params-", dir=check_nvme_path(param_nvme_path))
         if self.param_dir is not None:
-            weakref.finalize(self, shutil.rmtree, self.param_dir, True)
+            self._removers.append(weakref.finalize(self, shutil.rmtree, self.param_dir, True))
             self._map_params()
         self.offsets = [0]                         # device param i is [offsets[i], offsets[i+1]) of the concatenation
         for p in self.device_params:
