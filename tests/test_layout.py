@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "minizero"
-MECHANISMS = ("comm", "dp", "zero", "pipeline", "tensor", "context")
+MECHANISMS = ("comm", "dp", "zero", "pipeline", "tensor", "context", "moe")
 SHARED = ("minizero.comm", "minizero.memory", "minizero.precision")
 ABOVE = ("minizero.bench", "minizero.experiments", "minizero.cli", "minizero.autograde",
          "minizero.models", "minizero.data", "minizero.launch")
