@@ -30,3 +30,14 @@ def run_all(comm):
         out[f"cp{cp}/ring/causal/balanced/float64"] = attention_side_by_side(mesh.cp, "ring", True, True,
                                                                              dtype=torch.float64)
     return out
+
+
+def run_8(comm):
+    """dp 2 x cp 2 x tp 2 on 8 ranks: the groups the Mesh built, and ring attention (causal,
+    balanced) and Ulysses over each rank's cp group, with the tp and dp groups beside it."""
+    mesh = Mesh(comm, dp=2, cp=2, tp=2)
+    out = {"groups": {axis: mesh.groups(axis) for axis in ("dp", "cp", "tp")},
+           "coords": [mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank]}
+    for method in ("ring", "ulysses"):
+        out[method] = attention_side_by_side(mesh.cp, method, True, True)
+    return out

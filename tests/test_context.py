@@ -104,6 +104,29 @@ def test_cp_groups_of_the_mesh():
     assert all(r["groups"] == [[0, 1, 2, 3]] and r["members"] == [0, 1, 2, 3] for r in results("cp4/group"))
 
 
+_job8 = []
+
+
+def results_8():
+    if not _job8:
+        _job8.append(launch.run("tests/context_workers.py:run_8", nprocs=8, timeout=300))
+    return _job8[0]
+
+
+def test_cp_inside_dp_x_cp_x_tp_on_8_ranks():
+    """Groups hand-written from arange(8).view(dp 2, pp 1, cp 2, tp 2); ring attention and Ulysses on
+    each cp group equal one process and send the formula's bytes."""
+    for rank, r in enumerate(results_8()):
+        assert r["groups"] == {"dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                               "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}, r["groups"]
+        assert r["coords"] == [rank // 4, 0, rank // 2 % 2, rank % 2]
+        for method in ("ring", "ulysses"):
+            m = r[method]
+            assert max(m["atol_needed"].values()) <= (ATOL if method == "ring" else 0.0), (rank, method, m["max_diff"])
+            for phase in ("forward", "backward"):
+                assert sum(m["sent"][phase].values()) == pytest.approx(m["formula"][phase], rel=1e-12), (method, phase)
+
+
 # ------------------------------------------------------------------------ bad input (no collectives)
 class _Comm:
     """size and rank only: any collective would fail."""
