@@ -58,23 +58,6 @@ def check_divisible(what: str, size: int, tp_size: int):
                          f"is a multiple of {tp_size}, or another tensor-parallel size")
 
 
-def shard(full: torch.Tensor, dim: int, rank: int, size: int, chunks: int = 1) -> torch.Tensor:
-    """Rank `rank`'s slice (of `size`) of `full` along `dim`. With chunks > 1 the tensor is
-    `chunks` blocks along `dim` (c_attn's [q | k | v]) and the rank takes its slice of each block,
-    concatenated: [q_rank | k_rank | v_rank], whole heads of each."""
-    # TODO(lab 10): shard, this rank's slice of each block.
-    #   Cut `full` into `chunks` equal blocks along `dim` (chunk);
-    #   from each block take the rank-th of `size` equal slices (narrow);
-    #   concatenate those along `dim`.
-    raise NotImplementedError("lab 10: not implemented yet: shard, this rank's slice of each block")
-
-
-def unshard(shards: list[torch.Tensor], dim: int, chunks: int = 1) -> torch.Tensor:
-    """The inverse of `shard`: the full tensor from every rank's slice, in rank order."""
-    pieces = [s.chunk(chunks, dim) for s in shards]
-    return torch.cat([pieces[r][c] for c in range(chunks) for r in range(len(shards))], dim)
-
-
 # ------------------------------------------------------------------------------ f and g
 class CopyToTensorParallel(torch.autograd.Function):
     """f: identity in forward, all-reduce (sum) of the gradient in backward."""
@@ -83,14 +66,17 @@ class CopyToTensorParallel(torch.autograd.Function):
     def forward(ctx, x, comm):
         ctx.comm = comm
         # TODO(lab 10): f's forward.
-        #   Every rank already holds the whole input: return it unchanged.
+        #   Y_i = X A_i needs the whole X on every rank of the tp group, and each rank already
+        #   holds it (Megatron Fig. 3: f and g are conjugate). What does f have to send?
         raise NotImplementedError("lab 10: not implemented yet: f's forward")
 
     @staticmethod
     def backward(ctx, grad):
         # TODO(lab 10): f's backward.
-        #   Each rank holds a partial sum of dL/dx: all-reduce (sum) a contiguous
-        #   copy of it over ctx.comm; return it, and None for comm.
+        #   dL/dX = sum_i dL/dY_i A_i^T: rank i holds only its own term, and every rank needs
+        #   the sum, over the tp group f was given (ctx.comm), never the world. It travels in
+        #   the gradient's dtype: 2(t-1)/t * numel * element_size bytes per rank (a bf16
+        #   gradient reduced in fp32 would send twice that). Don't modify autograd's tensor.
         raise NotImplementedError("lab 10: not implemented yet: f's backward")
 
 
@@ -100,15 +86,17 @@ class ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
         # TODO(lab 10): g's forward.
-        #   Sum the ranks' partial results: all-reduce (sum) a contiguous copy
-        #   (never the input itself) over comm, and return it.
+        #   Z = sum_i Y_i B_i: each rank of the tp group `comm` holds one partial product and
+        #   every rank needs the whole sum (the next layer wants all of Z). Same byte formula as
+        #   f's backward, in x's dtype: the result keeps x's dtype. The input stays untouched
+        #   (autograd may have saved it).
         raise NotImplementedError("lab 10: not implemented yet: g's forward")
 
     @staticmethod
     def backward(ctx, grad):
         # TODO(lab 10): g's backward.
-        #   The gradient of a sum is the same on every rank: return it as it is,
-        #   and None for comm.
+        #   dZ/dY_i B_i is the identity for every i, and dL/dZ is already whole and the same on
+        #   every rank: what does each rank's partial product get, and what must be sent?
         raise NotImplementedError("lab 10: not implemented yet: g's backward")
 
 
@@ -139,6 +127,25 @@ def reduce_from_tensor_parallel(x, comm):
 
 def gather_from_tensor_parallel(x, comm):
     return GatherFromTensorParallel.apply(x, comm)
+
+
+# ------------------------------------------------------------------------------ slices
+def shard(full: torch.Tensor, dim: int, rank: int, size: int, chunks: int = 1) -> torch.Tensor:
+    """Rank `rank`'s slice (of `size`) of `full` along `dim`. With chunks > 1 the tensor is
+    `chunks` blocks along `dim` (c_attn's [q | k | v]) and the rank takes its slice of each block,
+    concatenated: [q_rank | k_rank | v_rank], whole heads of each."""
+    # TODO(lab 10): shard, this rank's slice of each block.
+    #   Invariant: unshard([shard(full, dim, r, size, chunks) for r in range(size)], dim, chunks)
+    #   == full. A fused [q | k | v] weight (chunks=3) is three matrices stacked along dim: each
+    #   rank must get whole heads of q, of k AND of v (its size-th of each block), or attention
+    #   on that rank would mix one head's queries with another's keys.
+    raise NotImplementedError("lab 10: not implemented yet: shard, this rank's slice of each block")
+
+
+def unshard(shards: list[torch.Tensor], dim: int, chunks: int = 1) -> torch.Tensor:
+    """The inverse of `shard`: the full tensor from every rank's slice, in rank order."""
+    pieces = [s.chunk(chunks, dim) for s in shards]
+    return torch.cat([pieces[r][c] for c in range(chunks) for r in range(len(shards))], dim)
 
 
 def mark_sharded(param: nn.Parameter, dim: int, chunks: int = 1) -> nn.Parameter:
@@ -195,20 +202,27 @@ class ColumnParallelLinear(ParallelLinear):
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         """Copy this rank's slice of a full (out_features x in_features) weight and its bias."""
-        # TODO(lab 10): ColumnParallelLinear.load_full, this rank's rows.
-        #   Copy this rank's rows of `weight` (output features: dim 0, in
-        #   self.chunks blocks) into self.weight with `shard`, and the same
-        #   slice of `bias` into self.bias if there is one.
-        raise NotImplementedError("lab 10: not implemented yet: ColumnParallelLinear.load_full, this rank's rows")
+        rank, size = self.comm.rank, self.comm.size  # rows: output features, dim 0, in self.chunks blocks
+        self.weight.copy_(shard(weight, 0, rank, size, self.chunks))
+        if self.bias is not None:
+            self.bias.copy_(shard(bias, 0, rank, size, self.chunks))
 
     def forward(self, x):
-        if self.sequence_parallel:  # all-gather the sequence; backward re-gathers, reduce-scatters
-            y = linear_with_sequence_gather(x, self.weight, self.bias, self.comm)
-        else:
+        if not self.sequence_parallel:
             # TODO(lab 10): ColumnParallelLinear.forward.
-            #   Pass x through f (copy_to_tensor_parallel), then apply this
-            #   rank's weight and bias (F.linear) into y.
+            #   y = this rank's output features, X A_i + b_i: x is whole on every rank, and in
+            #   backward the partial dL/dx of the t ranks must be summed: which operator gives
+            #   both, over this layer's tp group (self.comm)?
             raise NotImplementedError('lab 10: not implemented yet: ColumnParallelLinear.forward')
+        else:
+            # TODO(lab 10): sequence parallelism, the column side (stretch task, extra points).
+            #   Korthikanti et al. 2022, Sec. 4: x is this rank's sequence shard [b, s/t, h] (the
+            #   LayerNorm before ran on s/t tokens). The matmul needs every token, and backward
+            #   must hand each rank the sum of dL/dx for ITS tokens only: f becomes f_bar, the
+            #   conjugate pair of an all-gather along the sequence and a reduce-scatter, (t-1)/t
+            #   * b*s*h elements each, so a layer sends what TP's all-reduces sent. Keeping only
+            #   the shard for backward is what saves the memory (minizero/tensor/sequence.py).
+            raise NotImplementedError('lab 10: not implemented yet: sequence parallelism, the column side (stretch task, extra points)')
         return gather_from_tensor_parallel(y, self.comm) if self.gather_output else y
 
     def extra_repr(self):
@@ -240,20 +254,25 @@ class RowParallelLinear(ParallelLinear):
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         """Copy this rank's columns of a full (out_features x in_features) weight, and the whole bias."""
-        # TODO(lab 10): RowParallelLinear.load_full, this rank's columns.
-        #   Copy this rank's columns of `weight` (input features: dim 1) into
-        #   self.weight with `shard`. The bias is not split: copy all of it.
-        raise NotImplementedError("lab 10: not implemented yet: RowParallelLinear.load_full, this rank's columns")
+        self.weight.copy_(shard(weight, 1, self.comm.rank, self.comm.size))  # columns: input features, dim 1
+        if self.bias is not None:
+            self.bias.copy_(bias)  # not split: added once, after the sum
 
     def forward(self, x):
-        if self.sequence_parallel:  # sum AND scatter along the sequence: each rank keeps s/t tokens
-            y = reduce_scatter_to_sequence_parallel(F.linear(x, self.weight), self.comm)
-        else:
+        if not self.sequence_parallel:
             # TODO(lab 10): RowParallelLinear.forward.
-            #   Multiply by this rank's weight WITHOUT the bias (F.linear), then
-            #   sum the ranks' partial results with g (reduce_from_tensor_parallel)
-            #   into y. The bias is added below, once.
+            #   y = sum_i x_i A_i over the tp group (self.comm), the bias not included: it is
+            #   added below, once (added on each of the t ranks before the sum, it would count
+            #   t times).
             raise NotImplementedError('lab 10: not implemented yet: RowParallelLinear.forward')
+        else:
+            # TODO(lab 10): sequence parallelism, the row side (stretch task, extra points).
+            #   The sum of the partial products is needed only by the next LayerNorm and the
+            #   residual, which now work on s/t tokens: g becomes g_bar, the sum AND the split
+            #   along the sequence (each rank keeps [b, s/t, h] of it), its backward the all-
+            #   gather of the gradient. A ring all-reduce is exactly this reduce-scatter plus an
+            #   all-gather, so the bytes stay TP's. The bias (below) is added once per token.
+            raise NotImplementedError('lab 10: not implemented yet: sequence parallelism, the row side (stretch task, extra points)')
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):
