@@ -63,7 +63,8 @@ def traffic(comm, node_size=2, dtype="fp16", model="tiny-gpt", model_kwargs=None
     {op: [intra, cross]}}, its ledger after backward, the units' padded sizes, the loss."""
     torch.set_num_threads(1)
     mesh = Mesh(comm, node_size=node_size)
-    out = {"N": comm.size, "k": node_size, "dtype": dtype, "variants": {}}
+    out = {"N": comm.size, "k": node_size, "dtype": dtype, "variants": {},
+           "block_numel": {"weights": weight_block_numel, "gradients": grad_block_numel}}  # elements per fp32 scale
     for name in variants:
         net = build_model(model, seed=0, **(model_kwargs or {}))
         w = build(name, net, mesh, dtype, wrap, weight_block_numel=weight_block_numel, grad_block_numel=grad_block_numel)
