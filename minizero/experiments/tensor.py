@@ -141,6 +141,8 @@ def side_by_side(mesh: Mesh, sequence_parallel=False, tied=False, steps=STEPS, b
         sgd_step(ref.parameters(), lr)
     out["params"] = worst(gather_full(tp_model, tp_comm), dict(ref.named_parameters()))
     local_batch = batch // mesh.dp_size
+    out["shape"] = {"batch": local_batch, "seq": cfg.block_size, "hidden": cfg.n_embd, "heads": cfg.n_head,
+                    "tp": tp_comm.size}  # what the formulas below were evaluated at
     out["formula"] = {
         "collectives": collectives_per_step(cfg.n_layer, local_batch, cfg.block_size, cfg.n_embd, cfg.block_size,
                                             tp_comm.size, sequence_parallel, cfg.bias),
@@ -211,7 +213,8 @@ def saved_per_layer(comm, tp_size, sequence_parallel, batch, config=None) -> dic
     with SavedTensors({"h.0": model.h[0]}, exclude=model) as saved:
         model(x, y)
     args = (cfg.block_size, batch, cfg.n_embd, cfg.n_head, tp_size, sequence_parallel)
-    return {"t": tp_size, "sp": sequence_parallel, "measured": saved.bytes["h.0"],
+    return {"t": tp_size, "sp": sequence_parallel, "measured": saved.bytes["h.0"], "batch": batch,
+            "seq": cfg.block_size, "hidden": cfg.n_embd, "heads": cfg.n_head,
             "formula": korthikanti_per_layer(*args),
             "unmodelled": unmodelled_bytes(cfg.block_size, batch, tp_size, sequence_parallel)}
 
