@@ -54,35 +54,27 @@ def heads_to_sequence(x: torch.Tensor, comm) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, cp * group, seq // cp, d)
 
 
-class SequenceToHeads(torch.autograd.Function):
+class Reshard(torch.autograd.Function):
+    """One all-to-all re-cut, `there` in forward; its inverse `back` in backward (the gradient of a
+    permutation of elements across ranks is the inverse permutation)."""
+
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return sequence_to_heads(x, comm)
+    def forward(ctx, x, comm, there, back):
+        ctx.comm, ctx.back = comm, back
+        return there(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_sequence(grad.contiguous(), ctx.comm), None
-
-
-class HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return heads_to_sequence(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return sequence_to_heads(grad.contiguous(), ctx.comm), None
+        return ctx.back(grad.contiguous(), ctx.comm), None, None, None
 
 
 def ulysses_attention(q, k, v, comm, causal: bool = False):
     """Attention over the whole sequence from this rank's contiguous shard [b, heads, s/cp, d] of
     q, k, v (rank r holds tokens r s/cp ... (r+1) s/cp): this rank's shard of the output."""
     check_heads(q.size(HEAD_DIM), comm.size)
-    q, k, v = (SequenceToHeads.apply(t, comm) for t in (q, k, v))
+    q, k, v = (Reshard.apply(t, comm, sequence_to_heads, heads_to_sequence) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return HeadsToSequence.apply(out, comm)
+    return Reshard.apply(out, comm, heads_to_sequence, sequence_to_heads)
 
 
 def ulysses_bytes_per_layer(batch: int, seq_len: int, hidden: int, cp: int, bytes_per: int) -> dict:
