@@ -62,7 +62,7 @@ class HybridShard(FSDP):
                              "group; build the model normally (each node holds a whole copy anyway)")
         if sync_module_states:  # one model on every node: world rank 0's (FSDP's own broadcast stays in the node)
             mesh.world.broadcast_tensors(list(module.parameters()))
-        super().__init__(module, mesh.node, sync_module_states=False, **fsdp_kwargs)
+        super().__init__(module, mesh.node, **fsdp_kwargs)
         self.mesh = mesh                   # nodes: mesh.node shards, mesh.cross_node replicates
         self.replicas = mesh.cross_node    # the ranks holding the same shard on the other nodes
 
