@@ -50,8 +50,9 @@ in the ledger) and 16-bit weights exist only while gathered. Buffers and frozen 
 
 The model's parameters, as a user sees them (torch's conventions; FSDP2 and FSDP1's
 use_orig_params=True do the same): named_parameters() / parameters() yield every parameter under
-its ORIGINAL name (no "module." prefix), each sharded one as this rank's local part, a 1-D view
-of unit.shard holding the elements this rank owns (maybe none): p.shape and p.numel() count
+its ORIGINAL name (no "module." prefix), and as the ORIGINAL Parameter object (FSDP1's use_orig_params:
+an optimizer built before wrapping, nanoGPT's order, trains it), its .data now this rank's local part, a 1-D
+view of unit.shard holding the elements this rank owns (maybe none): p.shape and p.numel() count
 this rank's elements, `p.full_shape` is the shape before sharding, and the local parts of all
 ranks add up to Ψ (padding is no parameter's). A persistent one is its whole self, a view of
 unit.whole. Their .grad are views of one flat fp32 gradient per unit (freed with the last of
@@ -63,7 +64,8 @@ steps a meta-device placeholder, so code reading weight.shape (an extra_repr, pr
 works while reading its values fails loudly; use gather_full_params() or state_dict()
 (collectives: the full values under the original names) and load_state_dict().
 
-Rules: every rank builds the same model (debug=True checks) and runs the same units in the same
+Rules: every rank starts from rank 0's parameters (sync_module_states=True, as torch DDP broadcasts at
+construction; debug=True first checks that they were equal anyway) and runs the same units in the same
 order, so all issue the same collectives, also for a parameter unused in a step (a zero slice
 of its unit's gradient). A unit whose weights no backward op reads (only biases) is not gathered
 again: fewer bytes than 3(N-1)/N·Ψ. Buffers stay replicated: rank 0's at construction and, with
@@ -81,7 +83,7 @@ import torch
 import torch.nn as nn
 
 from minizero import comm as comm_mod
-from minizero import memory
+from minizero import memory, precision
 from minizero.zero.flat_layout import FlatLayout
 from minizero.zero.init import built_with_init
 
@@ -159,7 +161,7 @@ class _Unit:
 class FSDP(nn.Module):
     def __init__(self, module: nn.Module, comm: comm_mod.Communicator | None = None, compute_dtype=None,
                  prefetch: bool = True, persistence_threshold: int = 0, wrap=None, debug: bool | None = None,
-                 broadcast_buffers: bool = True):
+                 broadcast_buffers: bool = True, sync_module_states: bool = True):
         super().__init__()
         if isinstance(module, FSDP) or any(getattr(m, "_zero3_wrapped", False) for m in module.modules()):
             raise ValueError("FSDP: this module is already wrapped by FSDP (its parameters are flat shards "
@@ -178,7 +180,11 @@ class FSDP(nn.Module):
         if self._init is not None:
             self._init.materialize_replicated(module)  # buffers and frozen parameters: small, whole everywhere
         elif self.debug and self.comm.size > 1:
-            self._check_same_params()
+            self._check_same_params()  # before the broadcast below hides a difference
+        if sync_module_states and self._init is None:
+            # rank 0's parameters, as torch DDP (and FSDP's sync_module_states=True): ranks seeded differently
+            # (nanoGPT's 1337 + rank) would otherwise each keep the shard of a different model. Ψ elements once.
+            self.comm.broadcast_tensors(list(module.parameters()))
         self.comm.broadcast_tensors(list(module.buffers()))  # replicated: rank 0's win (as in DDP)
         # state_dict() order: parameter names (tied ones under every name) and buffers
         self._keys = list(module.state_dict().keys())
@@ -215,11 +221,11 @@ class FSDP(nn.Module):
                 pc = pieces.get(j)
                 lo, numel = (pc.shard_lo, pc.hi - pc.lo) if pc else (0, 0)
                 unit.slots["shard"].append((j, lo, numel, pc.lo if pc else 0))
-                p = nn.Parameter(unit.shard.detach()[lo:lo + numel])
+                p = self._local_part(unit.originals[j](), unit.shard.detach()[lo:lo + numel])
             else:
                 numel = math.prod(shape)
                 unit.slots["whole"].append((j, offset, numel, 0))
-                p = nn.Parameter(unit.whole.detach()[offset:offset + numel].view(shape))
+                p = self._local_part(unit.originals[j](), unit.whole.detach()[offset:offset + numel].view(shape))
                 offset += numel
             p.full_shape = torch.Size(shape)
             unit.visible.append(p)
@@ -228,6 +234,18 @@ class FSDP(nn.Module):
             self._replaced[id(unit.originals[j]())] = (unit.originals[j], p)
             for mod, attr in slots:
                 mod._parameters[attr] = p  # named_parameters() and the owner's state_dict() see it
+
+    @staticmethod
+    def _local_part(original, view):
+        """The Parameter that trains `view`: the user's ORIGINAL Parameter object, its .data now the view
+        (FSDP1's use_orig_params), so an optimizer built before wrapping (nanoGPT's order) steps what
+        trains, and its param groups keep the rules they were built by (p.dim() >= 2 on the full shape).
+        A meta original (zero.Init) cannot take CPU data: a new Parameter stands in for it."""
+        if original is None or original.is_meta:
+            return nn.Parameter(view)
+        original.data = view
+        original.grad = None
+        return original
 
     @torch.no_grad()
     def offload(self, grad_sink, fetch_shard=None):
@@ -461,7 +479,9 @@ class FSDP(nn.Module):
             flat.add_(grad)  # gradient accumulation: another backward before the step
         for j, offset, numel, _ in unit.slots[part]:
             p = unit.visible[j]
-            if p.grad is None and numel and (j in unit.used or bool(grad[offset:offset + numel].any())):
+            # a 0-element local part used here gets an empty gradient, never None: per-parameter loops
+            # (p.grad.norm(), comparing with DDP's gradients) run on every rank alike
+            if p.grad is None and (j in unit.used or (numel and bool(grad[offset:offset + numel].any()))):
                 p.grad = flat[offset:offset + numel].view(p.shape)
 
     def unit_grad(self, unit, part: str):
@@ -472,6 +492,32 @@ class FSDP(nn.Module):
                                    for j, _, numel, _ in unit.slots[part] if numel):
             return None
         return flat
+
+    # ------------------------------------------------------------------ torch DDP / FSDP idioms
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the GLOBAL norm, as torch FSDP's model.clip_grad_norm_ (a collective: every rank calls it).
+        torch.nn.utils.clip_grad_norm_(model.parameters()) would see only this rank's local parts:
+        ||g||^2 = sum over ranks of ||shard grads||^2 + ||persistent grads||^2 (those are equal everywhere)."""
+        if norm_type != 2.0:
+            raise ValueError(f"FSDP.clip_grad_norm_: norm_type must be 2.0, got {norm_type}")
+        if self.grad_sink is not None:
+            raise RuntimeError("FSDP.clip_grad_norm_: the gradients went to the offload tier during backward; "
+                               "clip with the engine's gradient_clipping (or clip the tier's gradients)")
+        sharded = [self.unit_grad(unit, "shard") for unit in self.units if unit.shard is not None]
+        whole = [self.unit_grad(unit, "whole") for unit in self.units if unit.whole is not None]
+        return precision.clip_grad_norm_(sharded, max_norm, self.comm, replicated=whole)[0]
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's accumulation switch (nanoGPT sets it False on all but the last micro-batch). ZeRO-3
+        reduces every backward anyway (as DeepSpeed's stage 3): the averaged gradients add up to the
+        average of the sum, so False is accepted and only costs bytes; it never changes the result."""
+        return True
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool):
+        pass  # see the getter: every backward reduces
 
     def _event(self, what, unit):
         self.events.append((time.perf_counter() - getattr(self, "_t0", 0.0), what, unit.name))

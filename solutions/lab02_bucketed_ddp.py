@@ -20,8 +20,9 @@ The three modes (lesson 02 times them against each other):
                per-message latency (alpha in the alpha-beta model) dominates.
   "bucketed" : after backward, gradients are copied into a few flat buckets of about
                `bucket_numel` gradients each, and each bucket is all-reduced: few large
-               messages, bandwidth bound. (The default, 6.25M fp32 gradients = 25 MB, is
-               torch DDP's bucket_cap_mb=25; DeepSpeed's reduce_bucket_size is this number.)
+               messages, bandwidth bound. (The default, 6.25M fp32 gradients, is 25 MB; torch DDP's
+               bucket_cap_mb=25 is 25 MiB = 6,553,600 fp32 gradients: pass bucket_cap_mb= to get torch's
+               size. DeepSpeed's reduce_bucket_size counts elements, like bucket_numel.)
   "overlap"  : the same buckets, but a hook on each parameter fills its slot as soon as
                autograd has accumulated its gradient, and a bucket's all-reduce is launched
                (async) the moment it is full, while backward keeps computing earlier layers.
@@ -58,8 +59,10 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from minizero import comm as comm_mod
+from minizero.comm.stats import bucket_numel_from_mb
 
 MODES = ("naive", "bucketed", "overlap")
 
@@ -99,6 +102,21 @@ class GradBucket:
         self.filled[i] = True
 
 
+# Live wrappers with a backward not finished yet: an optimizer stepping one of their parameters now would
+# step the local (or half-reduced, still in flight) gradient, silently. The step pre-hook below refuses it.
+_PENDING = weakref.WeakSet()
+_STEP_HOOK = []  # the handle of the global optimizer step pre-hook, registered by the first DDP
+
+
+def _refuse_unfinished_step(optimizer, args, kwargs):
+    for ddp in list(_PENDING):
+        if any(id(p) in ddp._param_ids for group in optimizer.param_groups for p in group["params"]):
+            raise RuntimeError(
+                "optimizer.step() before model.finish_gradient_synchronization(): the gradients are still this "
+                "rank's own (or in flight). Call model.finish_gradient_synchronization() after the last "
+                "backward and before step() (torch DDP does it inside backward; minizero makes it a visible line).")
+
+
 def _hook(ddp_ref, i):
     def on_grad_ready(param):
         ddp = ddp_ref()
@@ -110,10 +128,14 @@ def _hook(ddp_ref, i):
 class DDP(nn.Module):
     def __init__(self, module: nn.Module, comm: comm_mod.Communicator | None = None,
                  bucket_numel: int | None = 6_250_000, overlap: bool = True, mode: str | None = None,
-                 broadcast_buffers: bool = True):
+                 broadcast_buffers: bool = True, bucket_cap_mb: float | None = None):
+        """bucket_cap_mb: torch DDP's bucket size in MiB, as torch reads it (25 -> 25 * 2**20 bytes); when
+        given it sets bucket_numel from the parameters' element size (25 MiB = 6,553,600 fp32 gradients)."""
         super().__init__()
         self.module = module
         self.comm = comm or comm_mod.get()
+        if bucket_cap_mb is not None:
+            bucket_numel = bucket_numel_from_mb(bucket_cap_mb, module)
         self.mode = mode or ("naive" if bucket_numel is None else "overlap" if overlap else "bucketed")
         if self.mode not in MODES:
             raise ValueError(f"unknown DDP mode {self.mode!r}; use one of {MODES}")
@@ -135,6 +157,9 @@ class DDP(nn.Module):
         self._sync = True          # False inside no_sync()
         self._pending = False      # a synced backward happened and is not finished yet
         self._got_grad = [False] * len(self.params)
+        self._param_ids = {id(p) for p in self.params}  # what an optimizer step must not touch while pending
+        if not _STEP_HOOK:
+            _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_unfinished_step))
         self._next = 0             # overlap: first bucket not launched yet
         # The hooks hold the wrapper weakly: a dropped DDP (re-wrapping the same model in a
         # notebook loop) must not keep launching all-reduces from its leftover hooks.
@@ -176,6 +201,25 @@ class DDP(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's switch (nanoGPT: False on all but the last micro-batch): False = no_sync() for the
+        backwards that follow, until it is set True again."""
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool):
+        self._sync = bool(value)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ on the module's parameters, once their gradients are averaged
+        (equal on every rank, so every rank computes the same norm without communicating)."""
+        if self._pending:
+            raise RuntimeError("DDP.clip_grad_norm_(): call model.finish_gradient_synchronization() first: "
+                               "the gradients are not averaged over the ranks yet")
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
+
     @contextmanager
     def no_sync(self):
         """Gradient accumulation: backward passes inside only add into p.grad locally.
@@ -198,6 +242,7 @@ class DDP(nn.Module):
                 "finish_gradient_synchronization(). Call it after every backward(), or run all but "
                 "the last micro-batch under no_sync().")
         self._got_grad[i] = self._pending = True
+        _PENDING.add(self)
         if self.mode == "overlap":
             # overlap: fill the slot, then launch every full bucket, in order.
             #   self._where[i] is (bucket index, slot) of params[i]: fill that slot.
@@ -257,6 +302,7 @@ class DDP(nn.Module):
                         p.grad = None  # unused on every rank: leave it to the optimizer as None
                 bucket.reset()
         self._pending, self._next = False, 0
+        _PENDING.discard(self)
         self._got_grad = [False] * len(self.params)
 
     # ------------------------------------------------------------------ memory

@@ -21,6 +21,7 @@ reduce's volume. minizero.comm counts exactly this (see tests/test_zero12.py).
     sched = torch.optim.lr_scheduler.StepLR(opt, 100)   # a torch.optim.Optimizer: schedulers take it
     loss = model(x_shard, y_shard)[1]; loss.backward()
     opt.clip_grad_norm_(1.0)         # optional: the GLOBAL norm, across shards
+    # module=model: its buffers (BatchNorm statistics) stay rank 0's, as under torch DDP
     opt.step(); opt.zero_grad()
 
 Layout (minizero.zero.flat_layout.FlatLayout): the trainable parameters (a tied weight once, frozen ones
@@ -94,9 +95,15 @@ class ShardedOptimizer(FlatShardOptimizer):
     """ZeRO-1: `optimizer_cls` on this rank's 1/N of the flat parameters, one run per param group."""
 
     def __init__(self, params, optimizer_cls, comm: comm_mod.Communicator | None = None,
-                 gradients_reduced: bool = False, debug: bool | None = None, offload=None, **optimizer_kwargs):
+                 gradients_reduced: bool = False, debug: bool | None = None, offload=None, module=None,
+                 **optimizer_kwargs):
+        """module: the model these parameters belong to, when no wrapper (DDP) keeps its buffers equal: then
+        BatchNorm's running statistics are rank 0's at construction and after every step (torch DDP's
+        broadcast_buffers, (N-1)/N of their bytes per step); without it each rank keeps its own."""
         super().__init__(params, optimizer_cls, optimizer_kwargs)  # groups and values checked: nothing changed yet
         self.comm = comm or comm_mod.get()
+        self.buffers = [] if module is None else list(module.buffers())  # kept equal across ranks by step()
+        self.comm.broadcast_tensors(self.buffers)
         dtypes = {(p.dtype, p.device) for p in self.params}
         if len(dtypes) > 1:
             raise ValueError(f"one flat buffer holds one dtype on one device; got {sorted(map(str, dtypes))}")
@@ -187,6 +194,7 @@ class ShardedOptimizer(FlatShardOptimizer):
             self.step_gradient(self.gradient_for_step(grad_shard))
         self._grad_shard = None
         memory.transient.free("zero1.grad_shard")
+        self.comm.broadcast_tensors(self.buffers)  # module= given: BatchNorm statistics stay rank 0's
         return loss
 
     @torch.no_grad()

@@ -16,7 +16,7 @@ import torch
 from minizero.runtime import checkpoint
 from minizero.runtime.checkpoint import CheckpointError
 from minizero.data import SyntheticTokens, shard
-from minizero.runtime.engine import initialize
+from minizero.runtime.engine import build_engine
 from minizero.models import build_model
 
 torch.set_num_threads(1)
@@ -41,7 +41,7 @@ def config(stage, dtype="fp32"):
 
 
 def make(comm, stage, dtype="fp32", **model_overrides):
-    return initialize(build_model("tiny-gpt", seed=0, **{**GPT, **model_overrides}), config(stage, dtype), comm)
+    return build_engine(build_model("tiny-gpt", seed=0, **{**GPT, **model_overrides}), config(stage, dtype), comm)
 
 
 def train(engine, steps):
@@ -114,7 +114,7 @@ def edge(comm, root):
     for stage in (1, 3):
         cfg = {k: v for k, v in config(stage).items() if k != "scheduler"}
         cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
-        e = initialize(build_model("edge", seed=0), cfg, comm)
+        e = build_engine(build_model("edge", seed=0), cfg, comm)
         data = SyntheticTokens(11, 6)
         for step in range(2 * ACC):
             e.backward(e(shard(data.batch(step, BATCH // ACC), comm.rank, comm.size)))  # engine((x, y))

@@ -78,7 +78,7 @@ def digest(engine) -> str:
 
 
 def make(comm, layout):
-    return minizero.initialize(TinyGPT(GPTConfig(**GPT)), config(layout, comm.size), comm=comm)
+    return minizero.initialize(model=TinyGPT(GPTConfig(**GPT)), config=config(layout, comm.size), comm=comm).engine
 
 
 def resume(comm, root):

@@ -14,7 +14,7 @@ from minizero.data import regression_batch, shard
 from minizero.dp.ddp import DDP
 from minizero.experiments.references import global_batches
 from minizero.models import build_model
-from minizero.runtime.engine import initialize
+from minizero.runtime.engine import build_engine
 from minizero.zero.fsdp import FSDP
 from minizero.zero.fsdp_optimizer import FSDPOptimizer
 from minizero.zero.shard_grad_op import ShardGradOp
@@ -115,7 +115,7 @@ def train(comm, torch_group, strategy, make_model, opt, batches, groups=None, sc
         cfg = {"train_micro_batch_size_per_gpu": len(batches[0][0]) // comm.size, "gradient_clipping": 0.0,
                "optimizer": {"type": cls.__name__, "params": dict(kw)},
                "zero_optimization": {"stage": engine_stage, "stage3_param_persistence_threshold": 0}}
-        engine = initialize(model, cfg, comm, model_parameters=params)
+        engine = build_engine(model, cfg, comm, model_parameters=params)
         optim = engine.optimizer
     comm.stats.reset()  # what the steps send, not the construction
     if hook:
@@ -276,7 +276,7 @@ def checkpoints_across_stages(comm, ckpt_dir):
     batches = global_batches(build_model("edge"), 4, BATCH)
 
     def engine(stage):
-        return initialize(build_model("edge", seed=0),
+        return build_engine(build_model("edge", seed=0),
                           {"train_micro_batch_size_per_gpu": BATCH // comm.size, "gradient_clipping": 0.0,
                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
                            "zero_optimization": {"stage": stage}}, comm)
@@ -388,7 +388,7 @@ def offload_one_group(comm):
                    "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 4, "warmup_num_steps": 2}},
                    "zero_optimization": {"stage": stage,
                                          "offload_optimizer": {"device": "none" if variant == "none" else "cpu"}}}
-            engine = initialize(model, cfg, comm, model_parameters=[{"params": list(model.parameters()), "lr": 0.05}])
+            engine = build_engine(model, cfg, comm, model_parameters=[{"params": list(model.parameters()), "lr": 0.05}])
             if variant == "cut":
                 engine.offload.param_groups = [{k: v for k, v in g.items() if k != "params"}
                                                for g in engine.offload.optim.param_groups]

@@ -99,7 +99,7 @@ def train(n_layer, n_embd, offload, steps, fp16=True, stage=2, seq=128):
         gc.collect()  # an earlier run's engine in this process: gone before this one is measured
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0  # what this run did not allocate
-    engine = minizero.initialize(model, _config(stage, offload, fp16))
+    engine, _, _, _ = minizero.initialize(model=model, config=_config(stage, offload, fp16))
     init_peak = torch.cuda.max_memory_allocated() - base if cuda else None  # building the engine
     if cuda:
         torch.cuda.reset_peak_memory_stats()  # from here: the training steps

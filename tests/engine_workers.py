@@ -11,7 +11,7 @@ import torch
 
 from minizero import memory
 from minizero.data import SyntheticTokens, shard
-from minizero.runtime.engine import initialize, optimizer_spec
+from minizero.runtime.engine import build_engine, optimizer_spec
 from minizero.models import build_model
 from minizero.precision import MinLossScaleError, clip_grad_norm_
 
@@ -48,7 +48,7 @@ def compare(a, b):
 
 def run_engine(comm, cfg, steps=STEPS, double=False):
     """The DeepSpeed loop. double: one micro-batch of 2*MICRO rows = this rank's rows of two."""
-    engine = initialize(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
+    engine = build_engine(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
     n, acc, micro = comm.size, engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
     losses, norms, sent = [], [], []
     for step in range(steps):
@@ -180,7 +180,7 @@ def overflow_streak(comm):
                                           "min_loss_scale": 1},
                  scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
                                                            "warmup_num_steps": 10}})
-    engine = initialize(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
+    engine = build_engine(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
     before = flat(engine.full_state_dict())
     out = {"scales": [], "lrs": [], "global_steps": [], "error": None}
     x, y = shard(batch(0, MICRO * comm.size), comm.rank, comm.size)

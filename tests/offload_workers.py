@@ -15,7 +15,7 @@ from minizero import memory
 from minizero.data import SyntheticTokens, shard
 from minizero.models import build_model
 from minizero.runtime import checkpoint
-from minizero.runtime.engine import initialize
+from minizero.runtime.engine import build_engine
 from minizero.zero import infinity
 from minizero.zero.init import Init
 
@@ -59,7 +59,7 @@ def run(comm, cfg, steps=3, init=False, **kw):
             model = build_model("tiny-gpt", seed=0, **GPT)
     else:
         model = build_model("tiny-gpt", seed=0, **GPT)
-    engine = initialize(model, cfg, comm)
+    engine = build_engine(model, cfg, comm)
     losses = train(engine, steps, **kw)
     return engine, losses
 
@@ -157,17 +157,17 @@ def main(comm, tmp):
         more = train(engine, 2)
         engine.offload.finish()  # DPU: the update in flight is part of the state compared
         saved = checkpoint.gather(engine)[0]
-        again = initialize(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
+        again = build_engine(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
         again.load_checkpoint(path)
         resumed = train(again, 2)
         again.offload.finish()
         now = checkpoint.gather(again)[0]
         out[f"resume/{name}"] = {"losses": more == resumed,
                                  "state": all(torch.equal(saved[n][k], now[n][k]) for n in saved for k in saved[n])}
-        plain = initialize(build_model("tiny-gpt", seed=0, **GPT), config(2 if name == "nvme" else 3, ADAM), comm)
+        plain = build_engine(build_model("tiny-gpt", seed=0, **GPT), config(2 if name == "nvme" else 3, ADAM), comm)
         plain.load_checkpoint(path)
         loaded = checkpoint.gather(plain)[0]
-        ref = initialize(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
+        ref = build_engine(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
         ref.load_checkpoint(path)
         want = checkpoint.gather(ref)[0]
         out[f"reshard/{name}"] = all(torch.equal(want[n][k], loaded[n][k]) for n in want for k in want[n])

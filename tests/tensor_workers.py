@@ -80,14 +80,14 @@ def engine_runs(comm):
     from minizero.data import shard
     from minizero.experiments.tensor import worst
     from minizero.models import GPTConfig, TinyGPT
-    from minizero.runtime.engine import initialize
+    from minizero.runtime.engine import build_engine
     out = {}
     for stage, sp in ENGINE_RUNS:
         cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACC, "gradient_clipping": CLIP,
                "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
                "tensor_parallel": {"autotp_size": 2, "sequence_parallel": sp}}
-        engine = initialize(TinyGPT(GPTConfig(**ENGINE_GPT)), cfg, comm)
+        engine = build_engine(TinyGPT(GPTConfig(**ENGINE_GPT)), cfg, comm)
         norms = []
         for step in range(STEPS):
             for i in range(ACC):

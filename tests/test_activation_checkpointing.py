@@ -19,7 +19,7 @@ from minizero.data import SyntheticTokens
 from minizero.experiments.planner import SHAPES, configurations
 from minizero.models import GPTConfig, TinyGPT, build_model
 from minizero.runtime.config import ConfigError, load_config
-from minizero.runtime.engine import initialize
+from minizero.runtime.engine import build_engine
 from tests.planner_job import results
 
 B, T, C = 2, 16, 32
@@ -80,7 +80,7 @@ def test_config_section_keys_have_deepspeeds_meaning_or_are_refused():
         load_config({**base, "activation_checkpointing": {"partition": True}})
     model = build_model("edge")
     with pytest.raises(ConfigError, match="activation_checkpointing: EdgeCaseModel has no nn.ModuleList"):
-        initialize(model, {**base, "activation_checkpointing": {}}, comm=_OneRank())
+        build_engine(model, {**base, "activation_checkpointing": {}}, comm=_OneRank())
 
 
 class _OneRank:  # initialize refuses before any collective: only the size is read

@@ -219,5 +219,5 @@ def test_every_config_error_comes_before_any_collective(what, make, cfg, world, 
             world, node_size = spy, 4
         extra = {"mesh": FakeMesh()}
     with pytest.raises(ConfigError, match=match):
-        minizero.initialize(model, {**BASE, **cfg}, **({} if "mesh" in extra else {"comm": spy}), **extra)
+        minizero.initialize(model=model, config={**BASE, **cfg}, **({} if "mesh" in extra else {"comm": spy}), **extra)
     assert spy.calls == [], spy.calls

@@ -153,7 +153,7 @@ def test_a_config_error_leaves_the_model_untouched(stage, bad, monkeypatch):
 
     from minizero import comm as comm_mod
     from minizero.models import build_model
-    from minizero.runtime.engine import initialize
+    from minizero.runtime.engine import build_engine
 
     def refuse(*a, **k):
         raise AssertionError("a communicator was requested before the config was checked")
@@ -165,7 +165,7 @@ def test_a_config_error_leaves_the_model_untouched(stage, bad, monkeypatch):
     cfg.update(bad)
     cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": stage}
     with pytest.raises(ConfigError):
-        initialize(model, cfg)
+        build_engine(model, cfg)
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(before[k], after[k]) for k in before)
     assert {p.dtype for p in model.parameters()} == {torch.float32} and len(list(model.parameters())) == 29
@@ -203,23 +203,23 @@ def test_pipeline_engine_refuses_what_it_cannot_do_before_any_collective():
     cfg = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "pipeline": {"stages": 2}}
     with pytest.raises(ConfigError, match="bf16 with pipeline.stages > 1: not available"):
-        minizero.initialize(TinyGPT(), {**cfg, "bf16": {"enabled": True}}, comm=_FakeComm(2))
+        minizero.initialize(model=TinyGPT(), config={**cfg, "bf16": {"enabled": True}}, comm=_FakeComm(2))
     with pytest.raises(ConfigError, match="offload_optimizer.device 'cpu' with pipeline.stages > 1: not available"):
-        minizero.initialize(TinyGPT(), {**cfg, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+        minizero.initialize(model=TinyGPT(), config={**cfg, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
                             comm=_FakeComm(2))
     # 3D (pipeline x tensor parallel): what cannot work is refused before the mesh is built
     tp = {**cfg, "train_batch_size": 4, "tensor_parallel": {"autotp_size": 2}}
     with pytest.raises(ConfigError, match="sequence_parallel with pipeline.stages > 1: not implemented"):
-        minizero.initialize(TinyGPT(), {**tp, "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}},
+        minizero.initialize(model=TinyGPT(), config={**tp, "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}},
                             comm=_FakeComm(4))
     with pytest.raises(ConfigError, match="splits a nanoGPT-named model.*MLP has no wte"):
-        minizero.initialize(MLP(), tp, comm=_FakeComm(4))
+        minizero.initialize(model=MLP(), config=tp, comm=_FakeComm(4))
     with pytest.raises(ValueError, match="n_head=3 is not divisible by the tensor-parallel size 2"):
-        minizero.initialize(TinyGPT(GPTConfig(n_head=3, n_embd=48)), tp, comm=_FakeComm(4))
+        minizero.initialize(model=TinyGPT(GPTConfig(n_head=3, n_embd=48)), config=tp, comm=_FakeComm(4))
     with pytest.raises(ConfigError, match="4 pipeline stages .* only 2 blocks"):  # a ConfigError: train says it once
-        minizero.initialize(TinyGPT(), {**tp, "train_batch_size": 2, "pipeline": {"stages": 4}}, comm=_FakeComm(8))
+        minizero.initialize(model=TinyGPT(), config={**tp, "train_batch_size": 2, "pipeline": {"stages": 4}}, comm=_FakeComm(8))
     with pytest.raises(ConfigError, match="needs a model cut into stages.*got a MLP"):
-        minizero.initialize(MLP(), cfg, comm=_FakeComm(2))
+        minizero.initialize(model=MLP(), config=cfg, comm=_FakeComm(2))
 
 
 class _FakeComm:

@@ -113,7 +113,7 @@ def test_fsdp_shows_the_parameters_under_their_names(res):
 
 
 def test_overlapping_groups_and_groups_missing_parameters_fail_before_anything_changes():
-    from minizero.runtime.engine import initialize
+    from minizero.runtime.engine import build_engine
     from minizero.zero.shard_grad_op import ShardGradOp
     from minizero.zero.sharded_optimizer import ShardedOptimizer
     model = build_model("edge", seed=0)
@@ -127,7 +127,7 @@ def test_overlapping_groups_and_groups_missing_parameters_fail_before_anything_c
         ShardGradOp(model, torch.optim.AdamW, params=[p for n, p in model.named_parameters() if n != "unused"], lr=0.1)
     cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
     with pytest.raises(ValueError, match="param groups overlap"):
-        initialize(model, cfg, model_parameters=both)
+        build_engine(model, cfg, model_parameters=both)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
 
@@ -156,7 +156,7 @@ def test_param_groups_where_they_cannot_work_are_an_error_before_anything_change
     communicator exists (a launcher of 2 ranks announced, none started) and before the model changes."""
     from minizero import comm as comm_mod
     from minizero.runtime.config import ConfigError
-    from minizero.runtime.engine import initialize
+    from minizero.runtime.engine import build_engine
 
     def refuse(*a, **k):
         raise AssertionError("a communicator was requested before the groups were checked")
@@ -169,7 +169,7 @@ def test_param_groups_where_they_cannot_work_are_an_error_before_anything_change
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra}
     with pytest.raises(ConfigError, match=words):
-        initialize(model, cfg, model_parameters=groups)
+        build_engine(model, cfg, model_parameters=groups)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

@@ -163,7 +163,7 @@ def test_bad_config_raises_before_any_collective(no_collectives, bad, message):
     base = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     cfg = {k: v for k, v in {**base, **bad}.items() if v is not None}  # None: leave the section out
     with pytest.raises(ConfigError) as e:
-        minizero.initialize(build_model("tiny-gpt"), cfg)
+        minizero.initialize(model=build_model("tiny-gpt"), config=cfg)
     assert message in str(e.value)
 
 

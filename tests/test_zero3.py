@@ -135,7 +135,7 @@ def test_gathered_buffers_are_freed_and_peak_is_one_or_two_units(n):
                 facts = out[f"{name}/{label}"]
                 assert facts["peak"] == [expected_peak(sizes, prefetch)] * 5, f"{name} {label} rank {r}"
                 assert facts["alive_after_forward"] == [0] * 5  # weakrefs: really freed after forward
-                # the model's own full-size Parameters are gone too, except the frozen ones
+                # no original Parameter keeps full-size storage of its own, except the frozen ones
                 assert facts["originals_alive"] == (2 if name == "edge" else 0)
                 assert facts["live_after_step"] == [0] * 5      # nothing left gathered
                 k = len(sizes) - 1

@@ -220,7 +220,7 @@ def test_valid_zeropp_config_and_mesh_mismatch_fail_before_any_collective():
         load_config(_cfg(zero_quantized_weights="yes"), 4)
     mesh = SimpleNamespace(world=SimpleNamespace(size=4), node_size=4)  # no collective can run on this
     with pytest.raises(ConfigError, match="zero_hpz_partition_size=2 but the mesh has nodes of 4 ranks"):
-        minizero.initialize(build_model("tiny-gpt"), _cfg(zero_hpz_partition_size=2), mesh=mesh)
+        minizero.initialize(model=build_model("tiny-gpt"), config=_cfg(zero_hpz_partition_size=2), mesh=mesh)
 
 
 @pytest.mark.parametrize("kw", [dict(weight_block_numel=0), dict(grad_block_numel=-8), dict(weight_block_numel=1.5)])

@@ -53,7 +53,11 @@ def train_fsdp(comm, name, opt_name="sgd", steps=STEPS, batch=BATCH, **kw):
     gathered = []  # weakrefs to every forward-gathered buffer: are they really freed?
     for u in fsdp.units:  # registered after FSDP's own pre-hook, so u.buf is gathered here
         u.module.register_forward_pre_hook(lambda m, a, u=u: gathered.append(weakref.ref(u.buf)))
-    out = {"originals_alive": sum(r() is not None for r in originals)}  # frozen ones stay
+    # the originals live on as the local parts (use_orig_params), their storage a unit's shard or whole:
+    # count those that still hold storage of their own (full-size memory); the frozen ones do
+    unit_storages = {t.untyped_storage().data_ptr() for u in fsdp.units for t in (u.shard, u.whole) if t is not None}
+    out = {"originals_alive": sum(r() is not None and r().untyped_storage().data_ptr() not in unit_storages
+                                  for r in originals)}
     out.update({k: [] for k in ("sent", "losses", "peak", "after_forward", "after_backward", "after_step",
                            "alive_after_forward", "live_after_step", "seconds")})
     fsdp.counters.update(gathers=0, prefetch_hits=0)

@@ -13,7 +13,7 @@ from minizero.data import shard
 from minizero.experiments import zeropp as experiment
 from minizero.experiments.references import global_batches
 from minizero.models import build_model
-from minizero.runtime.engine import initialize
+from minizero.runtime.engine import build_engine
 from minizero.zero.fsdp import FSDP
 from minizero.zero.quantize import dequantize_blockwise, quantize_blockwise
 from minizero.zero.zeropp import ZeroPP
@@ -139,9 +139,9 @@ def resume(comm, ckpt_dir, steps=6, save_at=3):
                 engine.save_checkpoint(ckpt_dir)
         return losses, torch.cat([v.reshape(-1) for v in engine.full_state_dict().values()])
 
-    first = initialize(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
+    first = build_engine(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
     straight, params = train(first, 0)
-    fresh = initialize(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
+    fresh = build_engine(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
     fresh.load_checkpoint(ckpt_dir)
     resumed, resumed_params = train(fresh, save_at)
     first.load_checkpoint(ckpt_dir)

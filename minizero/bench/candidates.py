@@ -81,7 +81,7 @@ def _adam(params, lr):
 def _minizero(name, model, comm, lr):
     if name == "minizero-ddp":
         from minizero.dp.ddp import DDP
-        w = DDP(model, comm, mode="overlap")  # bucket_numel=6.25M fp32 = 25 MB: torch DDP's default cap
+        w = DDP(model, comm, mode="overlap")  # bucket_numel=6.25M fp32 = 25 MB (torch DDP: 25 MiB)
         opt = _adam(w.parameters(), lr)
         return Candidate(*_loop(w, opt, w.finish_gradient_synchronization), lambda: (w, opt), "minizero.comm")
     if name == "minizero-zero1":
@@ -124,7 +124,7 @@ class _Buckets:
 
 def _engine(name, comm, cfg, seed, lr, micro, nvme_dir, sub_group_size=2_000_000):
     """minizero through its engine: fp32, torch Adam (no weight decay), as the other candidates."""
-    from minizero.runtime.engine import initialize
+    from minizero.runtime.engine import build_engine
     from minizero.zero.init import Init
     stage = 2 if "zero2" in name else 3
     zero = {"stage": stage}
@@ -140,7 +140,7 @@ def _engine(name, comm, cfg, seed, lr, micro, nvme_dir, sub_group_size=2_000_000
               "zero_optimization": zero, "aio": {"overlap_events": "noprefetch" not in name}}
     with Init(enabled=stage == 3):  # ZeRO-3 never holds the whole model on a rank
         model = build_model("tiny-gpt", seed=seed, **cfg)
-    engine = initialize(model, config, comm)
+    engine = build_engine(model, config, comm)
 
     def backward(x, y):
         loss = engine(x, y)

@@ -58,12 +58,12 @@ def batches(name, model, seed):
 def train(comm, config, model_name="tiny-gpt", steps=50, out="runs/train", save_every=0, resume=False,
           progress=True):
     """Runs on every rank. Returns the per-step log records (rank 0's view) and this rank's ledger."""
-    from minizero.runtime.engine import initialize
+    from minizero.runtime.engine import build_engine
     with open(config) as f:
         seed = json.load(f).get("seed", 0)
     model = build_model(model_name, seed=seed)
     n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 moves them into flat shards
-    engine = initialize(model, config, comm)  # a bad config raises here, before any collective
+    engine = build_engine(model, config, comm)  # a bad config raises here, before any collective
     batch_of = batches(model_name, model, seed)
     micro, acc = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     rank, size = comm.rank, comm.size
@@ -207,7 +207,7 @@ def preflight(args, world_size: int):
     if not os.path.isfile(args.config):
         raise UsageError(f"config file {args.config!r} not found (see configs/ for examples)")
     cfg = load_config(args.config, world_size)
-    resolve(cfg, world_size, build_model(args.model, seed=cfg["seed"]))  # every rule initialize() applies
+    resolve(cfg, world_size, build_model(args.model, seed=cfg["seed"]))  # every rule build_engine() applies
     latest = os.path.join(args.out, "checkpoints", "latest")
     if args.resume and not args.resume_if_exists and not os.path.exists(latest):
         raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist). Check --out, or pass "

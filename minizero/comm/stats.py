@@ -99,3 +99,11 @@ class CommStats:
                 f"{s.sent_bytes / 1e6:.3f} MB sent ({s.cross_node_bytes / 1e6:.3f} MB cross-node)"
                 for op, s in sorted(self.ops.items())]
         return "CommStats(\n  " + "\n  ".join(rows) + "\n)" if rows else "CommStats()"
+
+
+def bucket_numel_from_mb(bucket_cap_mb: float, module) -> int:
+    """torch's bucket_cap_mb (MiB) -> gradients per bucket, for the module's trainable parameters' dtype."""
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0 (MiB, as torch DDP), got {bucket_cap_mb!r}")
+    element_bytes = max((p.element_size() for p in module.parameters() if p.requires_grad), default=4)
+    return max(1, int(bucket_cap_mb * 2**20) // element_bytes)

@@ -19,11 +19,11 @@ from minizero.dp.ddp import DDP
 from minizero.experiments.references import global_batches
 from minizero.models import build_model
 from minizero.precision import LossScaler, MixedPrecisionOptimizer, fp32_loss
-from minizero.runtime.engine import initialize
+from minizero.runtime.initialize import initialize
 from minizero.zero.fsdp import FSDP
-from minizero.zero.zeropp import ZeroPP
 from minizero.zero.shard_grad_op import ShardGradOp
 from minizero.zero.sharded_optimizer import ShardedOptimizer
+from minizero.zero.zeropp import ZeroPP
 
 STEPS, BATCH_PER_RANK, LR = 5, 4, 3e-3
 
@@ -124,7 +124,8 @@ def zero2_offload(comm, steps=STEPS):
               "optimizer": {"type": "AdamW", "params": {"lr": LR}},
               "zero_optimization": {"stage": 2,
                                     "offload_optimizer": {"device": "cpu"}}}  # ZeRO-Offload: master, Adam and step on the host
-    engine = initialize(net, config, comm)                # the engine wraps model and optimizer (runtime/engine.py)
+    engine, _, _, _ = initialize(model=net, config=config, comm=comm)  # DeepSpeed's call (engine, optimizer, ...): the engine wraps
+    # the model and builds the optimizer (runtime/engine.py)
     losses = []
     for batch in global_batches(net, steps, BATCH_PER_RANK * comm.size):
         x, y = shard(batch, comm.rank, comm.size)         # this rank's slice of the global batch
@@ -156,7 +157,7 @@ def pipeline(comm, steps=STEPS):
     config = {"train_batch_size": BATCH_PER_RANK * comm.size, "train_micro_batch_size_per_gpu": 2,
               "gradient_clipping": 0.0, "optimizer": {"type": "Adam", "params": {"lr": LR}},
               "pipeline": {"stages": comm.size, "schedule": "1f1b"}}  # PP: every rank one stage, 1F1B
-    engine = initialize(net, config, comm)                # each rank keeps only its stage's blocks
+    engine, _, _, _ = initialize(model=net, config=config, comm=comm)  # each rank keeps only its stage's blocks
     losses = []
     for x, y in global_batches(net, steps, BATCH_PER_RANK * comm.size):
         micro_batches = zip(x.split(2), y.split(2))       # the WHOLE batch: the pipeline cuts it in micro-batches
@@ -170,7 +171,7 @@ def tensor_parallel(comm, steps=STEPS):
     config = {"train_micro_batch_size_per_gpu": BATCH_PER_RANK * comm.size, "gradient_clipping": 0.0,
               "optimizer": {"type": "Adam", "params": {"lr": LR}},
               "tensor_parallel": {"autotp_size": comm.size}}  # TP: every layer split over all ranks
-    engine = initialize(net, config, comm)                # the model now holds this rank's slices
+    engine, _, _, _ = initialize(model=net, config=config, comm=comm)  # the model now holds this rank's slices
     losses = []
     for x, y in global_batches(net, steps, BATCH_PER_RANK * comm.size):
         loss = engine(x, y)                               # EVERY rank the same rows: they share each layer

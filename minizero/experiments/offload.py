@@ -87,7 +87,7 @@ LESSON_GPT = dict(n_layer=4, n_embd=64)  # 0.2 M parameters: the ledger's bytes 
 
 def _engine(comm, stage, offload=None, param=None, fp16=False, opt="adam", sub_group_size=1e9, steps=6,
             model_kwargs=None):
-    from minizero.runtime.engine import initialize
+    from minizero.runtime.engine import build_engine
     zero = {"stage": stage, "sub_group_size": sub_group_size, "stage3_param_persistence_threshold": 0}
     if offload:
         zero["offload_optimizer"] = offload
@@ -98,7 +98,7 @@ def _engine(comm, stage, offload=None, param=None, fp16=False, opt="adam", sub_g
            {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
            "fp16": {"enabled": fp16, "initial_scale_power": 8}, "zero_optimization": zero}
     model = build_model("tiny-gpt", seed=0, **(model_kwargs or LESSON_GPT))
-    engine = initialize(model, cfg, comm)
+    engine = build_engine(model, cfg, comm)
     losses, times = [], []
     for batch in global_batches(model if stage != 3 else build_model("tiny-gpt", seed=0, **(model_kwargs or LESSON_GPT)),
                                 steps, 4 * comm.size):

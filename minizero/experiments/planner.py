@@ -23,7 +23,7 @@ from minizero.data import SyntheticTokens, shard
 from minizero.memory import SavedTensors
 from minizero.models import build_model
 from minizero.planner import ModelShape, Strategy, plan
-from minizero.runtime.engine import initialize
+from minizero.runtime.engine import build_engine
 
 # small enough for 2 cores; two widths, layer counts, vocabularies, tied and untied
 SHAPES = {"a": dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=False),
@@ -71,7 +71,7 @@ def ds_config(c: dict, micro_batch: int) -> dict:
 
 def run_one(comm, c: dict, micro_batch: int = 2) -> dict:
     g = SHAPES[c["shape"]]
-    engine = initialize(build_model("tiny-gpt", seed=0, **g), ds_config(c, micro_batch), comm)
+    engine = build_engine(build_model("tiny-gpt", seed=0, **g), ds_config(c, micro_batch), comm)
     data = SyntheticTokens(g["vocab_size"], g["block_size"])
     sent = activations = None
     for step in range(2):  # the second step is measured: every buffer exists, the state too

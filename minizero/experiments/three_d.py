@@ -24,7 +24,7 @@ from minizero.data import shard
 from minizero.experiments.references import global_batches
 from minizero.models import GPTConfig, TinyGPT
 from minizero.planner import ModelShape, Strategy, plan
-from minizero.runtime.engine import initialize
+from minizero.runtime.engine import build_engine
 
 # the lesson's default: 8 ranks as 2 nodes of 4; 3D = dp 2 x pp 2 x tp 2 against dp 8, both ZeRO-1
 LAYOUTS = ({"name": "dp8-zero1", "pp": 1, "tp": 1, "zero": 1},
@@ -43,7 +43,7 @@ def _engine(model_cfg: dict, layout: dict, comm, global_batch: int, micro: int, 
         config["pipeline"] = {"stages": layout["pp"], "schedule": layout.get("schedule", "1f1b")}
     if layout["tp"] > 1:
         config["tensor_parallel"] = {"autotp_size": layout["tp"]}
-    return initialize(TinyGPT(GPTConfig(**model_cfg)), config, comm=comm)
+    return build_engine(TinyGPT(GPTConfig(**model_cfg)), config, comm=comm)
 
 
 def _planned(model_cfg: dict, layout: dict, comm, node_size: int, global_batch: int, micro: int, stage: int):

@@ -1,6 +1,7 @@
 """The DeepSpeed-style runtime on top of the building blocks.
 
-    engine.py       initialize(model, config) -> Engine: composes DDP / ZeRO-1/2/3, precision,
+    initialize.py   minizero.initialize: DeepSpeed's signature -> (engine, optimizer, dataloader, lr_scheduler)
+    engine.py       build_engine(model, config) -> Engine: composes DDP / ZeRO-1/2/3, precision,
                     accumulation, clipping and schedulers from a DeepSpeed JSON config
     pipeline_engine.py  PipelineEngine: the engine when pipeline.stages > 1 (train_batch, as DeepSpeed's)
     config.py       the DeepSpeed config subset: defaults, types, "auto", clear errors

@@ -1,6 +1,7 @@
 """minizero.runtime.engine: DeepSpeed's training loop, composed from minizero's building blocks.
 
-    engine = minizero.initialize(model, "ds_config.json")      # or a dict; DeepSpeed's keys (config.py)
+    engine, optimizer, _, _ = minizero.initialize(model=model, config="ds_config.json")  # DeepSpeed's call
+                                                                   # (runtime/initialize.py); keys: config.py
     for step in range(steps):
         for micro in range(engine.gradient_accumulation_steps()):
             loss = engine(x, y)        # this rank's micro-batch; models return (logits, loss): the loss
@@ -94,17 +95,20 @@ def _device(comm):
     return lambda: comm_mod.get().device if comm_mod.is_initialized() else None
 
 
-def initialize(model: torch.nn.Module, config, comm=None, model_parameters=None, mesh=None):
-    """minizero's deepspeed.initialize: a model and a DeepSpeed config (dict or JSON path) -> an engine.
+def build_engine(model: torch.nn.Module, config, comm=None, model_parameters=None, mesh=None,
+                 client_optimizer=None, client_scheduler: bool = False):
+    """A model and a DeepSpeed config (dict or JSON path) -> an Engine (PipelineEngine when pipeline.stages > 1).
+    minizero.initialize (runtime/initialize.py) is DeepSpeed's signature around it.
     model_parameters: param groups, as DeepSpeed takes them (every trainable parameter in one group).
-    (DeepSpeed returns a 4-tuple; here engine.optimizer and engine.lr_scheduler hold the others.)
+    client_optimizer: (class, defaults) of the optimizer a user passed, in place of the config's section.
     mesh: a comm.Mesh whose nodes ZeRO++ uses (its world is the communicator); without one, ZeRO++'s
     simulated nodes are zero_hpz_partition_size consecutive ranks (all ranks one node when that is 1).
     Every error is raised by resolve(), before any collective."""
     if mesh is not None:
         comm = mesh.world
     plan = resolve(config, _world_size(comm), model, model_parameters,
-                   node_size=mesh.node_size if mesh is not None else None, device=_device(comm))
+                   node_size=mesh.node_size if mesh is not None else None, device=_device(comm),
+                   client_optimizer=client_optimizer, client_scheduler=client_scheduler)
     if plan.pp_size > 1:
         return PipelineEngine(model, plan, comm or comm_mod.get())
     return Engine(model, plan, comm or comm_mod.get(), mesh)

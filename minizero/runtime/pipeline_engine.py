@@ -1,7 +1,7 @@
 """minizero.runtime.pipeline_engine: the engine when `pipeline.stages` > 1 (DeepSpeed's PipelineEngine).
 
-    engine = minizero.initialize(model, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
-                                         "pipeline": {"stages": 2, "schedule": "1f1b"}, ...})
+    engine, _, _, _ = minizero.initialize(model=model, config={
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": 2, "schedule": "1f1b"}, ...})
     for step in range(steps):
         loss = engine.train_batch(data_iter)   # m micro-batches through the pipeline, then the step
 

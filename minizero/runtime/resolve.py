@@ -51,14 +51,27 @@ def optimizer_spec(section: dict):
     return (torch.optim.AdamW if section["type"] == "AdamW" or adam_w_mode else torch.optim.Adam), params
 
 
-def check_config(cfg: dict) -> tuple:
+def check_config(cfg: dict, client_optimizer=None, client_scheduler: bool = False) -> tuple:
     """The rules that need no model: the optimizer, scheduler and loss scaler built on a dummy tensor,
-    and the modes the pipeline engine does not implement. -> (optimizer class, kwargs)."""
+    and the modes the pipeline engine does not implement. -> (optimizer class, kwargs).
+    client_optimizer: (class, defaults) of an optimizer passed to initialize(optimizer=) instead of a section."""
     from minizero.precision import LossScaler
-    if cfg["optimizer"] is None:
+    if client_optimizer is not None and cfg["optimizer"] is not None:
+        raise ConfigError("an optimizer came twice: initialize(optimizer=...) and the config's 'optimizer' section; "
+                          "remove one (DeepSpeed would use only one of them)")
+    if client_scheduler and cfg["scheduler"] is not None:
+        raise ConfigError("a scheduler came twice: initialize(lr_scheduler=...) and the config's 'scheduler' "
+                          "section; remove one")
+    if client_optimizer is None and cfg["optimizer"] is None:
         raise ConfigError("the engine needs an 'optimizer' section, "
-                          "e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}")
-    cls, kw = optimizer_spec(cfg["optimizer"])
+                          "e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}, or initialize(optimizer=...)")
+    cls, kw = client_optimizer if client_optimizer is not None else optimizer_spec(cfg["optimizer"])
+    if cfg["zero_optimization"]["stage"] > 0:
+        from minizero.zero.flat_shard_optimizer import check_optimizer_class
+        try:
+            check_optimizer_class(cls)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
     try:
         build_scheduler(cls([torch.zeros(1, requires_grad=True)], **kw), cfg["scheduler"])
     except (TypeError, ValueError) as e:
@@ -156,11 +169,12 @@ def _check_pipeline_model(model, cfg: dict):
 
 
 def resolve(config, world_size: int, model=None, model_parameters=None, node_size: int | None = None,
-            device=None) -> Plan:
+            device=None, client_optimizer=None, client_scheduler: bool = False) -> Plan:
     """Every check, in one place, touching nothing (module docstring). model None: the config's rules only.
-    device: a function giving the ranks' device, called only by a rule that needs it."""
+    device: a function giving the ranks' device, called only by a rule that needs it. client_optimizer /
+    client_scheduler: what initialize(optimizer=, lr_scheduler=) brought instead of config sections."""
     cfg = load_config(config, world_size)
-    cls, kw = check_config(cfg)
+    cls, kw = check_config(cfg, client_optimizer, client_scheduler)
     zero, pipe, tp = cfg["zero_optimization"], cfg["pipeline"], cfg["tensor_parallel"]["autotp_size"]
     hpz = zero["zero_hpz_partition_size"]
     if node_size is not None and hpz > 1 and hpz != node_size:

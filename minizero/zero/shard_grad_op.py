@@ -20,7 +20,8 @@ scatter of Ψ, the step's all-gather (ZeRO-1's, reused) another Ψ: 2(N-1)/N·Ψ
 How, and why:
   * Same flat layout as ZeRO-1 (the step IS ZeRO-1's: ShardedOptimizer.step_shard). The flat
     gradient order is cut into buckets of about `bucket_numel` elements (DeepSpeed's
-    reduce_bucket_size; the default 6.25M is 25 MB of fp32 gradients), walking the
+    reduce_bucket_size; the default 6.25M is 25 MB of fp32 gradients; bucket_cap_mb= takes torch's
+    MiB), walking the
     parameters backwards (about the order backward produces them). A post-accumulate-grad
     hook copies p.grad into its bucket and sets p.grad = None: the full gradient lives only
     for the moment between autograd producing it and the copy.
@@ -49,6 +50,7 @@ How, and why:
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -57,6 +59,7 @@ from torch.autograd.variable import Variable
 
 from minizero import comm as comm_mod
 from minizero import memory
+from minizero.comm.stats import bucket_numel_from_mb
 from minizero.zero.flat_shard_optimizer import check_optimizer_class, covering_param_groups
 from minizero.zero.sharded_optimizer import ShardedOptimizer, clip_shard_grad_norm_
 
@@ -77,17 +80,49 @@ class ReduceBucket:
         self.filled = set()                  # parameters copied in during this backward
 
 
+class Stage2Optimizer(ShardedOptimizer):
+    """ShardGradOp's inner optimizer (model.optim): ZeRO-1's step on the gradient shard the wrapper reduced
+    during backward. A user (or an LR scheduler) holding model.optim calls step() / zero_grad() on it and
+    gets what model.step() / model.zero_grad() do: they are the same methods."""
+
+    def __init__(self, owner, groups, optimizer_cls, comm, offload, optimizer_kwargs):
+        self.owner = weakref.ref(owner)  # the ShardGradOp whose grad_shard holds the gradients (weak: no cycle)
+        super().__init__(groups, optimizer_cls, comm, gradients_reduced=True, offload=offload, **optimizer_kwargs)
+
+    def reduce_gradients(self) -> torch.Tensor:
+        owner = self.owner()
+        owner._check_grad("step")
+        return owner.grad_shard
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_gradient(self.gradient_for_step(self.reduce_gradients()))
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none)  # the tier, had_grad, and full p.grad (only no_sync leaves them)
+        owner = self.owner()
+        owner.grad_shard.zero_()
+        owner._has_grad = False
+
+
 class ShardGradOp(nn.Module):
     """ZeRO-2 around `module`; `self.optim` is the ShardedOptimizer that steps this rank's shard."""
 
     def __init__(self, module: nn.Module, optimizer_cls, comm: comm_mod.Communicator | None = None,
                  bucket_numel: int = 6_250_000, overlap: bool = True, debug: bool | None = None,
-                 params=None, broadcast_buffers: bool = True, offload=None, **optimizer_kwargs):
+                 params=None, broadcast_buffers: bool = True, offload=None, bucket_cap_mb: float | None = None,
+                 **optimizer_kwargs):
         """params: param groups of `module`'s parameters (nanoGPT's decay / no-decay pair), every
         trainable parameter in one of them; default: one group of module.parameters().
         offload: a zero.tiers.OffloadSpec: the shard's master and optimizer on the host (ZeRO-Offload)."""
         super().__init__()
         check_optimizer_class(optimizer_cls)
+        if bucket_cap_mb is not None:  # torch's MiB, converted here once
+            bucket_numel = bucket_numel_from_mb(bucket_cap_mb, module)
         if not bucket_numel or bucket_numel <= 0:
             raise ValueError(f"bucket_numel must be > 0, got {bucket_numel!r}")
         groups = covering_param_groups(module, module.parameters() if params is None else params, "ShardGradOp")
@@ -99,8 +134,7 @@ class ShardGradOp(nn.Module):
         self.bucket_numel = bucket_numel  # gradients per bucket; a bigger parameter gets its own
         self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward (torch DDP's default)
         # The sharded step of ZeRO-1, told that gradients arrive reduced (it allocates none).
-        self.optim = ShardedOptimizer(groups, optimizer_cls, self.comm, gradients_reduced=True, offload=offload,
-                                      **optimizer_kwargs)
+        self.optim = Stage2Optimizer(self, groups, optimizer_cls, self.comm, offload, optimizer_kwargs)
         # frozen parameters and buffers: rank 0's (the flat buffer was broadcast by the optimizer)
         self.comm.broadcast_tensors([*(p for p in module.parameters() if not p.requires_grad), *module.buffers()])
         self.params = self.optim.params   # unique trainable parameters, in flat-buffer order
@@ -255,27 +289,28 @@ class ShardGradOp(nn.Module):
         return clip_shard_grad_norm_(self.comm, self.grad_shard, max_norm, norm_type)
 
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_grad("step")
-        self.optim.step_gradient(self.optim.gradient_for_step(self.grad_shard))
-        return loss
+        return self.optim.step(closure)  # the same call as model.optim.step(): an LR scheduler on it counts it
 
     def _check_grad(self, what):
+        if self._in_backward:
+            raise RuntimeError(f"ShardGradOp.{what}(): called during backward (from a hook?): the gradient "
+                               "shard is complete only after loss.backward() returns")
         if not self._has_grad:
             raise RuntimeError(f"ShardGradOp.{what}(): no gradient yet: call loss.backward() first (a backward "
-                               "inside no_sync() only accumulates; the next one outside it reduces)")
+                               "inside no_sync() or with require_backward_grad_sync = False only accumulates; the "
+                               "next one outside it reduces), and zero_grad() after step(), not between them")
 
     def zero_grad(self, set_to_none: bool = True):
-        if self.optim.tier is not None:
-            self.optim.tier.zero_grad()
-        self.grad_shard.zero_()
-        self._has_grad = False
-        self.optim.had_grad = [False] * len(self.params)
-        for p in self.params:  # only no_sync leaves full gradients behind
-            p.grad = None
+        self.optim.zero_grad(set_to_none)  # grad_shard and p.grad alike (Stage2Optimizer.zero_grad)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's accumulation switch (nanoGPT's idiom): False is no_sync() for the next backwards."""
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool):
+        self._sync = bool(value)
 
     @property
     def param_groups(self):

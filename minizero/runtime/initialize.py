@@ -1,0 +1,111 @@
+"""minizero.initialize: DeepSpeed's front door, with DeepSpeed's signature and its 4-tuple.
+
+    engine, optimizer, dataloader, lr_scheduler = minizero.initialize(
+        args=args, model=model, model_parameters=groups, training_data=dataset, config="ds_config.json")
+
+What each argument means here (deepspeed.initialize's, checked against deepspeed/__init__.py):
+  args              an argparse Namespace; its `deepspeed_config` is the config when `config` is not given
+                    (both given: an error, as in DeepSpeed). Nothing else is read from it.
+  model             the torch.nn.Module to train.
+  optimizer         a torch.optim.Optimizer built on the model (nanoGPT's configure_optimizers): its class,
+                    defaults and param groups become the engine's, since ZeRO must build the optimizer over
+                    its own shards (DeepSpeed wraps it the same way). The config then has no "optimizer".
+                    A callable (params -> Optimizer) is refused with the line to write instead.
+  model_parameters  param groups (or an iterable of parameters), every trainable parameter in one group.
+  training_data     a torch Dataset: the returned DataLoader gives this data-parallel rank its share
+                    (DistributedSampler over the dp ranks) in train_micro_batch_size_per_gpu batches.
+  lr_scheduler      a callable (optimizer -> scheduler), called on the engine's optimizer; the engine steps
+                    it at each optimizer step. A scheduler object built on your own optimizer is refused: it
+                    would move the learning rate of an optimizer nothing steps.
+  config / config_params   a dict or a JSON path (config_params: DeepSpeed's older name).
+  distributed_port, dist_init_required   accepted and unused: minizero starts its communicator itself.
+minizero's own keywords: comm= (a Communicator) and mesh= (a comm.Mesh whose nodes ZeRO++ uses).
+
+The return value is DeepSpeed's tuple (engine, optimizer, training_dataloader, lr_scheduler); the last two
+are None when nothing was asked for. `engine = minizero.initialize(...)` is a mistake DeepSpeed users do not
+make but others do: the tuple's attribute errors say which line to write.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple
+
+import torch
+
+from minizero.runtime.config import ConfigError
+from minizero.runtime.engine import build_engine
+
+
+class Initialized(NamedTuple):
+    """deepspeed.initialize's return value."""
+    engine: Any                # the Engine (or PipelineEngine): forward, backward, step, train_batch
+    optimizer: Any             # engine.optimizer: a torch.optim.Optimizer over what this rank trains
+    training_dataloader: Any   # a DataLoader over this dp rank's share of training_data, or None
+    lr_scheduler: Any          # engine.lr_scheduler, or None
+
+    def __getattr__(self, name):
+        raise AttributeError(f"minizero.initialize() returns DeepSpeed's 4-tuple, not the engine (no attribute "
+                             f"{name!r}): write `engine, optimizer, _, _ = minizero.initialize(...)`")
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               config_params=None, *, comm=None, mesh=None) -> Initialized:
+    """DeepSpeed's initialize. Every error is raised before any collective (runtime/resolve.py)."""
+    if isinstance(args, torch.nn.Module):
+        raise TypeError("minizero.initialize takes DeepSpeed's keywords: initialize(model=model, config=cfg) "
+                        "(its first positional argument is DeepSpeed's `args`)")
+    if model is None:
+        raise TypeError("minizero.initialize: pass the model as model=...")
+    if mpu is not None:
+        raise ConfigError("mpu (Megatron's model-parallel unit) is not supported: set tensor_parallel.autotp_size "
+                          "and pipeline.stages in the config instead")
+    config = _config(args, config, config_params)
+    client = None
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError("optimizer= must be a torch.optim.Optimizer built on the model (a callable is not "
+                              "supported): optimizer=torch.optim.AdamW(groups, lr=...)")
+        if optimizer.state:
+            raise ConfigError("optimizer= has already stepped (it holds state): pass a fresh one; ZeRO rebuilds "
+                              "the optimizer over its shards and would drop that state")
+        # its hyperparameters as its constructor takes them (torch's AdamW keeps Adam's decoupled_weight_decay
+        # in its defaults but does not accept it back)
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        client = (type(optimizer), {k: v for k, v in optimizer.defaults.items() if k in accepted})
+        if model_parameters is None:  # the groups and their own hyperparameters (nanoGPT's decay / no-decay)
+            model_parameters = [{k: v for k, v in group.items() if k == "params" or k in accepted}
+                                for group in optimizer.param_groups]
+    if lr_scheduler is not None and (isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
+                                     or not callable(lr_scheduler)):
+        raise ConfigError("lr_scheduler= must be a callable (optimizer -> scheduler), e.g. "
+                          "lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f): a scheduler built on "
+                          "your optimizer would change the learning rate of an optimizer the engine does not step")
+    engine = build_engine(model, config, comm, model_parameters, mesh, client_optimizer=client,
+                          client_scheduler=lr_scheduler is not None)
+    if lr_scheduler is not None:
+        engine.lr_scheduler = lr_scheduler(engine.optimizer)
+    loader = None if training_data is None else _loader(engine, training_data, collate_fn)
+    return Initialized(engine, engine.optimizer, loader, engine.lr_scheduler)
+
+
+def _config(args, config, config_params):
+    if config is not None and config_params is not None and config is not config_params:
+        raise ConfigError("pass the config once: config= or config_params= (DeepSpeed's older name), not both")
+    config = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is not None and config is not None:
+        raise ConfigError("a config came twice: args.deepspeed_config and config=; pass one (as DeepSpeed says)")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ConfigError("minizero.initialize needs a config: config=\"ds_config.json\" (or a dict), "
+                          "or args.deepspeed_config")
+    return config
+
+
+def _loader(engine, dataset, collate_fn):
+    """DeepSpeed's training dataloader: this dp rank's share, micro-batches of the configured size."""
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=engine.dp_size, rank=engine.dp_rank,
+                                                  shuffle=True, seed=engine.config["seed"])
+    return torch.utils.data.DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
+                                       sampler=sampler, collate_fn=collate_fn, drop_last=True)

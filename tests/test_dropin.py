@@ -1,0 +1,72 @@
+"""A torch, nanoGPT or DeepSpeed user's idioms on minizero's wrappers (tests/dropin_workers.py, ONE 2-rank job).
+
+Each idiom either does what it does under torch DDP / DeepSpeed, or fails at the point of misuse with a
+message naming the fix. Tolerances: 1e-6 where only summation order differs (a norm of values ~1, fp32);
+0 where the same arithmetic runs (no_sync vs require_backward_grad_sync, model.step vs model.optim.step).
+"""
+import pytest
+
+from minizero import launch
+
+_job = []
+
+
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
+    if not _job:
+        _job.append(launch.run("tests/dropin_workers.py:run_all", nprocs=2,
+                               args={"tmp_dir": str(tmp_path_factory.mktemp("ds"))}, timeout=300))
+    return _job[0]
+
+
+def test_ddp_require_backward_grad_sync_is_no_sync_and_step_before_finish_is_refused(res):
+    for out in (r["ddp"] for r in res):
+        assert out["attribute_vs_no_sync"] == 0.0
+        for how in ("no_sync", "attribute"):
+            assert "before model.finish_gradient_synchronization()" in out[f"{how}/step_before_finish"]
+            norm, reference = out[f"{how}/norm"]
+            assert abs(norm - reference) <= 1e-6 * reference and reference > 0.01  # it had something to clip
+            assert abs(out[f"{how}/clipped_norm"] - 0.01) <= 1e-6
+
+
+def test_zero2_inner_optimizer_steps_like_the_wrapper_and_schedulers_see_it(res):
+    for out in (r["zero2"] for r in res):
+        assert out["inner_vs_wrapper"] == 0.0
+        for how in ("wrapper", "inner"):
+            assert out[f"{how}/warnings"] == []  # torch's "lr_scheduler.step() before optimizer.step()"
+            assert out[f"{how}/lr"] == pytest.approx(1e-2 / 4)
+            assert "no gradient yet: call loss.backward() first" in out[f"{how}/before_backward"]
+
+
+def test_fsdp_per_rank_seeds_optimizer_before_wrapping_empty_parts_and_clip(res):
+    for rank, out in enumerate(r["fsdp"] for r in res):
+        assert out["init_vs_rank0"] == 0.0, f"rank {rank} kept its own initialisation"
+        assert out["groups_still_trained"], "an optimizer built before wrapping holds parameters FSDP dropped"
+        assert out["trained_vs_ddp"] <= 1e-6, out["trained_vs_ddp"]
+        assert out["none_grads"] == [], f"rank {rank}: .grad None after backward for {out['none_grads']}"
+        fsdp_norm, ddp_norm = out["norms"]
+        assert abs(fsdp_norm - ddp_norm) <= 1e-6 * ddp_norm
+        assert out["require_backward_grad_sync"] is None  # accepted: ZeRO-3 reduces every backward anyway
+    assert any(r["fsdp"]["empty_parts"] for r in res), "no rank holds a 0-element part: the check said nothing"
+
+
+def test_zero1_alone_keeps_batchnorm_statistics_equal_with_module(res):
+    for out in (r["zero1"] for r in res):
+        assert out["module/spread"] == 0.0
+        assert out["none/spread"] > 1e-3  # the control: without module= the ranks drift apart
+
+
+def test_deepspeed_initialize_signature_tuple_loader_and_its_errors(res):
+    seen = []
+    for out in (r["initialize"] for r in res):
+        assert out["tuple"] == ["Engine", True, True]
+        assert out["loader_batch"] == 2
+        seen.append(out["loader"])
+        assert out["client"] == ["AdamW", 5e-3, 0.05, "StepLR"]
+        errors = out["errors"]
+        assert "DeepSpeed's keywords: initialize(model=model, config=cfg)" in errors["positional"]
+        assert "a config came twice" in errors["two_configs"]
+        assert "an optimizer came twice" in errors["two_optimizers"]
+        assert "lr_scheduler= must be a callable" in errors["scheduler_object"]
+        assert "engine, optimizer, _, _ = minizero.initialize(...)" in errors["engine_from_tuple"]
+    assert sorted(seen[0] + seen[1]) == list(range(16)) and not set(seen[0]) & set(seen[1])  # dp shares
