@@ -41,3 +41,13 @@ def run_8(comm):
     for method in ("ring", "ulysses"):
         out[method] = attention_side_by_side(mesh.cp, method, True, True)
     return out
+
+
+def run_torch(comm):
+    """On the torch backend (gloo): ring attention and Ulysses at cp = 2, and torch's own
+    context_parallel (the peer) on the same world."""
+    from minizero.experiments.context import torch_context_parallel
+    out = {method: attention_side_by_side(comm, method, True, True) for method in ("ring", "ulysses")}
+    out["peer"] = torch_context_parallel(comm)
+    out["backend"] = comm.backend
+    return out

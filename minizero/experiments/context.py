@@ -42,9 +42,9 @@ def inputs(batch, heads, seq, head_dim, dtype=torch.float32, seed=0):
 
 
 def _gather(comm, shard: torch.Tensor, balanced: bool) -> torch.Tensor:
-    buf = torch.empty((comm.size, *shard.shape), dtype=shard.dtype)
-    comm.all_gather(buf, shard.contiguous())
-    return unshard_sequence(list(buf.unbind(0)), balanced)
+    buf = torch.empty(comm.size * shard.numel(), dtype=shard.dtype)  # flat: gloo wants [world * numel]
+    comm.all_gather(buf, shard.contiguous().view(-1))
+    return unshard_sequence(list(buf.view(comm.size, *shard.shape).unbind(0)), balanced)
 
 
 def _sent(comm) -> dict:
@@ -172,4 +172,40 @@ def lesson_worker(comm) -> dict:
         if cp == 4:
             out["work"] = work_per_rank(mesh.cp)
     out["formula_per_token"] = attention_activation_bytes(1, 1, 4 * 16, 4, 1, 4)  # sweep shape: 4 heads x 16
+    return out
+
+
+# ------------------------------------------------------------------------------ the peer
+def torch_context_parallel(comm) -> dict:
+    """torch's own ring attention, `torch.distributed.tensor.experimental.context_parallel`, on this
+    world (launched with backend="torch": gloo on CPU), causal, against single-process attention. Per
+    SDPA backend: {"max_diff": {...}} if it ran, else {"error": the first error it raised}."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    mesh = init_device_mesh(comm.device.type, (comm.size,), mesh_dim_names=("cp",))
+    q, k, v, grad_out = inputs(**SHAPE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    ref.backward(grad_out)
+    out = {}
+    for backend in ("FLASH_ATTENTION", "MATH"):
+        buffers = [t.clone() for t in (q, k, v, grad_out)]
+        try:
+            with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
+                mine = [t.requires_grad_() for t in buffers[:3]]
+                try:
+                    with sdpa_kernel(getattr(SDPBackend, backend)):
+                        y = F.scaled_dot_product_attention(*mine, is_causal=True)
+                    y.backward(buffers[3])
+                finally:
+                    grads = [t.grad for t in mine]
+                    for t in mine:  # context_parallel resizes its buffers back on exit: plain tensors again
+                        t.requires_grad_(False)
+            full = context_parallel_unshard(mesh, [y.detach(), *grads], [2, 2, 2, 2])
+            want = [ref.detach()] + [t.grad for t in leaves]
+            out[backend] = {"max_diff": {n: (a - b).abs().max().item() for n, a, b in zip(("out", "dq", "dk", "dv"), full, want)}}
+        except Exception as e:  # noqa: BLE001 - what torch raised is the result
+            out[backend] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
     return out
