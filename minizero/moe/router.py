@@ -15,7 +15,8 @@ output is 0; the residual connection around the layer carries it on). The weight
 expert outputs are
 
     k = 1: g_t = p_t[e_t1]                         (Switch: the gradient reaches W_g through it)
-    k = 2: g_tj = p_t[e_tj] kept_tj / sum_j' p_t[e_tj'] kept_tj'   (GShard, DeepSpeed's top2gating)
+    k = 2: g_tj = p_t[e_tj] kept_tj / sum_j' p_t[e_tj'] kept_tj'   (DeepSpeed's top2gating; GShard's
+           Algorithm 1 normalizes over the two choices before the capacity cut)
 
 The load-balancing loss (Switch eq. 4, GShard's l_aux, DeepSpeed's l_aux) pushes the router towards
 an even split:
@@ -96,7 +97,7 @@ class TopKRouter(nn.Module):
         cap = capacity(tokens.shape[0], self.num_experts, self.k, self.capacity_factor)
         positions, kept = self.positions(expert_index, self.num_experts, cap)
         gates = top_probs * kept
-        if self.k > 1:  # GShard: normalize over the kept choices (both dropped: 0, the residual carries it)
+        if self.k > 1:  # DeepSpeed's top2gating: normalize over the kept choices (both dropped: 0, the residual)
             gates = gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).eps)
         aux = self.aux_loss_coef * load_balancing_loss(probs, expert_index[:, 0], self.num_experts)
         return Routing(expert_index, positions, kept, gates.to(tokens.dtype), cap, aux)
