@@ -1,6 +1,6 @@
 """MoE dispatch and combine: tokens to their experts' slots, across ranks by all-to-all, and back.
 
-GShard (Lepikhin et al. 2020, Sec. 2.2 and Algorithm 1) and DeepSpeed-MoE (Rajbhandari et al. 2022):
+GShard (Lepikhin et al. 2020, Algorithm 1) and DeepSpeed-MoE (Rajbhandari et al. 2022):
 E experts are shared out over the ep ranks of an expert-parallel group, E/ep on each. Every rank
 routes its own T tokens (router.py) and then
 

@@ -1,6 +1,6 @@
 """Expert-data parallelism: dense gradients over the dp group, expert gradients over their own group.
 
-DeepSpeed-MoE (Rajbhandari et al. 2022, Sec. 4) and Megatron-Core: on dp ranks with ep-rank expert
+DeepSpeed-MoE (Rajbhandari et al. 2022) and Megatron-Core: on dp ranks with ep-rank expert
 groups, a DENSE parameter (attention, router, embeddings) is replicated on all dp ranks, and an
 EXPERT parameter on the dp/ep ranks of its expert-data-parallel group (mesh.expert_dp). With the
 global loss L = (1/dp) sum_r L_r (every rank's mean over its own tokens):
