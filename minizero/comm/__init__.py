@@ -10,6 +10,7 @@
                      ring_bytes_split: which of them cross a node
     mesh.py          Mesh: the dp x pp x tp (x node) grid of ranks and its sub-communicators
     watchdog.py      ending a job started by hand: the collective watchdog, one message per failure
+    reaper.py        the process that names a rank killed without a word and removes the job directory
     ring.py          ring all-reduce from send/recv (lab 01)
 """
 from minizero.comm.communicator import (REDUCE_OPS, Communicator, get, init, is_initialized, select_backend_and_device,

@@ -334,12 +334,33 @@ def init_torch_distributed(device: torch.device, timeout_s: float | None = None)
         rank, size, url = 0, 1, f"tcp://127.0.0.1:{s.getsockname()[1]}"
         s.close()
         where = url
+    def failed(why: str) -> RuntimeError:
+        return RuntimeError(f"rank {rank} of {size}: the torch.distributed rendezvous at {where} did not complete "
+                            f"within {timeout_s:g} s ({why}). Are all {size} ranks started, and can they reach that "
+                            "address? torchrun starts them all; a hand-set WORLD_SIZE needs every rank "
+                            "(MINIZERO_INIT_TIMEOUT_S sets the wait).")
+
+    started = time.monotonic()
+    if which == "torchrun" and rank != 0 and not _reachable(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout_s):
+        # torch's client would retry for twice the timeout, printing a C++ stack dump per try (134 s at 60)
+        raise failed(f"nothing listens at {env['MASTER_ADDR']}:{env['MASTER_PORT']}: rank 0's store never started")
     try:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=url, rank=rank,
-                                world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+                                world_size=size, timeout=datetime.timedelta(
+                                    seconds=max(1.0, timeout_s - (time.monotonic() - started))))
     except Exception as e:  # noqa: BLE001  torch raises several types for a failed rendezvous
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RuntimeError(f"rank {rank} of {size}: the torch.distributed rendezvous at {where} did not complete "
-                           f"within {timeout_s:g} s ({type(e).__name__}: {first}). Are all {size} ranks started, "
-                           "and can they reach that address? torchrun starts them all; a hand-set WORLD_SIZE needs "
-                           "every rank (MINIZERO_INIT_TIMEOUT_S sets the wait).") from None
+        raise failed(f"{type(e).__name__}: {first}") from None
+
+
+def _reachable(addr: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts connections at addr:port within timeout_s (tried every 0.2 s, silently)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)

@@ -18,6 +18,14 @@ supervisor (`mpirun -n 4 python -m minizero train ...`, `mpirun -n 4 python labs
     would wait in a collective forever, so the job is ended.
 Ending the job leaves no process behind: MPI_Abort under mpirun (mpiexec kills every rank, a
 stopped one too), SIGKILL to the other ranks on this machine under torchrun or a plain python.
+Exit codes: 2 the input, 1 a bug, 124 the watchdog. Under mpirun, ranks that all failed leave through
+MPI_Finalize and a normal exit, so mpiexec exits 2 with no banner; a rank killed by a signal (kill -9,
+the OOM killer) runs no code, so mpiexec prints its "BAD TERMINATION ... EXIT CODE: 9" banner (naming
+rank 0's PID) and exits 9, and comm/reaper.py, started by rank 0 outside the launcher's reach, says
+which rank died and removes the job directory. torchrun reports any child that exits non-zero with
+its own ChildFailedError (a traceback of torchrun's code, then a table of each rank's exit code) and
+exits 1: that block follows minizero's one message and no child can suppress it (exiting 0 would hide
+the failure).
 
 The files live in a temporary directory rank 0 creates and every rank learns at start (one small
 all-gather): ranks on ONE machine. Across machines, point MINIZERO_HEARTBEAT_DIR at a shared
@@ -34,6 +42,7 @@ import threading
 import time
 
 from minizero.comm.backends import describe_ranks, heartbeat
+from minizero.comm.launcher import launcher
 
 DEFAULT_S = 300.0
 TIMEOUT_CODE = 124  # `timeout`'s exit code: the job ran out of time
@@ -42,12 +51,28 @@ TIMEOUT_CODE = 124  # `timeout`'s exit code: the job ran out of time
 def job_directory(comm) -> str:
     """The directory of this job's heartbeat files (all ranks call it: it may all-gather its name)."""
     if heartbeat.directory is None:  # not under launch.run: rank 0 makes one, removes it at exit
+        import atexit
         mine = tempfile.mkdtemp(prefix="minizero-job-") if comm.rank == 0 else None
-        heartbeat.open(comm.rank, comm.allgather_object(mine)[0])
+        places = comm.allgather_object((mine, os.getpid()))
+        heartbeat.open(comm.rank, places[0][0])
         if comm.rank == 0:
-            import atexit
             atexit.register(shutil.rmtree, heartbeat.directory, True)
+            _start_reaper([pid for _, pid in places])
+        atexit.register(_mark, f"rank{comm.rank}.done")  # a normal exit (runs before rank 0's rmtree)
     return heartbeat.directory
+
+
+_reaper = None  # rank 0's reaper process (comm/reaper.py), kept so that it is not garbage-collected
+
+
+def _start_reaper(pids: list[int]):
+    """Start comm/reaper.py in its own session: it names a rank killed without a word and removes the
+    job directory once every rank has ended, also when a launcher SIGKILLs them all."""
+    global _reaper
+    import subprocess
+    _reaper = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "reaper.py"),
+                                heartbeat.directory, *map(str, pids)], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def _first(name: str) -> bool:
@@ -55,8 +80,16 @@ def _first(name: str) -> bool:
     try:
         os.close(os.open(os.path.join(heartbeat.directory, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         return True
-    except FileExistsError:
+    except OSError:  # FileExistsError: claimed; FileNotFoundError: the rank ending the job removed the directory
         return False
+
+
+def _mark(name: str):
+    """Write the empty file `name` in the job directory (nothing if the ending rank already removed it)."""
+    try:
+        open(os.path.join(heartbeat.directory, name), "w").close()
+    except OSError:
+        pass
 
 
 def _ours() -> bool:
@@ -68,6 +101,11 @@ def _remove_directory():
     """Remove the job directory job_directory() made (its atexit never runs after os._exit or an abort)."""
     if _ours():
         shutil.rmtree(heartbeat.directory, ignore_errors=True)
+
+
+def _failed() -> bool:
+    """A rank of the job is in end_job (it printed the job's message and ends the job)."""
+    return os.path.exists(os.path.join(heartbeat.directory, "failed"))
 
 
 def _all_marked(comm, kind: str) -> bool:
@@ -90,7 +128,10 @@ def _end(comm, code: int):
     if comm.backend == "mpi":
         from mpi4py import MPI
         time.sleep(0.5)  # let mpiexec forward what this rank just printed: an abort can drop its output
-        MPI.COMM_WORLD.Abort(code)  # mpiexec ends every rank (SIGKILL: a stopped one too)
+        # mpiexec ends every rank (SIGKILL: a stopped one too); MPICH's own "Abort(2) on node 1 ..." line
+        # goes to /dev/null: the job's message is out already, and it is said once
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        MPI.COMM_WORLD.Abort(code)
     for r, pid in pids:
         if r != comm.rank:
             try:
@@ -109,15 +150,14 @@ def end_job(comm, message: str, code: int = 2, wait_s: float = 3.0):
     if _first("failed"):
         sys.stderr.write(message.rstrip() + "\n")
         sys.stderr.flush()
-    open(os.path.join(heartbeat.directory, f"rank{comm.rank}.failed"), "w").close()
+    _mark(f"rank{comm.rank}.failed")
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if _all_marked(comm, "failed"):  # every rank failed alike: nobody waits in a collective
             sys.stdout.flush()
-            try:
-                open(os.path.join(heartbeat.directory, f"rank{comm.rank}.exiting"), "w").close()
-            except OSError:
-                pass  # rank 0 gave up waiting for this rank and removed the directory
+            if launcher() == "mpi":
+                _leave_mpi_together(comm, code)
+            _mark(f"rank{comm.rank}.exiting")
             # rank 0 removes the files once every rank has seen the vote; the others wait for that
             # before they exit, since mpiexec kills the job's other ranks when one exits non-zero
             seen_deadline = time.monotonic() + 2.0
@@ -130,6 +170,24 @@ def end_job(comm, message: str, code: int = 2, wait_s: float = 3.0):
             os._exit(code)
         time.sleep(0.05)
     _end(comm, code)
+
+
+def _leave_mpi_together(comm, code: int):
+    """Every rank failed alike, under mpiexec: all leave with `code`, and mpiexec says nothing more.
+
+    mpiexec SIGKILLs the ranks still running once one has exited non-zero, and then reports 'BAD
+    TERMINATION ... EXIT CODE: 9'. Measured in a bare mpi4py job at 8 ranks: every rank os._exit(2)
+    after a barrier, 5 of 12 runs exit 9; the same after MPI_Finalize, 7 of 12; MPI_Finalize (it
+    returns once every rank has called it: every rank is here) and then a normal exit, sys.exit(2),
+    0 of 12 (and 0 of 20 at 4 and 8 ranks with torch imported)."""
+    from mpi4py import MPI
+    guard = threading.Timer(30.0, os._exit, (code,))  # a finalize that never returns (a request left
+    guard.daemon = True                                # pending by the failure) still ends the rank
+    guard.start()
+    MPI.Finalize()
+    if comm.rank == 0:
+        _remove_directory()  # every rank is past reading it: they all reached MPI_Finalize
+    raise SystemExit(code)
 
 
 class Watchdog:
@@ -148,7 +206,7 @@ class Watchdog:
                 self._fire(text)
 
     def _fire(self, text):
-        if not _first("watchdog.fired"):  # another rank is ending the job
+        if _failed() or not _first("watchdog.fired"):  # a rank that failed, or another watchdog, ends the job
             time.sleep(60)
             os._exit(TIMEOUT_CODE)
         ranks = describe_ranks(heartbeat.directory, self.comm.size, ages=True)

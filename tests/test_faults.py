@@ -1,0 +1,132 @@
+"""Faults in a job started by hand (mpirun, torchrun, plain python): one clear message, once, the documented
+exit code (2: the input, 124: the watchdog), no Python traceback, and nothing left behind (no process, no
+`minizero-job-*` directory in a private TMPDIR, no offload directory).
+
+The multi-rank tests start real mpirun/torchrun jobs of tests/fault_script.py (cheap: one all-reduce).
+"""
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from minizero import launch
+from minizero.zero import infinity
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _job(cmd, tmp_path, timeout=240, **extra):
+    """Run `cmd` with a private TMPDIR; return (exit code, stdout + stderr, what is left in TMPDIR, live pids)."""
+    scratch, job = tmp_path / "tmp", uuid.uuid4().hex[:12]
+    scratch.mkdir()
+    env = dict(os.environ)
+    for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "MINIZERO_HEARTBEAT_DIR"):
+        env.pop(v, None)  # the test process's own launcher (if any) is not the job's
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, TMPDIR=str(scratch), MINIZERO_JOB_ID=job, **extra)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        deadline = time.monotonic() + 5  # the reaper removes the job directory once the last rank is gone
+        while time.monotonic() < deadline and (launch.job_pids(job) or any(scratch.iterdir())):
+            time.sleep(0.1)
+        return proc.returncode, out + err, sorted(p.name for p in scratch.iterdir()), launch.job_pids(job)
+    finally:
+        for pid in launch.job_pids(job):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _mpirun(n, *args):
+    return [launch.find_mpirun(), "-n", str(n), sys.executable, *args]
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_watchdog_at_4_and_8_ranks_says_it_once(n, tmp_path):
+    """Every rank but the stopped one sees no progress at about the same time: one message (there were 1-2
+    FileNotFoundError tracebacks at 4 ranks, from ranks that looked for the job directory the first had removed)."""
+    code, text, left, pids = _job(_mpirun(n, "tests/fault_script.py", "stop"), tmp_path, MINIZERO_WATCHDOG_S="2")
+    assert code == 124, text[-3000:]
+    assert text.count("[minizero watchdog] no progress for 2s") == 1, text[-3000:]
+    assert "rank 1 " in text and "STOPPED" in text and f"rank {n - 1} in all_reduce" in text, text[-3000:]
+    assert "Traceback" not in text and "Error" not in text and "Abort(" not in text, text[-3000:]
+    assert left == [] and pids == [], (left, pids)
+
+
+def test_every_rank_failing_exits_2_without_mpich_banner(tmp_path):
+    """At 8 ranks, each rank os._exit(2)-ing let mpiexec SIGKILL ranks still exiting: 'EXIT CODE: 9' in 7 of
+    12 runs of the same exits in a bare mpi4py script; now every rank leaves through MPI_Finalize."""
+    code, text, left, pids = _job(_mpirun(8, "tests/fault_script.py", "fail_all"), tmp_path)
+    assert code == 2, text[-3000:]
+    assert text.count("the input is bad") == 1 and "BAD TERMINATION" not in text and "Traceback" not in text, text
+    assert left == [] and pids == [], (left, pids)
+
+
+def test_a_killed_rank_is_named_and_leaves_no_job_directory(tmp_path):
+    """kill -9 of rank 1: mpiexec's banner names rank 0's PID and exits 9 (its own; no rank runs any code after
+    mpiexec's SIGKILL); the reaper (comm/reaper.py) names rank 1 and removes the job directory."""
+    code, text, left, pids = _job(_mpirun(4, "tests/fault_script.py", "kill"), tmp_path)
+    assert code == 9, text[-3000:]
+    said = [line for line in text.splitlines() if "ended without a Python traceback" in line]
+    assert len(said) == 1 and said[0].startswith("minizero: rank 1 (pid "), text[-3000:]
+    assert "never stopped" not in text and "Traceback" not in text, text[-3000:]
+    assert left == [] and pids == [], (left, pids)
+
+
+def test_lab_10_on_3_ranks_is_one_line(tmp_path):
+    """64 vocabulary rows over 3 tensor-parallel ranks: one line saying so and the size to run, exit 2."""
+    code, text, left, _ = _job(_mpirun(3, "solutions/lab10_tensor_parallel.py"), tmp_path)
+    assert code == 2, text[-3000:]
+    said = [line for line in text.splitlines() if "is not divisible by the tensor-parallel size 3" in line]
+    assert len(said) == 1 and said[0].startswith("lab 10 on 3 ranks: ") and "mpirun -n 4 python" in said[0], text
+    assert "Traceback" not in text and left == [], text[-3000:]
+
+
+def test_a_world_size_with_nobody_listening_fails_fast_in_one_message(tmp_path):
+    """RANK=1 WORLD_SIZE=2 and no rank 0: torch's client retried for twice the timeout and printed two C++
+    stack dumps (134 s at the default 60 s); now it waits the timeout once, quietly."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nobody listens there
+    t0 = time.monotonic()
+    train = [sys.executable, "-m", "minizero", "train", "--config", "configs/zero0_fp32.json", "--model", "mlp",
+             "--steps", "1", "--out", str(tmp_path / "run")]
+    code, text, _, _ = _job(train, tmp_path, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                            MINIZERO_INIT_TIMEOUT_S="2")
+    took = time.monotonic() - t0
+    assert code == 2, text[-3000:]
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and f"rank 1 of 2: the torch.distributed rendezvous at MASTER_ADDR=127.0.0.1 " \
+        f"MASTER_PORT={port} did not complete within 2 s (nothing listens at 127.0.0.1:{port}" in lines[0], text[-3000:]
+    assert "frame #" not in text and "Traceback" not in text
+    assert took < 150, took  # start-up (import torch: tens of seconds on a loaded machine) + 2 s
+
+
+@pytest.mark.parametrize("where", ["nvme_path", "param_nvme_path"])
+def test_a_failed_nvme_offload_leaves_no_directory(where, tmp_path):
+    """The disk full at the first write of the masters, or a parameter path that cannot be a directory: the
+    DiskError, and nvme_path holds nothing (the empty minizero-rank0-* folders stayed until interpreter exit)."""
+    nvme, blocker = tmp_path / "nvme", tmp_path / "a_file"
+    nvme.mkdir()
+    blocker.write_text("x")
+    params = [torch.nn.Parameter(torch.ones(10))]
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    infinity._write_hook = full if where == "nvme_path" else None
+    try:
+        with pytest.raises(infinity.DiskError, match="disk is full" if where == "nvme_path" else "not a writable"):
+            infinity.DiskOptimizer(params, torch.optim.SGD, str(nvme), 4, lr=0.1,
+                                   param_nvme_path=None if where == "nvme_path" else str(blocker / "p"))
+    finally:
+        infinity._write_hook = None
+    assert list(nvme.iterdir()) == []
