@@ -22,95 +22,112 @@ import torch
 
 # --------------------------------------------------------------------- estimator
 
+LOCATIONS = ("device", "host", "disk")  # where a byte can live, in the estimator and the ledger
+
+
+STATE_CATEGORIES = ("parameters", "master_params", "gradients", "optimizer_state")  # model states
+
 
 @dataclass(frozen=True)
 class Estimate:
-    """Model-state bytes per device (ideal: no padding, no fragmentation).
+    """Model-state bytes per device (ideal: no padding, no fragmentation): estimate_by_location's
+    {category: {location: bytes}} added up, so the two can never disagree.
 
-    `optimizer_state` is the paper's K·Ψ term: for mixed-precision Adam (K=12) it is
-    the fp32 master copy (4Ψ) + momentum (4Ψ) + variance (4Ψ). The ledger splits the
-    master copy out as "master_params", so compare with master_params + optimizer_state.
+    `optimizer_state` is the paper's K·Ψ term: for mixed-precision Adam (K=12) it is the fp32 master
+    copy (4Ψ) + momentum (4Ψ) + variance (4Ψ); the ledger splits the master copy out as "master_params"
+    (so does `by_location`), so compare with master_params + optimizer_state.
     """
-    parameters: float
-    gradients: float
-    optimizer_state: float
-    offloaded: tuple[str, ...] = ()  # names of the fields above that live on the host
+    by_location: dict
 
-    total = property(lambda self: self.parameters + self.gradients + self.optimizer_state)
-    host = property(lambda self: sum(getattr(self, name) for name in self.offloaded))
-    device = property(lambda self: self.total - self.host)
+    def _sum(self, categories, locations=LOCATIONS):
+        return sum(self.by_location[c][loc] for c in categories for loc in locations)
+
+    parameters = property(lambda self: self._sum(("parameters",)))
+    gradients = property(lambda self: self._sum(("gradients",)))
+    optimizer_state = property(lambda self: self._sum(("master_params", "optimizer_state")))
+    total = property(lambda self: self._sum(STATE_CATEGORIES))
+    device = property(lambda self: self._sum(STATE_CATEGORIES, ("device",)))
+    host = property(lambda self: self._sum(STATE_CATEGORIES, ("host",)))
+    disk = property(lambda self: self._sum(STATE_CATEGORIES, ("disk",)))
 
 
 def estimate(num_params, world_size=1, stage=0, k=12, param_bytes=2, grad_bytes=2,
              offload_optimizer=False, offload_param=False, hpz_partition_size=None) -> Estimate:
-    """Per-device model states for ZeRO stage 0 (plain DDP) to 3, after the ZeRO paper.
+    """Per-device model states for ZeRO stage 0 (plain DDP) to 3, after the ZeRO paper: the sum over
+    locations of estimate_by_location (one function computes both).
 
     With Ψ params, N ranks, mixed precision (2-byte params and grads) and K bytes of
     optimizer state per parameter:
         stage 0: 2Ψ + 2Ψ + KΨ       stage 2: 2Ψ + (2+K)Ψ/N
         stage 1: 2Ψ + 2Ψ + KΨ/N     stage 3: (2+2+K)Ψ/N
     Other precisions by the byte widths, e.g. fp32 Adam without master weights:
-    param_bytes=4, grad_bytes=4, k=8.
+    param_bytes=4, grad_bytes=4, k=8. K is split as estimate_by_location wants it: a 4-byte fp32
+    master when the parameters are narrower than 4 bytes, the rest elementwise state.
 
-    offload_optimizer (ZeRO-Offload): the K·Ψ/N term moves to the host. Real ZeRO-Offload
-    also keeps an fp32 gradient partition on the host; that buffer is not modelled.
-    offload_param (ZeRO-Infinity, stage 3 only): parameters move to the host.
+    offload_optimizer=True (ZeRO-Offload, "cpu") and offload_param=True (ZeRO-Infinity's parameters,
+    "cpu", stage 3): where each term lives is estimate_by_location's docstring; .device / .host split it.
     hpz_partition_size (ZeRO++ hpZ, stage 3 only): a secondary copy of the 16-bit
     parameters sharded within groups of that size adds param_bytes·Ψ/hpz. None or 1
     means off, as in DeepSpeed (a "partition" of size 1 would be a full replica).
     """
-    hpz = hpz_partition_size or 1
-    for bad, why in ((num_params < 0 or world_size < 1, "need num_params >= 0, world_size >= 1"),
-                     (stage not in (0, 1, 2, 3), f"stage must be 0..3, got {stage}"),
-                     (offload_param and stage != 3, "offload_param needs stage 3 (sharded params)"),
-                     (hpz > 1 and stage != 3, "hpz_partition_size needs stage 3"),
-                     (hpz > world_size, f"hpz_partition_size {hpz} > world_size {world_size}")):
-        if bad:
-            raise ValueError(why)
-    n, psi = world_size, num_params
-    params = param_bytes * psi / (n if stage >= 3 else 1)
-    if hpz > 1:
-        params += param_bytes * psi / hpz
-    grads = grad_bytes * psi / (n if stage >= 2 else 1)
-    optim = k * psi / (n if stage >= 1 else 1)
-    offloaded = (("parameters",) if offload_param else ()) + (
-        ("optimizer_state",) if offload_optimizer else ())
-    return Estimate(params, grads, optim, offloaded)
+    master = min(4, k) if param_bytes < 4 else 0
+    return Estimate(estimate_by_location(num_params, world_size, stage, param_bytes, grad_bytes, k - master,
+                                         "cpu" if offload_optimizer else "none", "cpu" if offload_param else "none",
+                                         hpz_partition_size=hpz_partition_size, master_bytes=master))
 
 
 def estimate_by_location(num_params, world_size=1, stage=0, param_bytes=2, grad_bytes=2, state_bytes=8,
-                         offload_optimizer="none", offload_param="none") -> dict[str, dict[str, float]]:
-    """Model states per rank as {category: {location: bytes}}, the ledger's own layout, for
-    ZeRO-Offload (Ren et al. 2021) and ZeRO-Infinity (Rajbhandari et al. 2021) as minizero lays them out.
+                         offload_optimizer="none", offload_param="none", hpz_partition_size=None,
+                         master_bytes=None) -> dict[str, dict[str, float]]:
+    """Model states per rank as {category: {location: bytes}}, the ledger's own layout, for ZeRO
+    (Rajbhandari et al. 2020), ZeRO-Offload (Ren et al. 2021) and ZeRO-Infinity (Rajbhandari et al. 2021).
 
-    With S = Ψ/N (stage >= 1) and b_p, b_g the device widths (2 in fp16; minizero's ZeRO-3 keeps
-    fp32 shards, so pass param_bytes=4 there), state_bytes = the optimizer's elementwise state
-    (Adam m + v: 8; SGD momentum: 4):
-        no offload     device: params b_p·Ψ (stage 3: b_p·S), grads b_g·Ψ (stage 2: b_g·S, stage 3:
-                       4·S fp32 shard grads), master 4·S when b_p < 4, state state_bytes·S
-        offload cpu    host: master 4·S + fp32 grads 4·S + state state_bytes·S; the device keeps its
-                       params and (stage 1: full, stage 2: shard) gradients; stage 3: none between units
-        offload nvme   as cpu, but master and state on "disk" (stage 3 only)
+    With S = Ψ/N (stage >= 1; Ψ at stage 0), b_p, b_g the device widths (2 in fp16), state_bytes = the
+    optimizer's elementwise state (Adam m + v: 8; SGD momentum: 4) and master_bytes the fp32 master
+    (default: 4 when b_p < 4, else 0 on the device; always 4 on the host, where it is a separate copy):
+        no offload     device: params b_p·Ψ (stage 3: b_p·S), grads b_g·Ψ (stage 2, 3: b_g·S),
+                       master master_bytes·S, state state_bytes·S. (minizero's ZeRO-3 keeps fp32 shards
+                       and fp32 shard gradients: pass param_bytes=4, grad_bytes=4 there.)
+        offload cpu    host: master 4·S + fp32 grads 4·S + state state_bytes·S. The device keeps only the
+                       b_p-byte parameters (stage 3: the shard): stage 2 and 3 send each bucket's reduced
+                       gradient to the host during backward, as ZeRO-Offload does, so no gradient stays
+                       on the device between steps; minizero's stage 1 reduces at the step, so it keeps
+                       its full b_g·Ψ gradients (stage 1 in DeepSpeed shares stage 2's code)
+        offload nvme   as cpu, but master and state on "disk" (stage 3 only); minizero's disk tier keeps
+                       fp32 shards on the device (pass param_bytes=4)
         offload_param  cpu (stage 3): the parameter shards on the host; nvme: on disk
-    The fp32 host master exists even in fp32 training: the device parameters are separate tensors.
+        hpZ            (stage 3) a secondary b_p-byte copy sharded over hpz_partition_size ranks: b_p·Ψ/hpz
+    Not model states, and not in here: the transient buffers. The ledger's transient_peak reports them by
+    name: ZeRO-2's gradient buckets (at most two of bucket_numel·b_g bytes: one filling, one reducing),
+    ZeRO-3's gathered units (this one and the prefetched one) and each unit's gradient.
     """
+    hpz = hpz_partition_size or 1
+    for bad, why in ((num_params < 0 or world_size < 1, "need num_params >= 0, world_size >= 1"),
+                     (stage not in (0, 1, 2, 3), f"stage must be 0..3, got {stage}"),
+                     (offload_param != "none" and stage != 3, "offload_param needs stage 3 (sharded params)"),
+                     (hpz > 1 and stage != 3, "hpz_partition_size needs stage 3"),
+                     (hpz > world_size, f"hpz_partition_size {hpz} > world_size {world_size}"),
+                     (offload_optimizer != "none" and stage == 0, "offload_optimizer needs stage 1-3"),
+                     (offload_optimizer == "nvme" and stage != 3, "offload_optimizer 'nvme' needs stage 3")):
+        if bad:
+            raise ValueError(why)
     n, psi = world_size, num_params
     shard = psi / n if stage >= 1 else psi
-    out = {c: {loc: 0.0 for loc in LOCATIONS} for c in ("parameters", "master_params", "gradients", "optimizer_state")}
+    out = {c: {loc: 0.0 for loc in LOCATIONS} for c in STATE_CATEGORIES}
     where_params = {"cpu": "host", "nvme": "disk"}.get(offload_param, "device")
     out["parameters"][where_params] = param_bytes * (shard if stage == 3 else psi)
+    if hpz > 1:
+        out["parameters"]["device"] += param_bytes * psi / hpz
     if offload_optimizer == "none":
-        out["gradients"]["device"] = {0: grad_bytes * psi, 1: grad_bytes * psi, 2: grad_bytes * shard,
-                                      3: 4 * shard}[stage]
-        out["master_params"]["device"] = 4 * shard if param_bytes < 4 else 0.0
+        out["gradients"]["device"] = grad_bytes * (shard if stage >= 2 else psi)
+        out["master_params"]["device"] = (4 if param_bytes < 4 else 0) * shard if master_bytes is None \
+            else master_bytes * shard
         out["optimizer_state"]["device"] = state_bytes * shard
         return out
-    if stage == 0 or (offload_optimizer == "nvme" and stage != 3):
-        raise ValueError("offload_optimizer needs stage 1-3, and 'nvme' needs stage 3")
     where = "disk" if offload_optimizer == "nvme" else "host"
-    out["gradients"]["device"] = {1: grad_bytes * psi, 2: grad_bytes * shard, 3: 0.0}[stage]
+    out["gradients"]["device"] = grad_bytes * psi if stage == 1 else 0.0
     out["gradients"]["host"] = 4 * shard
-    out["master_params"][where] = 4 * shard
+    out["master_params"][where] = (4 if master_bytes is None else master_bytes) * shard
     out["optimizer_state"][where] = state_bytes * shard
     return out
 
@@ -178,7 +195,6 @@ def activation_bytes(batch, seq, hidden, layers, heads, bytes_per=2, checkpointi
 # first category in this order (fp32 training where the "master copy" IS the parameters;
 # a flat buffer that a wrapper reports both as parameters and as gradients).
 CATEGORIES = ("parameters", "master_params", "gradients", "optimizer_state", "buffers")
-LOCATIONS = ("device", "host", "disk")
 
 
 def _nbytes(x) -> int:

@@ -82,11 +82,8 @@ def main(comm, tmp):
             out[f"{stage}/{name}"] = compare(params(engine), ref)
         out[f"{stage}/traffic"] = engine.offload_traffic()
         out[f"{stage}/shard_numel"] = sum(p.numel() for p in engine.offload.device_params)
-    # 2. fp16 at stage 2: the paper's 2 + 2 bytes per element of the shard; ledger by location (SGD)
-    engine, _ = run(comm, config(2, fp16=True, offload={"device": "cpu"}))
-    out["fp16/traffic"] = engine.offload_traffic()
-    out["fp16/ledger"] = engine.memory().as_dict()["detail"]
-    out["fp16/layout"] = [engine.optimizer.layout.numel, engine.optimizer.layout.padded_numel]
+    # 2. fp16 at stages 2 and 3: the paper's 2 + 2 bytes per element of the shard; ledger by location (SGD)
+    out["fp16"] = fp16_layouts(comm)
     # 3. ZeRO-Infinity: the same numbers as the cpu tier, the files' bytes counted
     nvme = os.path.join(tmp, f"nvme{comm.rank}")
     engine, _ = run(comm, config(3, offload={"device": "nvme", "nvme_path": nvme}, sub_group_size=1000))
@@ -173,6 +170,25 @@ def main(comm, tmp):
         out[f"reshard/{name}"] = all(torch.equal(want[n][k], loaded[n][k]) for n in want for k in want[n])
     out["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return out
+
+
+def fp16_layouts(comm):
+    """ZeRO-2 and ZeRO-3 + cpu offload in fp16 (SGD momentum: 4 bytes of state, no step counters; no persistent
+    parameters): the ledger after 2 steps, the last step's traffic, and the shard size the estimator needs."""
+    out = {}
+    for stage in (2, 3):
+        engine, _ = run(comm, config(stage, fp16=True, offload={"device": "cpu"}, stage3_param_persistence_threshold=0),
+                        steps=2)
+        out[stage] = {"ledger": engine.memory().as_dict()["detail"], "traffic": engine.offload_traffic(),
+                      "shard_numel": sum(p.numel() for p in engine.offload.device_params),
+                      "device_dtypes": sorted({str(p.dtype) for p in engine.offload.device_params}),
+                      "micro_batches": ACC, "skipped": engine.skipped_steps}
+    return out
+
+
+def layouts_job(comm):
+    """The fp16 layouts alone, for a launch at another world size."""
+    return fp16_layouts(comm)
 
 
 def job(comm):

@@ -48,11 +48,14 @@ def test_estimate_generalised_precisions_offload_and_hpz():
     # fp32 Adam, no master copy: 4 + 4 + 8 = 16 bytes per parameter, like mixed precision.
     e = estimate(1000, 1, 0, k=8, param_bytes=4, grad_bytes=4)
     assert (e.parameters, e.gradients, e.optimizer_state) == (4000, 4000, 8000)
-    # ZeRO-Offload: the optimizer partition leaves the device.
+    # ZeRO-Offload (Ren et al. 2021): master, state and the fp32 gradient partition on the host; the 16-bit
+    # gradients leave the device bucket by bucket in backward, so stage 2 keeps only its 2Ψ parameters.
     e = estimate(8e9, 8, 2, offload_optimizer=True)
-    assert e.host == 12e9 and e.device == 16e9 + 2e9 and e.offloaded == ("optimizer_state",)
+    assert e.host == (4 + 8 + 4) * 1e9 and e.device == 16e9
     e = estimate(8e9, 8, 3, offload_optimizer=True, offload_param=True)
-    assert e.host == 2e9 + 12e9 and e.device == 2e9
+    assert e.host == 2e9 + (4 + 8 + 4) * 1e9 and e.device == 0
+    e = estimate(8e9, 8, 3, offload_optimizer=True)
+    assert e.device == 2e9  # the 16-bit parameter shard
     # hpZ: a secondary 16-bit shard within groups of 4 adds 2Ψ/4; size 1 means off.
     assert estimate(8e9, 16, 3, hpz_partition_size=4).parameters == 1e9 + 4e9
     assert estimate(8e9, 16, 3, hpz_partition_size=1).parameters == 1e9
@@ -60,6 +63,27 @@ def test_estimate_generalised_precisions_offload_and_hpz():
                 dict(stage=2, hpz_partition_size=4), dict(stage=3, hpz_partition_size=32)):
         with pytest.raises(ValueError):
             estimate(8e9, 16, **bad)
+
+
+def test_estimate_is_the_sum_of_estimate_by_location():
+    """One estimator: every Estimate field is a sum over estimate_by_location's locations."""
+    from minizero.memory import estimate_by_location
+    for stage in (0, 1, 2, 3):
+        for off in ((False, False), (True, False), (True, True)):
+            if stage == 0 and off[0] or stage != 3 and off[1]:
+                continue
+            e = estimate(7e9, 4, stage, offload_optimizer=off[0], offload_param=off[1])
+            b = estimate_by_location(7e9, 4, stage, 2, 2, 8, "cpu" if off[0] else "none",
+                                     "cpu" if off[1] else "none")
+            assert e.by_location == b
+            assert e.device == sum(v["device"] for v in b.values())
+            assert e.host == sum(v["host"] for v in b.values())
+            assert e.total == e.device + e.host + e.disk
+    # the issue's check: ZeRO-2 + offload on one GPU keeps 2 bytes per parameter on the device (16 / 2 = 8x)
+    psi = 13e9
+    b = estimate_by_location(psi, 1, 2, param_bytes=2, grad_bytes=2, offload_optimizer="cpu")
+    assert sum(v["device"] for v in b.values()) == 2 * psi == b["parameters"]["device"]
+    assert estimate(psi).device / sum(v["device"] for v in b.values()) == 8
 
 
 def test_inference_bytes_7b():

@@ -19,6 +19,7 @@ from minizero.zero.init import Init, built_with_init
 
 N = 2
 _job = []
+_job4 = []
 
 
 def results():
@@ -35,16 +36,29 @@ def test_offload_trains_like_no_offload(stage):
             assert r[f"{stage}/adam"]["max_abs"] <= 1e-3, f"stage {stage}: Adam {r[f'{stage}/adam']['max_abs']:.3g}"
 
 
-def test_pcie_traffic_is_4_psi_over_n_in_fp16():
-    """ZeRO-Offload's 2Ψ/N gradients down + 2Ψ/N parameters up per step and rank (Ψ padded to N shards)."""
-    for r in results():
-        numel, padded = r["fp16/layout"]
-        shard = padded // N
-        assert r["fp16/traffic"]["to_host"] == 2 * shard, r["fp16/traffic"]
-        assert r["fp16/traffic"]["to_device"] == 2 * shard, r["fp16/traffic"]
-    for stage in (1, 2):  # fp32: 4 + 4 bytes per element of the shard
+def fp16_runs():
+    """{world size: that launch's per-rank fp16 layouts}: 2 ranks from the main job, 4 from a launch of its own."""
+    if not _job4:
+        _job4.append(launch.run("tests/offload_workers.py:layouts_job", nprocs=4, timeout=300))
+    return {N: [r["fp16"] for r in results()], 4: _job4[0]}
+
+
+def test_pcie_traffic_is_2_psi_over_n_each_way_in_fp16():
+    """ZeRO-Offload (Ren et al. 2021, Sec. 4.1): 2Ψ/N of 16-bit gradients down and 2Ψ/N of 16-bit parameters
+    up per step and rank (Ψ padded to N shards). Stage 2 sends each micro-batch's reduced shard during its
+    backward, so down = micro-batches x 2Ψ/N; stage 3 sends the fp32 reduce-scatter output (4 bytes: FSDP
+    casts it on the device before it leaves, zero/fsdp.py _reduce_shard_grad)."""
+    for world, ranks in fp16_runs().items():
+        for r in ranks:
+            for stage, grad_width in ((2, 2), (3, 4)):
+                run = r[str(stage)]  # the launch returns JSON: string keys
+                shard = run["shard_numel"]
+                assert run["skipped"] == 0 and run["device_dtypes"] == ["torch.float16"], (world, stage, run)
+                assert run["traffic"]["to_host"] == run["micro_batches"] * grad_width * shard, (world, stage, run)
+                assert run["traffic"]["to_device"] == 2 * shard, (world, stage, run)
+    for stage in (1, 2):  # fp32: 4 + 4 bytes per element of the shard; stage 1 reduces once, at the step
         t, s = results()[0][f"{stage}/traffic"], results()[0][f"{stage}/shard_numel"]
-        assert (t["to_host"], t["to_device"]) == (4 * s, 4 * s)
+        assert (t["to_host"], t["to_device"]) == (4 * s * (1 if stage == 1 else 2), 4 * s)
     t, s = results()[0]["3/traffic"], results()[0]["3/shard_numel"]
     assert (t["to_host"], t["to_device"]) == (4 * s * 2, 4 * s), "ZeRO-3: each of the 2 micro-batches moves its grads"
 
@@ -56,14 +70,21 @@ def _expect(detail, want):
 
 
 def test_ledger_by_location_equals_the_estimator():
-    r = results()[0]
-    numel, padded = r["fp16/layout"]
-    # fp16 ZeRO-2 + cpu offload, SGD momentum (4 bytes of state): the padded flat buffer cut in N
-    want = memory.estimate_by_location(padded, N, 2, param_bytes=2, grad_bytes=2, state_bytes=4,
-                                       offload_optimizer="cpu")
-    _expect(r["fp16/ledger"], want)
-    assert r["fp16/ledger"]["optimizer_state"]["device"] == 0 and r["fp16/ledger"]["master_params"]["device"] == 0
+    """The issue's check: a real ZeRO-2 + offload and ZeRO-3 + offload run (fp16, 2 and 4 ranks) holds, to the
+    byte, what memory.estimate_by_location says, device and host: only the 16-bit parameters on the device
+    (stage 2: all of them, stage 3: the shard), the fp32 master, gradients and momentum on the host."""
+    for world, ranks in fp16_runs().items():
+        for r in ranks:
+            for stage in (2, 3):
+                run = r[str(stage)]  # the launch returns JSON: string keys
+                shard = run["shard_numel"]  # per rank; N shards = the padded Ψ (per unit at stage 3)
+                want = memory.estimate_by_location(shard * world, world, stage, param_bytes=2, grad_bytes=2,
+                                                   state_bytes=4, offload_optimizer="cpu")
+                _expect(run["ledger"], want)
+                device = sum(run["ledger"][c]["device"] for c in memory.STATE_CATEGORIES)
+                assert device == 2 * shard * (world if stage == 2 else 1), (world, stage, device)
     # ZeRO-3 + nvme: masters and momentum on disk (the files' sizes), fp32 shards on the device
+    r = results()[0]
     s = r["nvme/shard_numel"]
     want = memory.estimate_by_location(s * N, N, 3, param_bytes=4, state_bytes=4, offload_optimizer="nvme")
     _expect(r["nvme/ledger"], want)

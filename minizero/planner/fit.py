@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from minizero.planner.plan import ModelShape, Plan, PlanError, Strategy, plan
+from minizero.planner.plan import DTYPES, ModelShape, Plan, PlanError, Strategy, plan
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,12 @@ def step_time(p: Plan, hw: Hardware) -> dict:
     offload = 0.0
     if s.offload:
         shard = max(stage.params for stage in p.stages) / s.dp
-        offload = s.micro_batches * shard * (4 if s.zero >= 2 else 0) + shard * 4 * 2  # fp32 grads down, params up
+        width = DTYPES[s.precision]  # ZeRO-Offload moves 16-bit tensors: w·Ψ/N down, w·Ψ/N up (Ren et al. 2021)
+        # gradients down: stage 2/3 send each micro-batch's reduced shard during its backward (minizero's ZeRO-3
+        # in fp32: its reduce-scatter output is cast before it leaves), stage 1 once at the step; the updated
+        # parameters come up once per step
+        down = 4 if s.zero == 3 else width
+        offload = (s.micro_batches if s.zero >= 2 else 1) * shard * down + shard * width
         offload /= hw.pcie_bw
     return {"compute": compute, "comm": comm, "offload": offload, "total": compute + comm + offload}
 

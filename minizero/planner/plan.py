@@ -214,8 +214,10 @@ def plan(shape: ModelShape, s: Strategy) -> Plan:
         params += (v * h // t + sq * h) if first else 0
         params += (2 * h + (0 if shape.tied and first else v * h // t)) if last else 0
         sp = StagePlan(stage, params)
-        states = memory.estimate_by_location(params, dp, s.zero, param_bytes=4 if s.zero == 3 else w,
-                                             grad_bytes=w, state_bytes=STATE_BYTES[s.optimizer],
+        # minizero's ZeRO-3 keeps fp32 shards and shard gradients on the device; offloaded, the 16-bit shard
+        states = memory.estimate_by_location(params, dp, s.zero, param_bytes=4 if s.zero == 3 and not s.offload
+                                             else w, grad_bytes=4 if s.zero == 3 else w,
+                                             state_bytes=STATE_BYTES[s.optimizer],
                                              offload_optimizer="cpu" if s.offload else "none")
         for category, where in states.items():
             sp.memory[category] = where["device"]

@@ -357,19 +357,24 @@ class Zero3Strategy(Strategy):
         for u in self.wrapped.units:  # the host optimizer steps whole flat shards, every element every step
             first = [fqns[0] for _, _, fqns in u.entries]
             if u.gathered_numel:
-                groups.append(Segment(u.shard, self.offload, [Piece(first[pc.index], pc.lo, pc.hi, pc.shard_lo, True)
+                groups.append(Segment(self.offload.master_of(u.shard), self.offload, [Piece(first[pc.index], pc.lo, pc.hi, pc.shard_lo, True)
                                                               for pc in u.layout.pieces(rank)], False))
             if u.persistent_numel:
                 pieces, off = [], 0
                 for (shape, _, _), name in zip(u.entries[u.n_sharded:], first[u.n_sharded:]):
                     pieces.append(Piece(name, 0, math.prod(shape), off, True))
                     off += math.prod(shape)
-                groups.append(Segment(u.whole, self.offload, pieces, True))
+                groups.append(Segment(self.offload.master_of(u.whole), self.offload, pieces, True))
         return groups
 
     def after_load(self, master_of, stateful, name_of):
         if self.offload is not None:
-            self.offload.sync_masters_from_device()  # the checkpoint wrote the device shards
+            # the checkpoint wrote the tier's fp32 masters: the device shards (16-bit, or fp32) follow; the disk
+            # tier's masters are the device shards, so its files follow them
+            if self.offload.masters is self.offload.device_params:
+                self.offload.sync_masters_from_device()
+            else:
+                self.offload.params_to_device()
         else:
             opt = self.optimizer
             opt.stepped = {i for i, p in enumerate(opt.params) if stateful(name_of[id(p)])}

@@ -139,13 +139,16 @@ class _Unit:
         self.visited = False     # its backward gather is done in this step
 
     @torch.no_grad()
-    def load(self, tensors, rank):
-        """Take this rank's slice of the full tensors (in entries order)."""
+    def load(self, tensors, rank, shard=None, whole=None):
+        """Take this rank's slice of the full tensors (in entries order), into `shard` / `whole` (default: its
+        own; FSDP.load_state_dict also fills the host's fp32 masters when the device keeps 16-bit shards)."""
+        shard = self.shard if shard is None else shard
+        whole = self.whole if whole is None else whole
         if self.gathered_numel:
-            self.shard.copy_(self.layout.shard(self.layout.flatten(tensors[:self.n_sharded], torch.float32,
-                                                                   self.shard.device), rank))
+            shard.copy_(self.layout.shard(self.layout.flatten(tensors[:self.n_sharded], torch.float32,
+                                                                   shard.device), rank))
         if self.persistent_numel:
-            self.whole.copy_(torch.cat([t.reshape(-1).float() for t in tensors[self.n_sharded:]]))
+            whole.copy_(torch.cat([t.reshape(-1).float() for t in tensors[self.n_sharded:]]))
 
     def split(self, flat):
         """Views of a full flat buffer, one per entry, shaped like the parameters."""
@@ -202,6 +205,7 @@ class FSDP(nn.Module):
         self._forwarding = False        # inside forward(); a unit run outside it (an activation-checkpoint
                                         # recompute in backward) gathers itself but neither records nor prefetches
         self.grad_sink = None           # offload: fn(unit, part, flat fp32 grad) takes each reduced gradient
+        self.masters = None             # offload with 16-bit shards: fn(unit, part) -> the host fp32 master
 
     # ------------------------------------------------------------------ construction
     @torch.no_grad()
@@ -244,12 +248,15 @@ class FSDP(nn.Module):
         return original
 
     @torch.no_grad()
-    def offload(self, grad_sink, fetch_shard=None):
+    def offload(self, grad_sink, fetch_shard=None, masters=None):
         """Plug in an optimizer tier off the device (FSDPOptimizer(offload=...), zero/tiers.py): each unit's
         reduced gradient goes to grad_sink(unit, part, flat fp32 grad) during backward instead of a device
-        .grad; with fetch_shard(unit, shard) the shards live off the device and each all-gather copies one in."""
+        .grad; with fetch_shard(unit, shard) the shards live off the device and each all-gather copies one in;
+        with masters(unit, part) -> fp32 host tensor the device shards are 16-bit copies of those masters
+        (ZeRO-Offload's layout), which full state dicts read and write."""
         self.grad_sink = grad_sink
         self.fetch_shard = fetch_shard
+        self.masters = masters
 
     def point_local_parts_at_shards(self):
         """Make every visible local part a view of its unit's shard (or whole) tensor again: after the
@@ -314,7 +321,7 @@ class FSDP(nn.Module):
         src = unit.shard.detach() if unit.gathered_numel else None
         if src is not None and self.fetch_shard is not None:
             src = self.fetch_shard(unit, src)  # offload_param: the shard lives on the host
-        if src is not None and self.compute_dtype is not None:
+        if src is not None and src.dtype != self.dtype:  # (offloaded 16-bit shards need no cast)
             src = src.to(self.dtype)  # cast BEFORE communicating: half the bytes
             memory.transient.alloc(f"{self._tag}/{unit.name}/cast", src)
         buf = torch.empty(unit.gathered_numel + unit.persistent_numel, dtype=self.dtype, device=self.comm.device)
@@ -340,7 +347,7 @@ class FSDP(nn.Module):
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
-        if unit.src is not None and self.compute_dtype is not None:
+        if unit.src is not None and unit.shard.dtype != self.dtype:
             memory.transient.free(f"{self._tag}/{unit.name}/cast")
         unit.src = None
 
@@ -538,9 +545,10 @@ class FSDP(nn.Module):
         for unit in self.units:
             flat = torch.zeros(unit.gathered_numel + unit.persistent_numel, device=self.comm.device)
             if unit.gathered_numel:
-                self.comm.all_gather(flat[:unit.gathered_numel], unit.shard.detach())
+                source = unit.shard.detach() if self.masters is None else self.masters(unit, "shard")
+                self.comm.all_gather(flat[:unit.gathered_numel], source.to(self.comm.device))
             if unit.persistent_numel:
-                flat[unit.gathered_numel:] = unit.whole.detach()
+                flat[unit.gathered_numel:] = unit.whole.detach() if self.masters is None else self.masters(unit, "whole")
             for (_, _, names), v in zip(unit.entries, unit.split(flat)):
                 full.update(dict.fromkeys(names, v.clone()))
         full.update((n, p.detach().clone()) for n, p in self.module.named_parameters(remove_duplicate=False)
@@ -560,6 +568,9 @@ class FSDP(nn.Module):
                            f"unexpected {sorted(set(state_dict) - set(self._keys))}")
         for unit in self.units:
             unit.load([state_dict[names[0]] for _, _, names in unit.entries], self.comm.rank)
+            if self.masters is not None:  # 16-bit device shards: the exact fp32 values go to the host masters
+                unit.load([state_dict[names[0]] for _, _, names in unit.entries], self.comm.rank,
+                          self.masters(unit, "shard"), self.masters(unit, "whole"))
         for name, t in [*self.module.named_parameters(), *self.module.named_buffers()]:
             if id(t) not in self._visible_ids:  # frozen parameters and buffers
                 t.copy_(state_dict[name])
@@ -567,11 +578,10 @@ class FSDP(nn.Module):
     def memory_tensors(self):
         """For memory.measure: shards (fp32 master copy when computing in 16 bits), persistent
         and frozen parameters, shard gradients, buffers, and any gathered buffer still held."""
-        cat = "parameters" if self.compute_dtype is None else "master_params"
         for unit in self.units:
-            for p in (unit.shard, unit.whole):
+            for p in (unit.shard, unit.whole):  # fp32 under a 16-bit compute_dtype: the master copy
                 if p is not None:
-                    yield cat, p, None
+                    yield "parameters" if p.dtype == self.dtype else "master_params", p, None
             for p in unit.visible:  # their .grads are views of the unit's flat gradients
                 if p.grad is not None:
                     yield "gradients", p.grad, None

@@ -24,13 +24,16 @@ next forward gathers the updated shards.
 offload=OffloadSpec(...) (zero/tiers.py): ZeRO-Offload / ZeRO-Infinity. The tier (host or files) holds
 every unit's fp32 master, gradient and optimizer state and runs the step; FSDP sends each unit's reduced
 gradient down during backward (FSDP.offload), and with OffloadSpec.params "cpu"/"nvme" the shards
-themselves live off the device between all-gathers.
+themselves live off the device between all-gathers. With the cpu tier and a 16-bit compute_dtype the device
+keeps only the 16-bit shard (2·Ψ/N bytes) and the fp32 master lives on the host alone, as in DeepSpeed; the
+disk tier and fp32 training keep fp32 shards on the device (the disk tier reads its masters from them).
 """
 from __future__ import annotations
 
 import torch
 
 from minizero.zero.flat_shard_optimizer import FlatShardOptimizer
+from minizero.zero.offload import HostOptimizer
 from minizero.zero.tiers import ShardSource, build_tier
 
 
@@ -75,9 +78,23 @@ class FSDPOptimizer(FlatShardOptimizer):
         if getattr(tier, "param_dir", None) is not None:  # the shards' storage is now in files: the local parts follow
             self.fsdp.point_local_parts_at_shards()
         index = {(id(unit), part): i for i, (unit, part) in enumerate(self.parts)}
+        masters = None
+        if isinstance(tier, HostOptimizer) and spec.params == "none" and self.fsdp.compute_dtype is not None:
+            masters = self._keep_16bit_shards(tier, index)
         self.fsdp.offload(lambda unit, part, grad: tier.accumulate(index[(id(unit), part)], grad),
-                          ShardSource(tier, self.fsdp.comm.device) if spec.params != "none" else None)
+                          ShardSource(tier, self.fsdp.comm.device) if spec.params != "none" else None, masters)
         return tier
+
+    @torch.no_grad()
+    def _keep_16bit_shards(self, tier, index):
+        """ZeRO-Offload's layout at stage 3 (as DeepSpeed's): the device keeps each unit's shard in the 16-bit
+        compute dtype (2·Ψ/N bytes) and the tier, which just copied the fp32 shards, holds the only fp32 master
+        on the host. The parameters come up in 16 bits after each step (2·Ψ/N bytes). Returns FSDP's masters."""
+        for unit, part in self.parts:
+            shard = getattr(unit, part)
+            shard.data = shard.data.to(self.fsdp.dtype)
+        self.fsdp.point_local_parts_at_shards()
+        return lambda unit, part: tier.masters[index[(id(unit), part)]] if getattr(unit, part) is not None else None
 
     def grads(self) -> list:
         """Per master (unit part): its flat fp32 gradient, or None when it has none."""

@@ -61,6 +61,7 @@ from minizero import comm as comm_mod
 from minizero import memory
 from minizero.comm.stats import bucket_numel_from_mb
 from minizero.zero.flat_shard_optimizer import check_optimizer_class, covering_param_groups
+from minizero.zero.offload import HostGradShard
 from minizero.zero.sharded_optimizer import ShardedOptimizer, clip_shard_grad_norm_
 
 
@@ -141,7 +142,9 @@ class ShardGradOp(nn.Module):
         self.layout = self.optim.layout   # where each parameter sits in the flat buffer
         # this rank's averaged gradient: the only gradient memory that outlives backward
         self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.optim.flat.dtype,
-                                      device=self.optim.flat.device)
+                                      device=self.optim.flat.device) if self.optim.tier is None else \
+            HostGradShard(self.optim.tier, self.optim.flat.dtype, self.optim.flat.device)  # offloaded: the
+        # host's fp32 buffer, each bucket's part copied down into it during backward (ZeRO-Offload, Sec. 4.1)
         self.buckets = self._make_buckets(bucket_numel)
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.params}
         self._sync = True                 # False inside no_sync(): keep full gradients, reduce later
@@ -286,7 +289,8 @@ class ShardGradOp(nn.Module):
     # ------------------------------------------------------------------ step
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         self._check_grad("clip_grad_norm_")
-        return clip_shard_grad_norm_(self.comm, self.grad_shard, max_norm, norm_type)
+        return clip_shard_grad_norm_(self.comm, self.optim.gradient_for_step(self.grad_shard) if self.optim.tier
+                                     is not None else self.grad_shard, max_norm, norm_type)  # offloaded: on the host
 
     def step(self, closure=None):
         return self.optim.step(closure)  # the same call as model.optim.step(): an LR scheduler on it counts it
@@ -326,7 +330,8 @@ class ShardGradOp(nn.Module):
                 yield "gradients", p.grad, None
         for b in self.module.buffers():
             yield "buffers", b, None
-        yield "gradients", self.grad_shard, None
+        if self.optim.tier is None:  # offloaded: the host buffer is the tier's to report
+            yield "gradients", self.grad_shard, None
         yield from self.optim.memory_tensors()
 
     def extra_repr(self) -> str:

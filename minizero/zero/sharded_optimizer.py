@@ -65,6 +65,7 @@ from minizero import comm as comm_mod
 from minizero import memory, precision
 from minizero.zero.flat_layout import FlatLayout
 from minizero.zero.flat_shard_optimizer import FlatShardOptimizer
+from minizero.zero.offload import HostGradShard
 from minizero.zero.tiers import build_tier
 
 
@@ -199,6 +200,8 @@ class ShardedOptimizer(FlatShardOptimizer):
         device shard (a copy when 16-bit), or, offloaded, the tier's host buffer (moved down, counted)."""
         if self.tier is None:
             return grad_shard.float()
+        if isinstance(grad_shard, HostGradShard):  # ZeRO-2: backward already added each bucket's part into it
+            return grad_shard.host
         self.tier.grads_to_host([grad_shard])
         return self.tier.grads[0]
 
