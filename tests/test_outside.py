@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from minizero import launch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 MODES = ["torch_ddp", "ddp", "zero1", "zero2", "zero3", "engine0", "engine1", "engine2", "engine3"]
@@ -44,3 +46,13 @@ def test_a_nanogpt_script_trains_what_torch_ddp_trains(results, mode):
     assert moved > 1000 * TOLERANCE, f"the reference barely trained ({moved:.1e}): the comparison would say nothing"
     assert max(abs(x - y) for x, y in zip(ours["losses"], reference["losses"])) <= TOLERANCE, ours["losses"]
     assert _max_diff(ours["state"], reference["state"]) <= TOLERANCE
+
+
+def test_a_hugging_face_gpt2_trains_consolidates_and_loads_strictly(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[outside]'")
+    res = launch.run("tests/outside/hf_workers.py:run", nprocs=2, args={"tmp_dir": str(tmp_path)}, timeout=300)
+    for out in res:
+        assert out["fsdp_keys_match"], "FSDP's state_dict() lost or renamed a key of the HF model"
+        assert out["fsdp_vs_single"] <= 1e-6, out["fsdp_vs_single"]  # fp32, SGD, 3 steps: summation order only
+    assert res[0]["strict_load"] == [[], []]
+    assert res[0]["engine_vs_single"] <= 1e-6, res[0]["engine_vs_single"]
