@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED = 1
 # mpirun and friends live in the venv's bin/ (the mpich wheel).
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: setup demo test grade labs lint clean
+.PHONY: setup demo test grade labs lint site site-test clean
 
 setup: $(STAMP)
 
@@ -20,10 +20,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $(STAMP)
 
+# The website's packages (the `site` extra: Sphinx, myst-nb, furo; playwright for the browser test).
+SITE_STAMP := $(VENV)/.site-installed
+$(SITE_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[dev,site]"
+	@touch $(SITE_STAMP)
+
 demo: setup
 	$(PY) -m minizero demo
 
-test: setup
+# tests/test_site.py builds the site from the lessons tests/test_lessons.py just executed and opens it in
+# headless Chromium (skipped, with the reason, where no Chromium is installed).
+test: setup $(SITE_STAMP)
 	$(PY) -m pytest -q --durations=15
 
 grade: setup
@@ -32,8 +40,16 @@ grade: setup
 labs: setup
 	$(PY) -m minizero.cli.labgen
 
+# The course website in site/ (docs/site/build.py): lessons as executed in build/lessons/ (or run now).
+site: $(SITE_STAMP)
+	$(PY) -m docs.site.build
+
+# Every page of site/ in headless Chromium: console errors, images, links, measured numbers, search.
+site-test: site
+	MINIZERO_SITE=site $(PY) -m pytest -q tests/test_site.py
+
 lint: setup
 	$(PY) -m minizero.cli.labgen --check
 
 clean:
-	rm -rf $(VENV) results.json demo.png runs
+	rm -rf $(VENV) results.json demo.png runs site build/lessons build/bench build/site-src build/site-doctrees build/site-test

@@ -1,0 +1,244 @@
+"""`make site`: the course website, built with Sphinx (myst-nb renders the notebooks, autodoc the API).
+
+    python -m docs.site.build [--out site]
+
+Stages build/site-src/ and runs sphinx-build on it with docs/site/conf.py:
+  * index.md: docs/site/index.md, which includes the README's opening and course map (one source);
+  * lessons/*.ipynb: every lessons/*.ipynb as it ran on this machine: the copy tests/test_lessons.py
+    left in build/lessons/ when it is current, else executed here (docs/site/notebooks.py); a line
+    at the top says when, on how many cores, with or without a GPU, at what load;
+  * labs/*.md: one page per lab from its registry entry (minizero.autograde), its TODOs and their
+    hints (labs/labNN_*.py), its checks, and its stretch tasks (docs/site/stretch.md);
+  * api/*.md: automodule of every minizero module, grouped by subpackage;
+  * design.md (docs/design.md) and bench.md: `python -m minizero bench`'s plot and table, run once
+    into build/bench/ (kept there; delete the folder to measure again).
+Every link is relative, MathJax is served from the site itself: the site works from file://."""
+import argparse
+import ast
+import datetime
+import json
+import os
+import pkgutil
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from docs.site.notebooks import ROOT, execute, executed_copy, machine
+
+HERE = Path(__file__).resolve().parent
+STAGE = ROOT / "build" / "site-src"
+BENCH = ROOT / "build" / "bench"
+
+
+def run_stamp(run: dict) -> str:
+    """The line printed at the top of a page of measured numbers: whose numbers these are."""
+    m, before, after = run["machine"], run["load_before"], run["load_after"]
+    gpu = f"GPU: {m['gpu']}" if m["gpu"] else "no GPU"
+    return (f"**Ran {run['started_utc']}** in {run['seconds']:.0f} s on {m['cores']} CPU cores ({m['cpu']}), {gpu}; "
+            f"load average {before[0]:.2f} / {before[1]:.2f} / {before[2]:.2f} (1 / 5 / 15 min) at the start, "
+            f"{after[0]:.2f} / {after[1]:.2f} / {after[2]:.2f} at the end; torch {m['torch']}, Python {m['python']}, "
+            f"{m['system']}. Every number and plot on this page is that run's: yours will differ.")
+
+
+def stage_lessons(dest: Path) -> list[str]:
+    import nbformat
+    dest.mkdir(parents=True)
+    names = []
+    for path in sorted((ROOT / "lessons").glob("*.ipynb")):
+        nb = executed_copy(path)
+        if nb is None:
+            print(f"  executing {path.name} (no current copy in build/lessons/)", flush=True)
+            nb, _ = execute(path)
+        else:
+            print(f"  {path.name}: the copy tests/test_lessons.py executed", flush=True)
+        stamp = nbformat.v4.new_markdown_cell(run_stamp(nb.metadata["minizero_run"])
+                                              + f" The notebook: `lessons/{path.name}` (committed without outputs).")
+        first = nb.cells[0]
+        if first.cell_type == "markdown" and first.source.startswith("# "):
+            title, _, rest = first.source.partition("\n")  # the stamp goes right under the title
+            first.source = title
+            nb.cells[1:1] = [stamp] + ([nbformat.v4.new_markdown_cell(rest.strip())] if rest.strip() else [])
+        else:
+            nb.cells.insert(0, stamp)
+        nbformat.write(nb, dest / path.name)
+        names.append(path.stem)
+    (dest / "index.md").write_text("# Lessons\n\nEach lesson is a notebook that measures instead of asserting; these pages "
+                                   "show it as it ran on the machine that built this site.\n\n```{toctree}\n:glob:\n\n*\n```\n")
+    return names
+
+
+def lab_tasks(path: Path, number: int) -> list[tuple[str, str, list[str]]]:
+    """(where, title, hint lines) of every `# TODO(lab N): title` in the lab file, in order."""
+    lines = path.read_text().splitlines()
+    tree = ast.parse("\n".join(lines))
+    scopes = []  # (first line, last line, qualified name) of every def
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                owner = f"{node.name}." if isinstance(node, ast.ClassDef) else ""
+                scopes.append((child.lineno, child.end_lineno, owner + child.name))
+    todo = re.compile(rf"^\s*# TODO\(lab {number}\): (.*)$")
+    tasks = []
+    for no, line in enumerate(lines, 1):
+        m = todo.match(line)
+        if not m:
+            continue
+        hints = []
+        for following in lines[no:]:
+            if not re.match(r"^\s*#  ", following):
+                break
+            hints.append(following.strip()[1:].rstrip())
+        inner = [s for s in scopes if s[0] <= no <= s[1]]
+        where = min(inner, key=lambda s: s[1] - s[0])[2] if inner else "module level"
+        tasks.append((where, m.group(1), textwrap.dedent("\n".join(hints)).splitlines()))
+    return tasks
+
+
+def stretch_tasks() -> dict[int, str]:
+    """docs/site/stretch.md: `## Lab N` sections of stretch tasks."""
+    sections = re.split(r"^## Lab (\d+)\s*$", (HERE / "stretch.md").read_text(), flags=re.MULTILINE)
+    return {int(n): body.strip() for n, body in zip(sections[1::2], sections[2::2])}
+
+
+def stage_labs(dest: Path, lessons: list[str]) -> int:
+    from minizero.autograde import LABS
+    dest.mkdir(parents=True)
+    stretch = stretch_tasks()
+    rows = []
+    for lab in LABS.values():
+        path = ROOT / "labs" / lab.filename
+        if not path.exists():
+            print(f"  lab {lab.number}: no page, {path.relative_to(ROOT)} is not generated (`make labs`)", flush=True)
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        goal = doc.split("\n\n")[0].replace("\n", " ")
+        lesson = next((name for name in lessons if name.startswith(f"{lab.number:02d}_")), None)
+        page = [f"# Lab {lab.number:02d}: {lab.title}", "",
+                f"**Goal.** {goal}", "",
+                f"You edit `labs/{lab.filename}`, generated from the reference module `{lab.source}` (`make labs`):"
+                " everything outside the TODOs is that module's code."
+                + (f" The lesson that measures it: [lesson {lab.number:02d}](../lessons/{lesson}.ipynb)." if lesson else ""),
+                "", "## Tasks", "", "One task per TODO, in the order the file has them; the hints are the lab's own.", ""]
+        for i, (where, title, hints) in enumerate(lab_tasks(path, lab.number), 1):
+            page += [f"{i}. **{title}** (in `{where}`)", ""]
+            if hints:
+                page += ["   ```text"] + [f"   {h}" for h in hints] + ["   ```", ""]
+        page += ["## Run it", "", "```bash",
+                 f"mpirun -n {lab.nprocs} .venv/bin/python labs/{lab.filename}", "```", "",
+                 (f"{lab.nprocs} ranks run the lab's demo on your code: until a TODO is written it stops at that TODO's "
+                 "`NotImplementedError`."), "",
+                 "## Grade it", "", "```bash",
+                 f"python -m minizero grade --lab {lab.number} --impl labs      # the score table",
+                 f"pytest -m lab{lab.number} --impl labs                        # the same checks as tests",
+                 "```", "", "| check | points |", "|---|---|"]
+        page += [f"| {check.name} | {check.max_score:g}{' extra credit' if getattr(check, 'extra', False) else ''} |"
+                 for check in lab.checks()]
+        graded = [check.name for check in lab.checks() if getattr(check, "extra", False)]
+        page += ["", ("Every failing check says what it measured and what was expected; `make grade` grades every lab "
+                 "and writes Gradescope's `results.json`."), "",
+                 "## Stretch tasks", "",
+                 *[f"- Graded, for extra credit: **{name}** (a TODO above)." for name in graded],
+                 stretch.get(lab.number, "" if graded else "None yet."), "",
+                 "## Background: the module's docstring", "", "```text", doc, "```", ""]
+        (dest / f"{path.stem}.md").write_text("\n".join(page))
+        rows.append(f"| [{lab.number:02d}]({path.stem}.md) | {lab.title} | `{lab.source}` | {len(lab.checks())} |")
+    (dest / "index.md").write_text("\n".join(
+        ["# Labs", "", ("Each lab is a file in `labs/` with TODOs where the reference code was; an autograder measures "
+         "your code on several ranks."), "", "| lab | what you write | generated from | checks |", "|---|---|---|---|",
+         *rows, "", "```{toctree}", ":hidden:", ":glob:", "", "*", "```", ""]))
+    return len(rows)
+
+
+def stage_api(dest: Path) -> int:
+    import minizero
+    dest.mkdir(parents=True)
+    modules = sorted(m.name for m in pkgutil.walk_packages(minizero.__path__, "minizero.")
+                     if not m.name.endswith("__main__"))
+    groups: dict[str, list[str]] = {"minizero": ["minizero"]}
+    for name in modules:
+        parts = name.split(".")
+        groups.setdefault("minizero" if len(parts) == 2 and not _is_package(name) else ".".join(parts[:2]), []).append(name)
+    for group, names in groups.items():
+        body = [f"# {group}", ""]
+        for name in names:  # a package's docstring only: its members are documented in their own modules
+            members = [] if _is_package(name) else ["   :members:", "   :show-inheritance:"]
+            body += [f"## {name}", "", "```{eval-rst}", f".. automodule:: {name}", *members, "```", ""]
+        (dest / f"{group}.md").write_text("\n".join(body))
+    (dest / "index.md").write_text("# API reference\n\nGenerated from the package's docstrings (shown as written: "
+                                   "they give the paper, the equation and the byte formula).\n\n```{toctree}\n"
+                                   + "".join(f"{group}\n" for group in groups) + "```\n")
+    return len(modules) + 1
+
+
+def _is_package(name: str) -> bool:
+    import importlib.util
+    spec = importlib.util.find_spec(name)
+    return bool(spec and spec.submodule_search_locations)
+
+
+def stage_bench(dest: Path, bench_args=()) -> None:
+    """bench.md from build/bench/: `python -m minizero bench [bench_args]`, run here once (1.5-3 min on 2 cores)."""
+    report = BENCH / "report.txt"
+    if not report.exists():
+        print("  running `python -m minizero bench` into build/bench/ (kept for later builds)", flush=True)
+        BENCH.mkdir(parents=True, exist_ok=True)
+        started, before, t0 = datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), time.time()
+        proc = subprocess.run([sys.executable, "-m", "minizero", "bench", *bench_args, "--json", str(BENCH / "bench.json"),
+                               "--plot", str(BENCH / "bench.png")], cwd=ROOT, capture_output=True, text=True, check=False)
+        if proc.returncode:
+            raise SystemExit(f"python -m minizero bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        (BENCH / "run.json").write_text(json.dumps(
+            {"started_utc": started.strftime("%Y-%m-%d %H:%M UTC"), "seconds": round(time.time() - t0, 1),
+             "load_before": [round(x, 2) for x in before], "load_after": [round(x, 2) for x in os.getloadavg()],
+             "machine": machine(), "command": " ".join(["python -m minizero bench", *bench_args])}))
+        report.write_text(proc.stdout)
+    shutil.copy(BENCH / "bench.png", dest / "bench.png")
+    run = json.loads((BENCH / "run.json").read_text())
+    (dest / "bench.md").write_text("\n".join([
+        "# Benchmark: minizero vs torch DDP, FSDP2 and DeepSpeed", "", run_stamp(run), "",
+        (f"`{run['command']} --json bench.json --plot bench.png`: how it measures is in the README's Benchmark "
+        "section and `minizero/bench/bench.py`'s docstring. DeepSpeed takes part only where it is installed "
+        "(`pip install -e \".[peers]\"`)."), "",
+        "![step time per candidate and paired ratio to torch DDP](bench.png)", "", "The bench's own report:", "",
+        "```text", report.read_text().rstrip(), "```", ""]))
+
+
+def build(out: Path, bench_args=()) -> dict:
+    t0 = time.time()
+    shutil.rmtree(STAGE, ignore_errors=True)
+    STAGE.mkdir(parents=True)
+    shutil.copy(HERE / "index.md", STAGE / "index.md")
+    (STAGE / "design.md").write_text("```{include} ../../docs/design.md\n```\n")
+    print("lessons:", flush=True)
+    lessons = stage_lessons(STAGE / "lessons")
+    labs = stage_labs(STAGE / "labs", lessons)
+    modules = stage_api(STAGE / "api")
+    print("bench:", flush=True)
+    stage_bench(STAGE, bench_args)
+    staged = time.time() - t0
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "auto", "-c", str(HERE),
+                    "-d", str(ROOT / "build" / "site-doctrees"), str(STAGE), str(out)], cwd=ROOT, check=True)
+    pages = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.html"))
+    summary = {"lessons": len(lessons), "labs": labs, "api_modules": modules, "html_pages": len(pages),
+               "stage_s": round(staged, 1), "total_s": round(time.time() - t0, 1)}
+    print(f"site: {out}/index.html, {len(pages)} pages ({len(lessons)} lessons, {labs} labs, {modules} API modules); "
+          f"staged in {staged:.0f} s, built in {time.time() - t0:.0f} s")
+    return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m docs.site.build", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "site"), help="where the HTML goes (default: site/)")
+    ap.add_argument("--bench-args", default="", help="extra arguments of `python -m minizero bench` when it runs")
+    args = ap.parse_args(argv)
+    build(Path(args.out).resolve(), args.bench_args.split())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
