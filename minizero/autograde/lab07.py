@@ -1,15 +1,23 @@
 """Lab 07 checks: your offloaded step (HostOptimizer.grads_to_host, cpu_step, params_to_device in
-minizero/zero/offload.py) trains ZeRO-2 like DDP, keeps the master copy, the gradients and the
-optimizer state on the host, and moves exactly 2 + 2 bytes per shard element in fp16.
+minizero/zero/offload.py) trains ZeRO-2 like DDP, works on several device tensors at once (ZeRO-3's
+shape: a shard per unit) in fp32, fp16 and bf16, keeps the master copy, the gradients and the
+optimizer state on the host, and moves exactly 2 + 2 bytes per shard element in 16 bits.
 
 One 2-rank job per submission runs the harness of lesson 07 (minizero.experiments.offload.
-side_by_side) in fp32 and fp16; the three checks read its report."""
+side_by_side) in fp32 and fp16, and on each rank drives the three methods directly on three device
+tensors (views into one flat buffer, as a model's weights are), gradients given, each method's
+effect observed on its own; the checks read its report. Stretch task (extra points): the delayed
+parameter update's thread in step(), driven with DPU on and the delayed step held at a gate while
+the next gradients come down, so that a race is a certainty."""
+import copy
+
 import torch
 
 from minizero.autograde import Check, CheckFailed, Lab
 
 LAB = Lab(7, "offload", "ZeRO-Offload: gradients down, CPU step, parameters up", "minizero/zero/offload.py")
 N, STEPS = 2, 4
+LR, MOMENTUM = 0.1, 0.9  # the probes' SGD
 ATOL = 2e-7  # at rtol 1e-6: fp32 SGD, the same float operations as DDP up to the order of additions
 
 
@@ -18,8 +26,131 @@ def worker(comm, impl):
     from minizero.launch import load_target
     torch.set_num_threads(1)
     HostOptimizer = load_target(impl + ":HostOptimizer")
-    return {"fp32": side_by_side(comm, HostOptimizer, STEPS),
-            "fp16": side_by_side(comm, HostOptimizer, 2, dtype=torch.float16)}
+    out = {"fp32": side_by_side(comm, HostOptimizer, STEPS),
+           "fp16": side_by_side(comm, HostOptimizer, 2, dtype=torch.float16),
+           "tiers": {name: tier_probe(HostOptimizer, dtype) for name, dtype in DTYPES.items()}}
+    try:  # the stretch task: its stub must not cost the main checks anything
+        out["dpu"] = dpu_probe(HostOptimizer)
+    except NotImplementedError as e:
+        out["dpu"] = {"stub": str(e)}
+    return out
+
+
+SIZES = (5, 13, 1)          # ZeRO-3-shaped: several flat shards per tier (one per unit), odd sizes
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PROBE_STEPS = 3
+
+
+def _sgd(params):
+    """torch SGD with momentum as the tier builds it (fused on the CPU: the same arithmetic)."""
+    from minizero.zero.offload import cpu_optimizer
+    return cpu_optimizer(torch.optim.SGD, params, lr=LR, momentum=MOMENTUM)
+
+
+def _reference(device):
+    params = [p.detach().float().clone().requires_grad_() for p in device]
+    return params, _sgd(params)
+
+
+def _ref_step(params, opt, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.reshape(-1).float().clone()
+    opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def _fork(params, opt):
+    """A copy of the reference optimizer and its parameters (to ask: what if the step used zeros?)."""
+    twin = [p.detach().clone().requires_grad_() for p in params]
+    twin_opt = _sgd(twin)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # (loading keeps the same momentum tensors otherwise)
+    return twin, twin_opt
+
+
+def _close(a, b):
+    return bool(((a.float() - b.float()).abs() <= 1e-6 * b.float().abs() + 1e-7).all())
+
+
+def tier_probe(HostOptimizer, dtype, seed=7):
+    """The lab's three methods driven directly on several device tensors of `dtype` (views into one
+    flat buffer, as a model's weights view theirs), gradients given: what each method did."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randn(sum(SIZES), generator=gen).to(dtype)
+    device = list(flat.split(SIZES))
+    ptrs = [p.data_ptr() for p in device]
+    grads = [[torch.randn(n, generator=gen).to(dtype) for n in SIZES] for _ in range(PROBE_STEPS)]
+    ref, ref_opt = _reference(device)
+    host = HostOptimizer(device, torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    buffers = [g.data_ptr() for g in host.grads]
+    steps = []
+    for t in range(PROBE_STEPS):
+        host.traffic.reset()
+        host.grads_to_host(grads[t])
+        exact = [g.reshape(-1).float() for g in grads[t]]
+        s = {"to_host": host.traffic.to_host, "last_bytes": grads[t][-1].numel() * grads[t][-1].element_size(),
+             "host_exact": all(torch.equal(h, e) for h, e in zip(host.grads, exact)),
+             "host_via_fp16": all(torch.equal(h, e.half().float()) for h, e in zip(host.grads, exact)),
+             "host_untouched": all(not h.any() for h in host.grads),
+             "buffers_kept": [g.data_ptr() for g in host.grads] == buffers}
+        given = [h.clone() for h in host.grads]  # the step gets its gradients as an argument: what it must use
+        for h in host.grads:
+            h.zero_()                            # ... while self.grads is already the next backward's (DPU)
+        twin, twin_opt = _fork(ref, ref_opt)
+        want = _ref_step(ref, ref_opt, exact)
+        with_zeros = _ref_step(twin, twin_opt, [torch.zeros_like(e) for e in exact])
+        before = [m.clone() for m in host.masters]
+        host.cpu_step(given)
+        s.update({"moved": [not torch.equal(b, m) for b, m in zip(before, host.masters)],
+                  "masters_right": all(_close(m, w) for m, w in zip(host.masters, want)),
+                  "stepped_self_grads": all(_close(m, w) for m, w in zip(host.masters, with_zeros)),
+                  "grad_on_buffers": any(getattr(g, "grad", None) is not None for g in given),
+                  "grad_left": any(m.grad is not None for m in host.masters)})
+        host.params_to_device()
+        s.update({"to_device": host.traffic.to_device, "device_kept": [p.data_ptr() for p in host.device_params] == ptrs,
+                  "flat_right": torch.equal(flat, torch.cat(host.masters).to(dtype)),
+                  "aliases_master": any(p.untyped_storage().data_ptr() == m.untyped_storage().data_ptr()
+                                        for p, m in zip(host.device_params, host.masters))})
+        steps.append(s)
+        host.zero_grad()
+    return {"numel": sum(SIZES), "element_size": flat.element_size(), "steps": steps}
+
+
+def dpu_probe(HostOptimizer, dtype=torch.float16, seed=8):
+    """The stretch task: step() with DPU from step 1 on, the next step's gradients copied down while
+    the delayed step is held at a gate, so a race is a certainty, not a chance."""
+    import threading
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randn(sum(SIZES), generator=gen).to(dtype)
+    device = list(flat.split(SIZES))
+    grads = [[torch.randn(n, generator=gen).to(dtype) for n in SIZES] for _ in range(PROBE_STEPS + 1)]
+    ref, ref_opt = _reference(device)
+    after = [[p.detach().clone() for p in ref]]
+    for t in range(PROBE_STEPS):
+        after.append(_ref_step(ref, ref_opt, grads[t]))
+    host = HostOptimizer(device, torch.optim.SGD, dpu_warmup_steps=1, lr=LR, momentum=MOMENTUM)
+    real, threads, gate = host.cpu_step, [], threading.Event()
+
+    def held(grads_):  # the delayed step waits until the next gradients are on the host
+        on_main = threading.current_thread() is threading.main_thread()
+        threads.append(on_main)
+        if not on_main:
+            gate.wait(timeout=2)
+        return real(grads_)
+    host.cpu_step = held
+    seen = []
+    host.grads_to_host(grads[0])
+    for t in range(PROBE_STEPS):
+        gate.clear()
+        host.step()
+        now = torch.cat([p.reshape(-1).float() for p in host.device_params])
+        seen.append(next((k for k, a in enumerate(after) if torch.equal(now, torch.cat(a).to(dtype).float())), -1))
+        host.zero_grad()
+        host.grads_to_host(grads[t + 1])  # the next backward's gradients, while step t may be in flight
+        gate.set()
+    host.finish()
+    final = torch.equal(torch.cat([p.reshape(-1) for p in host.device_params]), torch.cat(after[-1]).to(dtype))
+    return {"main_thread": threads, "device_after_step": seen, "final_right": final,
+            "masters_right": all(_close(m, w) for m, w in zip(host.masters, after[-1]))}
 
 
 _cache = {}
@@ -42,14 +173,15 @@ def _broken_part(rank, r):
     for step, s in enumerate(r["steps"]):
         where = f"rank {rank}, step {step}"
         if not s["grad_on_host"]:
-            return (f"{where}: after grads_to_host the host buffer does not hold the device gradient shard: "
-                    "copy each gradient INTO its buffer in self.grads (host.copy_(...)); rebinding a name copies nothing")
+            return (f"{where}: after grads_to_host the host buffer does not hold the device gradient shard exactly: "
+                    "copy each gradient INTO its buffer in self.grads (a name rebound copies nothing), with no cast on "
+                    "the way (copy_ casts to fp32 itself)")
         if s["optimizer_steps"] != 1:
             return (f"{where}: the CPU optimizer stepped {s['optimizer_steps']} times in one training step; "
                     "cpu_step must call self.optim.step() exactly once")
         if not s["masters_moved"]:
-            return (f"{where}: the CPU optimizer stepped but the host masters did not move: give each master its "
-                    "gradient (m.grad = g) before self.optim.step()")
+            return (f"{where}: the CPU optimizer stepped but the host masters did not move: the masters are what "
+                    "it steps, and each needs its own gradient as .grad before self.optim.step()")
         if not s["device_is_master"]:
             return (f"{where}: the device parameters are not the updated masters: params_to_device must copy "
                     "each master into its device tensor (p.copy_(m.view(p.shape)))")
@@ -111,15 +243,93 @@ def check_bytes(impl):
                 if t["to_device"] != want:
                     raise CheckFailed(f"{dtype}, rank {rank}, step {step}: to_device counted {t['to_device']} B, "
                                       f"expected {want} B = {width} B x {r['shard']} (the device parameters' dtype)")
+    for rank, res in enumerate(_results(impl)):
+        for name, probe in res["tiers"].items():
+            want = probe["numel"] * probe["element_size"]
+            for step, s in enumerate(probe["steps"]):
+                for way, got in (("to_host", s["to_host"]), ("to_device", s["to_device"])):
+                    if got != want:
+                        last = (f": only the last tensor's {s['last_bytes']} B are left, the count was set with `=` "
+                                "instead of added with `+=`" if got == s["last_bytes"] else "")
+                        raise CheckFailed(f"{name}, {len(SIZES)} device tensors of {list(SIZES)} elements, step {step}: "
+                                          f"{way} counted {got} B, expected {want} B = {probe['element_size']} B x "
+                                          f"{probe['numel']} elements{last}")
     r = _results(impl)[0]["fp16"]
     return (f"fp16: {r['steps'][-1]['traffic']['to_host']} B down + {r['steps'][-1]['traffic']['to_device']} B up "
             f"per step = 4 x {r['shard']} = 4 Psi/N (padded Psi = {r['padded']}, N = {N})")
 
 
+def check_every_tensor(impl):
+    """The three methods on several device tensors (ZeRO-3's shape: a shard per unit) in fp32, fp16
+    and bf16, each method's effect observed on its own."""
+    for rank, res in enumerate(_results(impl)):
+        for name, probe in res["tiers"].items():
+            for step, s in enumerate(probe["steps"]):
+                where = f"{name}, {len(SIZES)} device tensors of {list(SIZES)} elements, step {step}"
+                if not s["buffers_kept"]:
+                    raise CheckFailed(f"{where}: grads_to_host replaced the host gradient buffers with new tensors: "
+                                      "copy into the buffers of self.grads, allocated once (the ledger counts them, "
+                                      "DPU alternates between two of them, and a new pinned buffer per step is an "
+                                      "allocation on every step)")
+                if not s["host_exact"]:
+                    raise CheckFailed(f"{where}: after grads_to_host the host buffers do not hold the device gradients: "
+                                      + ("they went through fp16 on the way down (lossy): copy_ into the fp32 buffer "
+                                         "casts once, with no rounding on the way" if s["host_via_fp16"] and name == "fp32"
+                                         else "nothing reached them: copy INTO each buffer (host.copy_(...)); "
+                                              "rebinding a name copies nothing" if s["host_untouched"] else
+                                         "each buffer must receive its own device gradient, flattened"))
+                if s["grad_on_buffers"]:
+                    raise CheckFailed(f"{where}: cpu_step gave the gradient buffers a .grad (the masters as their "
+                                      "gradient): the masters are what the optimizer steps, each gets its buffer as "
+                                      ".grad (zip(self.masters, grads), in that order)")
+                if s["stepped_self_grads"] and not s["masters_right"]:
+                    raise CheckFailed(f"{where}: the masters stepped with self.grads, not with the `grads` cpu_step was "
+                                      "given (under DPU self.grads is already the next backward's buffer, here zeroed)")
+                if not all(s["moved"]):
+                    still = [i for i, moved in enumerate(s["moved"]) if not moved]
+                    raise CheckFailed(f"{where}: master(s) {still} of {len(SIZES)} did not move in cpu_step: give EVERY "
+                                      "master its gradient before self.optim.step()")
+                if not s["masters_right"]:
+                    raise CheckFailed(f"{where}: the masters after cpu_step differ from torch SGD (momentum) on the "
+                                      "given gradients: one optimizer step, on every master, with its own gradient")
+                if not s["device_kept"] or s["aliases_master"]:
+                    raise CheckFailed(f"{where}: params_to_device rebound the device tensors (p.data = ...) instead of "
+                                      "copying into them: the model's weights are views of the device memory and keep "
+                                      "the old values" + (", and the device tensor now IS the host master" if
+                                                          s["aliases_master"] else "") + "; copy_ into p")
+                if not s["flat_right"]:
+                    raise CheckFailed(f"{where}: after params_to_device the device memory does not hold the updated "
+                                      "masters (cast to the device dtype): copy each master into its device tensor")
+    return (f"{len(SIZES)} device tensors ({list(SIZES)} elements) in fp32, fp16 and bf16: gradients down exactly, "
+            "into the same buffers; every master stepped with the gradients given; copied up in place")
+
+
+def check_dpu(impl):
+    """Stretch: step() with DPU overlaps the CPU step with the next backward, on its own buffer."""
+    r = _results(impl)[0]["dpu"]
+    if "stub" in r:
+        raise CheckFailed(r["stub"])
+    delayed = r["main_thread"][1:]
+    if any(delayed):
+        raise CheckFailed("DPU: the delayed CPU step ran on the main thread: nothing overlaps it; run cpu_step in a "
+                          "thread (self._run) and let finish() join it")
+    if -1 in r["device_after_step"] or not r["masters_right"] or not r["final_right"]:
+        raise CheckFailed("DPU: the parameters differ from torch SGD on the same gradients: the delayed step used the "
+                          "buffer the next backward was filling; hand the thread the filled buffer and give "
+                          "self.grads the spare one before it starts")
+    want = [1] + list(range(1, len(r["device_after_step"])))
+    if r["device_after_step"] != want:
+        raise CheckFailed(f"DPU: right after step() the device held the parameters of step {r['device_after_step']}, "
+                          f"expected {want}: under DPU the device computes step t+1 with step t-1's parameters, the "
+                          "update is copied up by finish() at the next step, not when the thread starts or ends")
+    return "DPU: the delayed step runs in a thread on its own buffer, the device gets its result at the next step"
+
 CHECKS = [
-    Check("ZeRO-2 + offloaded step trains like DDP (N=2, SGD momentum)", 5, check_matches_ddp),
-    Check("master, gradients and optimizer state live on the host", 3, check_memory_by_location),
-    Check("bytes counted = 2 + 2 per shard element in fp16 (4 + 4 in fp32)", 2, check_bytes),
+    Check("ZeRO-2 + offloaded step trains like DDP (N=2, SGD momentum)", 3, check_matches_ddp),
+    Check("several device tensors in fp32, fp16, bf16: each method does its part", 3, check_every_tensor),
+    Check("master, gradients and optimizer state live on the host", 2, check_memory_by_location),
+    Check("bytes counted = 2 + 2 per element in 16 bits (4 + 4 in fp32), every tensor", 2, check_bytes),
+    Check("stretch: DPU, the delayed step in a thread on its own buffer (extra points)", 2, check_dpu, extra=True),
 ]
 
 

@@ -193,9 +193,11 @@ class HostOptimizer(OffloadedOptimizer):
     def grads_to_host(self, device_grads):
         """Copy each reduced device gradient (any dtype) into its host fp32 buffer, counting the bytes."""
         # BEGIN SOLUTION: gradients down: device -> host.
-        #   For each host buffer in self.grads and device gradient g (same order): copy g, flattened,
-        #   into the buffer (copy_ casts to fp32), and add the bytes that crossed, g.numel() *
-        #   g.element_size() (the DEVICE dtype: 2 per element in fp16), to self.traffic.to_host.
+        #   Invariant: afterwards self.grads[i] holds device gradient i exactly, in fp32, and
+        #   self.grads are the SAME buffers every step (allocated once, counted by the ledger,
+        #   pinned on a GPU; DPU alternates two sets). ZeRO-3 hands one tensor per unit: all of
+        #   them. What crosses the bus is the DEVICE width, g_bytes * numel per tensor (2 in
+        #   fp16/bf16), summed over the tensors into self.traffic.to_host.
         for host, g in zip(self.grads, device_grads):
             host.copy_(g.reshape(-1))
             self.traffic.to_host += g.numel() * g.element_size()
@@ -205,8 +207,10 @@ class HostOptimizer(OffloadedOptimizer):
     def cpu_step(self, grads):
         """One step of the CPU optimizer on the host masters, with host gradients `grads`."""
         # BEGIN SOLUTION: the CPU step.
-        #   Give each master in self.masters its gradient from `grads` (m.grad = g), run
-        #   self.optim.step(), then set every m.grad back to None (the buffers stay in self.grads).
+        #   The torch optimizer steps the host masters, so EVERY master needs its own gradient
+        #   as .grad: the `grads` given, which under DPU are not self.grads (those are already
+        #   being filled by the next backward). One optimizer step per training step; then drop
+        #   the .grad references (the buffers live on in `grads`).
         for m, g in zip(self.masters, grads):
             m.grad = g
         self.optim.step()
@@ -218,9 +222,10 @@ class HostOptimizer(OffloadedOptimizer):
     def params_to_device(self):
         """Copy the updated masters into the device parameters (cast to their dtype), counting the bytes."""
         # BEGIN SOLUTION: parameters up: host -> device.
-        #   For each device tensor p in self.device_params and its master m: copy m into p (shaped
-        #   like p; copy_ casts to p's dtype) and add p.numel() * p.element_size() to
-        #   self.traffic.to_device.
+        #   The device tensors are what forward reads, and the model's weights are views of
+        #   their memory: the updated masters must land IN that memory, in the device dtype, not
+        #   in new tensors. Bytes: p_bytes * numel per tensor into self.traffic.to_device; with
+        #   the gradients down that is 4 Psi / N per rank in 16 bits (Ren et al. 2021, Sec. 4.1).
         for p, m in zip(self.device_params, self.masters):
             p.copy_(m.view(p.shape))
             self.traffic.to_device += p.numel() * p.element_size()
@@ -239,6 +244,13 @@ class HostOptimizer(OffloadedOptimizer):
             self.cpu_step(self.grads)
             self.params_to_device()
             return
+        # BEGIN SOLUTION: DPU, the delayed step in a thread (stretch task, extra points).
+        #   Ren et al. 2021, Sec. 5.1: the CPU step of iteration t overlaps forward and backward
+        #   of t+1, which computes with t-1's parameters. Run it in a thread (target self._run,
+        #   kept in self._thread: finish() joins it and copies the parameters up at the next
+        #   step). Meanwhile the next backward fills self.grads, so the thread must own the
+        #   buffer it steps and self.grads must become the other one (self._spare, made once,
+        #   counted as memory.transient "offload.dpu_grads"). Collectives stay on this thread.
         grads = self.grads  # stepped in the thread; backward of the next iteration fills the other buffer
         if self._spare is None:
             self._spare = self._zeros()
@@ -246,6 +258,7 @@ class HostOptimizer(OffloadedOptimizer):
         self.grads, self._spare = self._spare, grads
         self._thread = threading.Thread(target=self._run, args=(grads,), name="minizero-dpu", daemon=True)
         self._thread.start()
+        # END SOLUTION
 
     def _run(self, grads):
         try:

@@ -35,3 +35,38 @@ MUTANTS = [
            "            pass\n",
            "check_matches_ddp", "masters did not move"),
 ]
+CPU_STEP = "        for m, g in zip(self.masters, grads):\n            m.grad = g\n"
+DPU_SWAP = "        self.grads, self._spare = self._spare, grads\n"
+DPU_START = "        self._thread.start()\n"
+MUTANTS += [
+    # several device tensors (ZeRO-3's shape), fp16 and bf16: each method on its own
+    Mutant("sends the gradient down through fp16 (lossy)", "host.copy_(g.reshape(-1))",
+           "host.copy_(g.reshape(-1).half())", "check_every_tensor", "went through fp16"),
+    Mutant("gives only the first master its gradient", CPU_STEP, "        self.masters[0].grad = grads[0]\n",
+           "check_every_tensor", "give EVERY master its gradient"),
+    Mutant("zip's arguments swapped: the buffers get the masters as .grad", CPU_STEP,
+           CPU_STEP.replace("zip(self.masters, grads)", "zip(grads, self.masters)"),
+           "check_every_tensor", "gave the gradient buffers a .grad"),
+    Mutant("steps with self.grads, not the gradients it was given (wrong buffer under DPU)", CPU_STEP,
+           CPU_STEP.replace("zip(self.masters, grads)", "zip(self.masters, self.grads)"),
+           "check_every_tensor", "stepped with self.grads"),
+    Mutant("counts the bytes with = instead of += (only the last tensor's remain)",
+           "self.traffic.to_host += g.numel() * g.element_size()",
+           "self.traffic.to_host = g.numel() * g.element_size()", "check_bytes", "instead of added with `+=`"),
+    Mutant("allocates new host gradient buffers every step",
+           "        for host, g in zip(self.grads, device_grads):\n            host.copy_(g.reshape(-1))\n",
+           "        self.grads = [g.reshape(-1).float().clone() for g in device_grads]\n"
+           "        for host, g in zip(self.grads, device_grads):\n",
+           "check_every_tensor", "replaced the host gradient buffers"),
+    Mutant("rebinds p.data instead of copying into the device tensor",
+           "            p.copy_(m.view(p.shape))\n", "            p.data = m.view(p.shape).to(p.dtype)\n",
+           "check_every_tensor", "rebound the device tensors"),
+    # the stretch task, DPU's thread (extra points): its own mutants, graded by check_dpu alone
+    Mutant("DPU: steps the buffer the next backward fills (no swap)", DPU_SWAP, "",
+           "check_dpu", "buffer the next backward was filling"),
+    Mutant("DPU: runs the delayed step on the main thread", DPU_START,
+           "        self._thread = None\n        self._run(grads)\n        self.params_to_device()\n",
+           "check_dpu", "ran on the main thread"),
+    Mutant("DPU: waits for the thread right away (the update is not delayed)", DPU_START,
+           DPU_START + "        self.finish()\n", "check_dpu", "right after step() the device held"),
+]
