@@ -5,7 +5,8 @@ reused, so in a full run this file's build executes no notebook), unless MINIZER
 `make site` already built (`make site-test`). Every page is opened from file://, as a reader without a
 network would: no console error and no failed request, every image decoded and not blank, every
 internal link and anchor resolves, every lesson page shows the numbers its notebook printed, search
-finds a lesson. Screenshots of the start page and of lesson 04 go to build/site-test/.
+finds a lesson. Screenshots go to build/site-test/: start.png, lesson-04_*-top.png (title and run
+stamp) and lesson-04_*.png (its first plot), and report.json (pages, images per lesson page).
 Skipped, with the reason, where the site's packages (`pip install -e ".[site]"`) or Chromium are missing:
 this test installs nothing."""
 import json
@@ -121,6 +122,7 @@ def visited(site):
         page.screenshot(path=str(SHOTS / "start.png"))
         lesson = sorted(site.glob("lessons/04_*.html")) or sorted(site.glob("lessons/[0-9]*.html"))
         page.goto(lesson[0].as_uri())
+        page.screenshot(path=str(SHOTS / f"lesson-{lesson[0].stem}-top.png"))  # the title and the run stamp
         first_plot = page.locator("img").first
         if first_plot.count():
             first_plot.scroll_into_view_if_needed()
