@@ -80,6 +80,22 @@ def test_a_killed_rank_is_named_and_leaves_no_job_directory(tmp_path):
     assert left == [] and pids == [], (left, pids)
 
 
+@pytest.mark.parametrize("mode", ["kill", "plain"])
+def test_a_killed_rank_under_torchrun_is_one_line_not_the_survivors_traceback(mode, tmp_path):
+    """torchrun, rank 1 SIGKILLed mid-job: the survivor's gloo error ('Connection reset by peer') was a raw
+    traceback of its own code. Now: with a job reaper (train, labs) the reaper's line names rank 1; in a plain
+    script the survivor says it in one line. torchrun's own ChildFailedError report follows (it cannot be
+    suppressed by a child: comm/watchdog.py), and exits 1."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    code, text, left, pids = _job([torchrun, "--nproc_per_node", "2", "tests/fault_script.py", mode], tmp_path)
+    assert code == 1 and "ChildFailedError" in text, text[-3000:]
+    want = "minizero: rank 1 (pid " if mode == "kill" else "minizero: rank 0: a peer rank ended during all_reduce"
+    assert [line.startswith(want) for line in text.splitlines() if line.startswith("minizero")] == [True], text
+    assert "[rank0]: Traceback" not in text and "never stopped" not in text, text[-3000:]
+    assert [x for x in left if x.startswith("minizero-job-")] == [] and pids == [], (left, pids)  # (and torchrun's
+    # own torchelastic_* directory is torchrun's)
+
+
 def test_lab_10_on_3_ranks_is_one_line(tmp_path):
     """64 vocabulary rows over 3 tensor-parallel ranks: one line saying so and the size to run, exit 2."""
     code, text, left, _ = _job(_mpirun(3, "solutions/lab10_tensor_parallel.py"), tmp_path)

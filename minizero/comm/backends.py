@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 
 import torch
 
-from minizero.comm.launcher import launcher
+from minizero.comm.launcher import launched_rank, launcher
 
 
 class _Heartbeat:
@@ -105,10 +106,15 @@ class Work:
         ranks take the CPU from the ranks that compute)."""
         if not self._done:
             heartbeat.beat(self._op)
-            if sleep_s is not None and self._poll is not None:
-                while not self._poll():
-                    time.sleep(sleep_s)
-            self._waiter()
+            try:
+                if sleep_s is not None and self._poll is not None:
+                    while not self._poll():
+                        time.sleep(sleep_s)
+                self._waiter()
+            except Exception as e:  # noqa: BLE001  gloo's RuntimeError, mpi4py's MPI.Exception
+                if _peer_lost(e):
+                    raise RankLost(e, heartbeat.text if heartbeat.fd is not None else self._op) from None
+                raise
             if self._on_done:
                 self._on_done()
             self._done = True
@@ -120,6 +126,40 @@ class Work:
             self.wait()
         return self._done
 
+
+
+class RankLost(RuntimeError):
+    """A collective failed because a peer process ended in the middle of it (kill -9, the OOM killer):
+    the backend's own error, said in one line. comm.init's excepthook (report_rank_lost) prints just this line (no
+    traceback of the survivor's code: the fault is the dead rank's), and only when no job reaper
+    (comm/reaper.py) names the dead rank instead."""
+
+    def __init__(self, error: Exception, doing: str):
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        super().__init__(f"rank {launched_rank()}: a peer rank ended during {doing or 'a collective'} (killed: "
+                         f"SIGKILL, the OOM killer? the launcher's report names its process) [{first}]")
+
+
+def _peer_lost(error: Exception) -> bool:
+    """The backend's error says the other side of a connection went away."""
+    if type(error).__module__ == "mpi4py.MPI":
+        return True  # MPICH fails a pending request whose peer process ended
+    text = str(error)
+    return any(w in text for w in ("Connection closed by peer", "Connection reset by peer", "remote worker crash"))
+
+
+def report_rank_lost(kind, value, tb, prior=sys.excepthook):
+    """sys.excepthook of a multi-rank process (comm.init): RankLost in one line, anything else as before."""
+    if not isinstance(value, RankLost):
+        return prior(kind, value, tb)
+    if not reaper_running():
+        sys.stderr.write(f"minizero: {value}\n")
+        sys.stderr.flush()
+
+
+def reaper_running() -> bool:
+    """comm/watchdog.py started a job reaper for this job (it names a dead rank itself)."""
+    return heartbeat.directory is not None and "MINIZERO_HEARTBEAT_DIR" not in os.environ
 
 
 # ----------------------------------------------------------------------------- mpi backend

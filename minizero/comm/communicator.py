@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 
 import torch
 
-from minizero.comm.backends import MPIBackend, TorchBackend, Work, heartbeat, init_torch_distributed, mpi_module
+from minizero.comm.backends import (MPIBackend, TorchBackend, Work, heartbeat, init_torch_distributed, mpi_module,
+                                    report_rank_lost)
 from minizero.comm.launcher import launcher, local_rank
 from minizero.comm.stats import CommStats, ring_bytes_split
 
@@ -308,6 +310,8 @@ def init(backend: str | None = None, debug: bool | None = None) -> Communicator:
             atexit.register(shutdown)
         impl = TorchBackend()
     _WORLD = Communicator(backend, impl, device, debug=debug)
+    if _WORLD.size > 1:  # a peer that dies mid-collective: one line on a survivor, not its traceback
+        sys.excepthook = report_rank_lost
     return _WORLD
 
 

@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 
-from minizero.comm.backends import describe_ranks, heartbeat
+from minizero.comm.backends import RankLost, describe_ranks, heartbeat, reaper_running
 from minizero.comm.launcher import launcher
 
 DEFAULT_S = 300.0
@@ -55,10 +55,9 @@ def job_directory(comm) -> str:
         mine = tempfile.mkdtemp(prefix="minizero-job-") if comm.rank == 0 else None
         places = comm.allgather_object((mine, os.getpid()))
         heartbeat.open(comm.rank, places[0][0])
-        if comm.rank == 0:
-            atexit.register(shutil.rmtree, heartbeat.directory, True)
-            _start_reaper([pid for _, pid in places])
-        atexit.register(_mark, f"rank{comm.rank}.done")  # a normal exit (runs before rank 0's rmtree)
+        if comm.rank == 0 and not _start_reaper([pid for _, pid in places]):
+            atexit.register(shutil.rmtree, heartbeat.directory, True)  # else the reaper removes it
+        atexit.register(_mark, f"rank{comm.rank}.done")  # a normal exit, or an uncaught exception's
     return heartbeat.directory
 
 
@@ -70,9 +69,13 @@ def _start_reaper(pids: list[int]):
     job directory once every rank has ended, also when a launcher SIGKILLs them all."""
     global _reaper
     import subprocess
-    _reaper = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "reaper.py"),
-                                heartbeat.directory, *map(str, pids)], stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _reaper = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "reaper.py"),
+                                    heartbeat.directory, *map(str, pids)], stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, start_new_session=True)
+    except OSError:  # no process to spare: rank 0 removes the directory at its exit instead
+        return False
+    return True
 
 
 def _first(name: str) -> bool:
@@ -147,6 +150,13 @@ def end_job(comm, message: str, code: int = 2, wait_s: float = 3.0):
         sys.stderr.write(message.rstrip() + "\n")
         sys.stderr.flush()
         sys.exit(code)
+    lost = sys.exc_info()[1]
+    if isinstance(lost, RankLost):  # a peer died: its launcher ends the job, the reaper names the rank
+        if not reaper_running():
+            sys.stderr.write(f"{lost}\n")
+            sys.stderr.flush()
+        _mark(f"rank{comm.rank}.done")  # not the silent death the reaper reports
+        os._exit(code)
     if _first("failed"):
         sys.stderr.write(message.rstrip() + "\n")
         sys.stderr.flush()
