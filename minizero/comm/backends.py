@@ -142,8 +142,10 @@ class RankLost(RuntimeError):
 
 def _peer_lost(error: Exception) -> bool:
     """The backend's error says the other side of a connection went away."""
-    if type(error).__module__ == "mpi4py.MPI":
-        return True  # MPICH fails a pending request whose peer process ended
+    if type(error).__module__ == "mpi4py.MPI":  # only a failed process: a truncation is the caller's bug
+        mpi = mpi_module()
+        failed = (getattr(mpi, "ERR_PROC_FAILED", -1), getattr(mpi, "ERR_PROC_FAILED_PENDING", -1))
+        return error.Get_error_class() in failed
     text = str(error)
     return any(w in text for w in ("Connection closed by peer", "Connection reset by peer", "remote worker crash"))
 

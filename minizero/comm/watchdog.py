@@ -111,6 +111,22 @@ def _failed() -> bool:
     return os.path.exists(os.path.join(heartbeat.directory, "failed"))
 
 
+def _a_rank_is_gone(comm) -> bool:
+    """Some rank's process (its rank<r>.pid) has ended, or is a zombie: the reaper saw it end."""
+    for r in range(comm.size):
+        try:
+            with open(os.path.join(heartbeat.directory, f"rank{r}.pid")) as f:
+                pid = int(f.read())
+            with open(f"/proc/{pid}/stat") as st:
+                if st.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True  # no such process (or the directory went with the job)
+        except (OSError, ValueError, IndexError):
+            pass
+    return False
+
+
 def _all_marked(comm, kind: str) -> bool:
     """Every rank has written its rank<r>.<kind> file."""
     return all(os.path.exists(os.path.join(heartbeat.directory, f"rank{r}.{kind}")) for r in range(comm.size))
@@ -152,7 +168,7 @@ def end_job(comm, message: str, code: int = 2, wait_s: float = 3.0):
         sys.exit(code)
     lost = sys.exc_info()[1]
     if isinstance(lost, RankLost):  # a peer died: its launcher ends the job, the reaper names the rank
-        if not reaper_running():
+        if not (reaper_running() and _a_rank_is_gone(comm)):
             sys.stderr.write(f"{lost}\n")
             sys.stderr.flush()
         _mark(f"rank{comm.rank}.done")  # not the silent death the reaper reports
