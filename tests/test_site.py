@@ -40,7 +40,8 @@ def _missing():
     return None
 
 
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
+MISSING = _missing()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 
 @pytest.fixture(scope="module")
