@@ -78,23 +78,25 @@ class FSDPOptimizer(FlatShardOptimizer):
         if getattr(tier, "param_dir", None) is not None:  # the shards' storage is now in files: the local parts follow
             self.fsdp.point_local_parts_at_shards()
         index = {(id(unit), part): i for i, (unit, part) in enumerate(self.parts)}
-        masters = None
-        if isinstance(tier, HostOptimizer) and spec.params == "none" and self.fsdp.compute_dtype is not None:
-            masters = self._keep_16bit_shards(tier, index)
+        sixteen = isinstance(tier, HostOptimizer) and spec.params == "none" and self.fsdp.compute_dtype is not None
+        masters = (lambda unit, part: tier.masters[index[(id(unit), part)]] if getattr(unit, part) is not None
+                   else None) if sixteen else None
+        # first (a model that cannot offload, HybridShard, refuses here with nothing changed), then the layout
         self.fsdp.offload(lambda unit, part, grad: tier.accumulate(index[(id(unit), part)], grad),
                           ShardSource(tier, self.fsdp.comm.device) if spec.params != "none" else None, masters)
+        if sixteen:
+            self._keep_16bit_shards()
         return tier
 
     @torch.no_grad()
-    def _keep_16bit_shards(self, tier, index):
+    def _keep_16bit_shards(self):
         """ZeRO-Offload's layout at stage 3 (as DeepSpeed's): the device keeps each unit's shard in the 16-bit
         compute dtype (2·Ψ/N bytes) and the tier, which just copied the fp32 shards, holds the only fp32 master
-        on the host. The parameters come up in 16 bits after each step (2·Ψ/N bytes). Returns FSDP's masters."""
+        on the host. The parameters come up in 16 bits after each step (2·Ψ/N bytes)."""
         for unit, part in self.parts:
             shard = getattr(unit, part)
             shard.data = shard.data.to(self.fsdp.dtype)
         self.fsdp.point_local_parts_at_shards()
-        return lambda unit, part: tier.masters[index[(id(unit), part)]] if getattr(unit, part) is not None else None
 
     def grads(self) -> list:
         """Per master (unit part): its flat fp32 gradient, or None when it has none."""
