@@ -4,6 +4,8 @@
     python -m minizero plan --params 7e9 --gpus 4     # DDP vs ZeRO-1/2/3 model states, inference
     python -m minizero plan --layers 24 --hidden 2048 --heads 16 --seq 1024 --vocab 50304 \
         --gpus 16 --tp 2 --pp 2 --zero 1 --micro-batch 4 --micro-batches 8 [--sp] [--checkpointing] [--json]
+    python -m minizero plan --params 7e9 --seq 131072 --gpus 64 --cp 8 [--ulysses] --zero 1 --checkpointing
+    python -m minizero plan --params 1e9 --experts 8 --gpus 16 --ep 8 --zero 1
     python -m minizero plan --params 1.5e9 --gpus 16 --global-batch 64 --fit 40 --hardware a100-eth
 
 The first two print the ZeRO paper's model states. Any shape or strategy flag asks the planner
@@ -31,7 +33,8 @@ _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 # (no negative, zero, nan or infinite rates) and the tables readable:
 MAX_PARAMS = 1e15         # 1000x the largest trained models; 16 B/param x 1e15 = 1.6e7 GB still fits a column
 MAX_GPUS = 1_000_000      # 10x the largest clusters
-MAX_FIT_GPUS = 1024       # --fit plans every layout, each in O(gpus x pp): 1e12 params take 9 s here, 4096 GPUs minutes
+MAX_FIT_GPUS = 1024       # --fit plans every layout (cp and ep too), each in O(dp x cp + pp) per stage: 1e12 params on
+                          # 1024 GPUs take 2.7 s here (8.1 s before cp: each stage built the whole grid); 4096 GPUs minutes
 MAX_COUNT = 1_000_000     # batch sizes, micro-batches, tp, pp, dp, --top: far beyond any run
 MAX_K = 64                # optimizer bytes per parameter: mixed Adam 12, fp64 Adam with fp64 masters 24
 # shape flags: far past today's largest (GPT-3: 96 layers, h 12288, 96 heads; 1e6-token contexts; 256k vocabularies)
@@ -40,6 +43,8 @@ MAX_NODE = 4096           # GPUs per node: 8 on a DGX, 72 on an NVL72 rack
 MAX_MEMORY_GB = 100_000   # --fit, per GPU: an H200 has 141 GB
 MAX_FLOPS = 1e18          # per GPU: an H100 does 989e12 dense bf16
 MAX_BW = 1e14             # bytes/s per rank: NVLink 5 is 9e11
+MAX_EXPERTS = 100_000     # experts per MoE layer: Switch-C has 2048
+MAX_CAPACITY_FACTOR = 64  # slots per expert over the even share: GShard/Switch use 1-2
 
 
 def _parse(text: str) -> float:
@@ -98,8 +103,10 @@ def print_plan(num_params: float, gpus: int, k: float) -> None:
 
 def print_stages(p, times=None) -> None:
     s = p.strategy
-    print(f"{s.name()}: {p.shape.num_params() / 1e9:.3g}B parameters on {s.world} GPUs (dp {s.dp} x pp {s.pp} x tp "
-          f"{s.tp}, {s.node_size} per node), micro-batch {s.micro_batch} x {s.micro_batches}, {s.precision}, {s.optimizer}")
+    cp = f" x cp {s.cp}{' (Ulysses)' if s.ulysses else ''}" if s.cp > 1 else ""
+    ep = f", ep {s.ep} of {p.shape.experts} experts" if p.shape.experts else ""
+    print(f"{s.name()}: {p.shape.num_params() / 1e9:.3g}B parameters on {s.world} GPUs (dp {s.dp} x pp {s.pp}{cp} x tp "
+          f"{s.tp}{ep}, {s.node_size} per node), micro-batch {s.micro_batch} x {s.micro_batches}, {s.precision}, {s.optimizer}")
     for st in p.stages:
         cells = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.memory.items() if v)
         host = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.host.items() if v)
@@ -125,6 +132,7 @@ def _planner(args, parser) -> int:
                                        vocab=args.vocab or 50257, heads=args.heads)
     else:
         parser.error("give the model: --params N, or --layers --hidden --heads --seq --vocab")
+    shape = replace(shape, experts=args.experts or 0, top_k=args.top_k, capacity_factor=args.capacity_factor)
     if shape.hidden % shape.heads:
         parser.error(f"--hidden {shape.hidden} does not divide by --heads {shape.heads}: every head gets hidden / heads "
                      "dimensions" + ("" if args.heads else " (without --heads: hidden // 128 heads)"))
@@ -149,12 +157,14 @@ def _planner(args, parser) -> int:
                 print(f"  {p.strategy.name():<34} {p.peak_device_bytes / 1e9:8.3g} GB  step {t['total'] * 1e3:9.1f} ms "
                       f"(compute {t['compute'] * 1e3:.1f}, comm {t['comm'] * 1e3:.1f}, offload {t['offload'] * 1e3:.1f})")
             return 0
-        if args.dp is not None and args.dp * args.tp * args.pp != world:
-            raise PlanError(f"dp {args.dp} x pp {args.pp} x tp {args.tp} = {args.dp * args.pp * args.tp} is not the "
-                            f"world size {world} (--gpus)")
+        if args.dp is not None and args.dp * args.tp * args.pp * args.cp != world:
+            cp = f" x cp {args.cp}" if args.cp > 1 else ""
+            raise PlanError(f"dp {args.dp} x pp {args.pp}{cp} x tp {args.tp} = {args.dp * args.pp * args.cp * args.tp} "
+                            f"is not the world size {world} (--gpus)")
         p = plan(shape, Strategy(world, args.node_size, args.tp, args.pp, args.sp, args.zero or 0, args.offload,
                                  args.micro_batch, args.micro_batches, args.schedule, args.checkpointing,
-                                 args.precision, args.optimizer, qwz=args.qwz, hpz=args.hpz, qgz=args.qgz))
+                                 args.precision, args.optimizer, qwz=args.qwz, hpz=args.hpz, qgz=args.qgz,
+                                 cp=args.cp, ulysses=args.ulysses, ep=args.ep))
     except PlanError as e:
         parser.error(str(e))
     if args.json:
@@ -181,10 +191,16 @@ def main(argv: list[str] | None = None) -> int:
                        ("seq", "sequence length"), ("vocab", "vocabulary")):
         shape.add_argument(f"--{name}", type=_in_range(1, SHAPE_MAX[name], integer=True), help=what)
     shape.add_argument("--tied", action="store_true", help="lm_head shares wte's weight")
+    shape.add_argument("--experts", type=_in_range(1, MAX_EXPERTS, integer=True), help="MoE: experts per block (default dense)")
+    shape.add_argument("--top-k", type=int, choices=(1, 2), default=1, help="MoE: experts per token (default 1)")
+    shape.add_argument("--capacity-factor", type=_in_range(0, MAX_CAPACITY_FACTOR, open_low=True), default=1.25,
+                       help="MoE: slots per expert over the even share (default 1.25)")
     strat = parser.add_argument_group("strategy (the planner)")
     strat.add_argument("--node-size", type=_in_range(1, MAX_NODE, integer=True), default=8, help="GPUs per node (default 8)")
-    for name in ("tp", "pp"):
-        strat.add_argument(f"--{name}", type=count, default=1, help=f"{name} size (default 1)")
+    for name, what in (("tp", "tensor-parallel"), ("pp", "pipeline stages"), ("cp", "context-parallel (s/cp tokens per rank)"),
+                       ("ep", "expert-parallel (with --experts)")):
+        strat.add_argument(f"--{name}", type=count, default=1, help=f"{what} size (default 1)")
+    strat.add_argument("--ulysses", action="store_true", help="context parallelism by DeepSpeed-Ulysses' all-to-alls (with --cp)")
     strat.add_argument("--dp", type=count, help="data-parallel size (default: gpus / (tp x pp))")
     strat.add_argument("--zero", type=int, choices=range(4), help="ZeRO stage over the DP group")
     strat.add_argument("--offload", action="store_true", help="ZeRO-Offload of the optimizer to the host")
@@ -211,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     planner_flags = (args.layers, args.zero, args.fit, args.dp, args.global_batch)
     if any(v is not None for v in planner_flags) or args.json or args.checkpointing or args.offload or args.sp \
-            or args.qwz or args.hpz or args.qgz or args.tp > 1 or args.pp > 1 or args.micro_batches > 1:
+            or args.qwz or args.hpz or args.qgz or args.tp > 1 or args.pp > 1 or args.micro_batches > 1 \
+            or args.cp > 1 or args.ep > 1 or args.experts is not None or args.ulysses:
         if args.table:
             parser.error("--table prints the ZeRO paper's table; leave out the planner's flags")
         return _planner(args, parser)

@@ -10,7 +10,8 @@ The estimate (deliberately simple, every term printed by `minizero plan`):
     offload   = the gradient shard down and the parameter shard up over PCIe (the CPU step not counted)
     step time = compute + comm + offload (no overlap assumed: an upper bound)
 Every candidate trains the same global batch: m = global_batch / (micro_batch · dp) micro-batches.
-Ψ·tokens per rank = the whole model's FLOPs over the world: DP splits the batch, TP and PP the model.
+Ψ·tokens per rank = the whole model's FLOPs over the world: DP splits the batch, TP and PP the model,
+CP the sequence (attention's s² term not counted); Ψ of a MoE shape is the active parameters (k of E experts).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def step_time(p: Plan, hw: Hardware) -> dict:
     """Seconds per optimizer step: {"compute", "comm", "total"} for the slowest stage."""
     s, shape = p.strategy, p.shape
     tokens = s.micro_batch * s.micro_batches * shape.seq * s.dp  # global tokens per step
-    flop = 6 * shape.num_params() * tokens * (4 / 3 if s.checkpointing else 1) / s.world
+    flop = 6 * shape.active_params() * tokens * (4 / 3 if s.checkpointing else 1) / s.world
     bubble = (s.micro_batches + s.pp - 1) / s.micro_batches
     compute = flop / (hw.flops * hw.mfu) * bubble
     comm = 0.0
@@ -79,39 +80,57 @@ def _calls(group, s: Strategy, shape: ModelShape) -> int:
         return m * (4 * shape.layers // s.pp + 4)
     if group == "pp":
         return 2 * m
-    if group in ("dp", "dp-node", "dp-across"):  # the last two: ZeRO++'s hops inside and across nodes
+    layers = shape.layers // s.pp
+    if group == "cp":  # the ring: one send per block passed; Ulysses: 8 all-to-alls per layer
+        return m * layers * (8 if s.ulysses else 3 * s.cp - 2)
+    if group == "ep":
+        return m * layers * (4 + 2 * s.checkpointing)
+    if group in ("dp", "dp-node", "dp-across", "expert_dp"):  # the last two: ZeRO++'s hops inside and across nodes
         return {0: 1, 1: 2, 2: m + 1, 3: 3 * m * (shape.layers // s.pp + 1)}[s.zero]
     return 1
 
 
 def candidates(shape: ModelShape, world: int, node_size: int, global_batch: int, micro_batch: int,
                precision="bf16", optimizer="adam"):
-    """Every layout of `world` ranks this planner knows: tp dividing the node, pp dividing the rest,
-    ZeRO 0-3 (0-1 with pp), offload, checkpointing, SP with tp; m from the global batch. Invalid
-    ones (and dp not dividing the global batch into micro-batches) are skipped."""
+    """Every layout of `world` ranks this planner knows: tp dividing the node, pp and cp (ring, or
+    Ulysses where the heads allow) dividing the rest, ep dividing dp for a MoE shape, ZeRO 0-3 (0-1 with
+    pp), offload, checkpointing, SP with tp; m from the global batch. Invalid ones (and dp not dividing
+    the global batch into micro-batches) are skipped."""
     divisors = [d for d in range(1, world + 1) if world % d == 0]
-    for tp, pp, zero, offload, ckpt, sp in itertools.product(divisors, divisors, range(4), (False, True),
-                                                             (False, True), (False, True)):
-        dp = world // (tp * pp) if world % (tp * pp) == 0 else 0
-        if not dp or global_batch % (micro_batch * dp):
+    layouts = [(tp, pp, cp, ulysses) for tp in divisors if tp <= node_size and node_size % tp == 0
+               for pp in divisors if pp <= shape.layers for cp in divisors if world % (tp * pp * cp) == 0
+               and shape.seq % (2 * cp if cp > 1 else 1) == 0 for ulysses in ((False, True) if cp > 1 else (False,))
+               # same memory, fewer bytes: where Ulysses runs, this no-overlap estimate ranks the ring below it
+               if not (cp > 1 and not ulysses and (shape.heads // tp) % cp == 0)]
+    for tp, pp, cp, ulysses in layouts:
+        dp = world // (tp * pp * cp)
+        if global_batch % (micro_batch * dp):
             continue
-        s = Strategy(world, node_size, tp, pp, sp, zero, offload, micro_batch, global_batch // (micro_batch * dp),
-                     "1f1b", ckpt, precision, optimizer)
-        try:
-            yield plan(shape, s)
-        except PlanError:
-            continue
+        eps = [e for e in divisors if dp % e == 0 and shape.experts % e == 0] if shape.experts else [1]
+        for ep, zero, offload, ckpt, sp in itertools.product(eps, range(4), (False, True), (False, True), (False, True)):
+            s = Strategy(world, node_size, tp, pp, sp, zero, offload, micro_batch, global_batch // (micro_batch * dp),
+                         "1f1b", ckpt, precision, optimizer, cp=cp, ulysses=ulysses, ep=ep)
+            try:
+                yield plan(shape, s)
+            except PlanError:
+                continue
 
 
 def fit(shape: ModelShape, world: int, budget_bytes: float, hardware: Hardware, global_batch: int, node_size=8,
         micro_batch=1, precision="bf16", optimizer="adam") -> list:
     """[(plan, step_time dict)] of the layouts whose busiest rank fits `budget_bytes` on the device,
-    fastest first. None fits: a PlanError saying the smallest footprint and which layout has it."""
+    fastest first. None fits: a PlanError saying the smallest footprint and which layout has it.
+    cp > 1 layouts are listed only when no cp = 1 layout fits: CP is the lever for sequences whose
+    activations do not fit otherwise, and this estimate counts neither attention's s² FLOPs nor the ring's
+    overlap, so it would rank cp on bytes alone (Ulysses' all-to-alls beat TP's all-reduces at any s)."""
     every = list(candidates(shape, world, node_size, global_batch, micro_batch, precision, optimizer))
     if not every:
         raise PlanError(f"no layout of {world} ranks is valid for this model (heads {shape.heads}, layers "
                         f"{shape.layers}, node size {node_size}, global batch {global_batch}, micro-batch {micro_batch})")
-    fits = [(p, step_time(p, hardware)) for p in every if p.peak_device_bytes <= budget_bytes]
+    fits = [p for p in every if p.peak_device_bytes <= budget_bytes]
+    if any(p.strategy.cp == 1 for p in fits):
+        fits = [p for p in fits if p.strategy.cp == 1]
+    fits = [(p, step_time(p, hardware)) for p in fits]
     if not fits:
         smallest = min(every, key=lambda p: p.peak_device_bytes)
         raise PlanError(f"nothing fits in {budget_bytes / 1e9:g} GB per GPU: the smallest footprint is "

@@ -7,7 +7,7 @@
 Everything is a formula of minizero's own layouts, so a run of the same configuration can check it
 (tests/test_planner_validation.py compares it with the ledger and comm.stats):
 
-* The grid is the Mesh's, arange(world).view(dp, pp, tp), tp fastest; "node" = node_size consecutive
+* The grid is the Mesh's, arange(world).view(dp, pp, cp, tp), tp fastest; "node" = node_size consecutive
   ranks. A group whose ranks all sit on one node talks over the intra-node link, any other over the
   cross-node one (a ring is as fast as its slowest link). Ranks of one pipeline stage hold and send
   the same, so the plan has one entry per stage.
@@ -38,6 +38,19 @@ Everything is a formula of minizero's own layouts, so a run of the same configur
   ZeRO++ (zero 3 only): zero.zeropp.bytes_per_rank on the units padded to the world, per micro-batch,
   by link: the ring collectives ("dp"), inside a node ("dp-node": hpZ's gather, qgZ's first hop),
   to other nodes ("dp-across": qgZ's second hop); hpZ holds 1/k of every gathered unit more.
+* CP (context parallelism, the Mesh's grid dp x pp x cp x tp): each rank holds s/cp tokens, so every
+  activation term (and the pipeline's messages) is the formula at s/cp; parameters are replicated over
+  cp and reduced over dp x cp (Megatron's layout), so ZeRO shards over dp·cp. The "cp" group sends
+  the mechanism's own bytes per attention layer and micro-batch (context.ring_bytes_per_layer: (cp-1)
+  K/V blocks forward, (2cp-1) backward, of 2·b·(s/cp)·h·w each; with `ulysses`
+  context.ulysses_bytes_per_layer: 8 all-to-alls of (cp-1)/cp·b·(s/cp)·h·w); checkpointing repeats the forward.
+* EP (MoE shapes: `experts` > 0, every block's MLP becomes E experts of the same size, tp = 1 as
+  minizero's MoELayer): each rank holds E/ep experts per layer, reduced over dp·cp/ep ("expert_dp");
+  the "ep" group sends 4 all-to-alls per MoE layer and micro-batch (6 with checkpointing) of
+  moe.all_to_all_bytes(E, C, h, w, ep) = (ep-1)/ep·E·C·h·w, C = moe.capacity(b·s/cp, E, k, cf).
+  The expert MLP's two 4h-wide saved tensors cover E·C slots instead of b·s/cp tokens (not validated
+  against a run). tests/test_planner.py checks the cp and ep bytes against the formulas that
+  tests/test_context.py and tests/test_experts.py measure with comm.stats.
 """
 from __future__ import annotations
 
@@ -63,9 +76,19 @@ class ModelShape:
     seq: int              # sequence length (TinyGPT's block_size: wpe has this many rows)
     vocab: int
     tied: bool = False    # lm_head.weight IS wte.weight
+    experts: int = 0      # MoE: experts per block (0 = dense): each MLP becomes E MLPs + a router h·E
+    top_k: int = 1        # MoE: experts each token is routed to (1 or 2)
+    capacity_factor: float = 1.25  # MoE: slots per expert C = ceil(k·T·cf / E)
+
+    def mlp_params(self) -> int:  # one MLP (h -> 4h -> h) = one expert
+        return 8 * self.hidden ** 2 + 5 * self.hidden
 
     def block_params(self) -> int:
-        return 12 * self.hidden ** 2 + 13 * self.hidden
+        dense = 12 * self.hidden ** 2 + 13 * self.hidden
+        return dense + (self.experts - 1) * self.mlp_params() + self.hidden * self.experts if self.experts else dense
+
+    def active_params(self) -> int:  # what one token computes with: k experts of E (FLOPs)
+        return self.num_params() - self.layers * (self.experts - self.top_k) * self.mlp_params() * (self.experts > 0)
 
     def num_params(self) -> int:
         h, v = self.hidden, self.vocab
@@ -101,14 +124,19 @@ class Strategy:
     qwz: bool = False             # ZeRO++ quantized weights: int8 all-gathers (zero 3)
     hpz: bool = False             # ZeRO++ secondary partition: backward gathers inside a node (zero 3)
     qgz: bool = False             # ZeRO++ quantized gradients: int4 hierarchical all-to-all (zero 3)
+    cp: int = 1                   # context-parallel size: each rank holds s/cp of the sequence
+    ulysses: bool = False         # cp by DeepSpeed-Ulysses' all-to-alls instead of ring attention
+    ep: int = 1                   # expert-parallel size (MoE shapes): E/ep experts per rank
 
     @property
     def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
+        return self.world // (self.tp * self.pp * self.cp)
 
     def name(self) -> str:
         parts = [f"dp{self.dp}", f"pp{self.pp}" if self.pp > 1 else "", f"tp{self.tp}" if self.tp > 1 else "",
-                 "sp" if self.sp else "", f"zero{self.zero}", "offload" if self.offload else "",
+                 "sp" if self.sp else "",
+                 (f"cp{self.cp}" + ("u" if self.ulysses else "")) if self.cp > 1 else "",
+                 f"ep{self.ep}" if self.ep > 1 else "", f"zero{self.zero}", "offload" if self.offload else "",
                  "ckpt" if self.checkpointing else "", "qwz" if self.qwz else "", "hpz" if self.hpz else "",
                  "qgz" if self.qgz else ""]
         return "-".join(p for p in parts if p)
@@ -161,12 +189,13 @@ class Plan:
 def check(shape: ModelShape, s: Strategy) -> None:
     """Every reason this layout cannot run, as one PlanError naming the sizes."""
     for name, value in (("world", s.world), ("node_size", s.node_size), ("tp", s.tp), ("pp", s.pp),
-                        ("micro_batch", s.micro_batch), ("micro_batches", s.micro_batches)):
+                        ("micro_batch", s.micro_batch), ("micro_batches", s.micro_batches), ("cp", s.cp), ("ep", s.ep)):
         if not isinstance(value, int) or value < 1:
             raise PlanError(f"{name} must be a positive whole number, got {value!r}")
-    if s.world % (s.tp * s.pp):
-        raise PlanError(f"tp {s.tp} x pp {s.pp} = {s.tp * s.pp} does not divide the world size {s.world}: "
-                        "dp x pp x tp must equal the number of ranks")
+    if s.world % (s.tp * s.pp * s.cp):
+        cp = f" x cp {s.cp}" if s.cp > 1 else ""
+        raise PlanError(f"tp {s.tp} x pp {s.pp}{cp} = {s.tp * s.pp * s.cp} does not divide the world size {s.world}: "
+                        f"dp x pp{cp and ' x cp'} x tp must equal the number of ranks")
     if s.tp > s.node_size or s.node_size % s.tp:
         raise PlanError(f"tp {s.tp} does not fit in a node of {s.node_size} ranks: tensor parallelism talks "
                         "every layer, keep it inside a node (tp <= node size, dividing it)")
@@ -191,6 +220,22 @@ def check(shape: ModelShape, s: Strategy) -> None:
                         f"offload {s.offload}")
     if s.zeropp and s.world % s.node_size:
         raise PlanError(f"ZeRO++ groups ranks by node: node_size {s.node_size} must divide the world {s.world}")
+    if shape.seq % (2 * s.cp if s.cp > 1 and not s.ulysses else s.cp):
+        raise PlanError(f"sequence {shape.seq} does not divide by {'2 x ' if not s.ulysses else ''}cp {s.cp}: "
+                        + ("Ulysses gives each rank s/cp tokens" if s.ulysses else
+                           "balanced ring attention gives each rank two chunks of s/(2cp) tokens"))
+    if s.ulysses and (s.cp == 1 or (shape.heads // s.tp) % s.cp):
+        raise PlanError(f"Ulysses needs cp > 1 dividing the heads per rank ({shape.heads // s.tp}); got cp {s.cp}")
+    if shape.experts < 0 or shape.top_k not in (1, 2) or not shape.capacity_factor > 0:
+        raise PlanError(f"experts >= 0, top_k 1 or 2, capacity_factor > 0; got {shape.experts}, {shape.top_k}, "
+                        f"{shape.capacity_factor}")
+    if s.ep > 1 and (not shape.experts or shape.experts % s.ep or s.dp % s.ep):
+        raise PlanError(f"ep {s.ep} needs a MoE shape whose experts ({shape.experts}) and dp ({s.dp}) divide by it: "
+                        "each rank of an ep slice of the dp group holds experts / ep experts")
+    if shape.experts and s.tp > 1:
+        raise PlanError("a MoE shape with tp > 1 is not planned: minizero's MoELayer keeps each expert whole")
+    if s.zeropp and (s.cp > 1 or s.ep > 1):
+        raise PlanError("ZeRO++ (qwz, hpz, qgz) is planned without cp or ep")
     if s.schedule not in SCHEDULES or s.precision not in DTYPES or s.optimizer not in STATE_BYTES:
         raise PlanError(f"schedule in {SCHEDULES}, precision in {tuple(DTYPES)}, optimizer in "
                         f"{tuple(STATE_BYTES)}; got {s.schedule!r}, {s.precision!r}, {s.optimizer!r}")
@@ -203,31 +248,37 @@ def _link(ranks: list, node_size: int) -> str:
 def plan(shape: ModelShape, s: Strategy) -> Plan:
     check(shape, s)
     h, v, t, w = shape.hidden, shape.vocab, s.tp, DTYPES[s.precision]
-    b, sq, m = s.micro_batch, shape.seq, s.micro_batches
-    dp, f_dp, f_tp = s.dp, (s.dp - 1) / s.dp, (t - 1) / t
+    b, sq, m, tokens = s.micro_batch, shape.seq, s.micro_batches, shape.seq // s.cp  # tokens: this rank's
+    dp = s.dp * s.cp  # the gradient group: dp x cp (Megatron)
     sizes, extra = divmod(shape.layers, s.pp)
     stages = []
     for stage in range(s.pp):
         layers = sizes + (stage < extra)
         first, last = stage == 0, stage == s.pp - 1
-        params = layers * ((12 * h * h + 7 * h) // t + 6 * h)
+        experts = layers * shape.experts // s.ep * shape.mlp_params()  # expert elements on this rank
+        block = shape.block_params() - shape.experts * shape.mlp_params() if shape.experts else (12 * h * h + 7 * h) // t + 6 * h
+        params = layers * block + experts
         params += (v * h // t + sq * h) if first else 0
         params += (2 * h + (0 if shape.tied and first else v * h // t)) if last else 0
         sp = StagePlan(stage, params)
         # minizero's ZeRO-3 keeps fp32 shards and shard gradients on the device; offloaded, the 16-bit shard
-        states = memory.estimate_by_location(params, dp, s.zero, param_bytes=4 if s.zero == 3 and not s.offload
-                                             else w, grad_bytes=4 if s.zero == 3 else w,
-                                             state_bytes=STATE_BYTES[s.optimizer],
-                                             offload_optimizer="cpu" if s.offload else "none")
-        for category, where in states.items():
-            sp.memory[category] = where["device"]
-            sp.host[category] = where["host"]
+        parts = [(params - experts, dp)] + ([(experts, dp // s.ep)] if experts else [])  # experts over dp·cp/ep
+        for elements, group in parts:
+            states = memory.estimate_by_location(elements, group, s.zero, param_bytes=4 if s.zero == 3 and not s.offload
+                                                 else w, grad_bytes=4 if s.zero == 3 else w,
+                                                 state_bytes=STATE_BYTES[s.optimizer],
+                                                 offload_optimizer="cpu" if s.offload else "none")
+            for category, where in states.items():
+                sp.memory[category] = sp.memory.get(category, 0) + where["device"]
+                sp.host[category] = sp.host.get(category, 0) + where["host"]
         if s.zero == 0:  # DDP's buckets AND autograd's .grad until the step makes .grad views into them
             sp.memory["gradients"] *= 2
         in_flight = 1 if s.pp == 1 else m if s.schedule == "gpipe" else min(s.pp - stage, m)
-        acts = memory.activation_bytes(b, sq, h, layers, shape.heads, bytes_per=w, checkpointing=s.checkpointing,
+        acts = memory.activation_bytes(b, tokens, h, layers, shape.heads, bytes_per=w, checkpointing=s.checkpointing,
                                        tensor_parallel=t, sequence_parallel=s.sp, dropout=False)
-        head = w * sq * b * (2 * h / (t if s.sp else 1) + v / t) if last else 0  # SP: ln_f, lm_head see s/t
+        if shape.experts and not s.checkpointing:  # the expert MLP's GeLU and 2nd-linear inputs: E·C slots, not b·s/cp
+            acts += layers * 8 * w * h * (shape.experts * _capacity(shape, s) - b * tokens)
+        head = w * tokens * b * (2 * h / (t if s.sp else 1) + v / t) if last else 0  # SP: ln_f, lm_head see s/t
         sp.memory["activations"] = in_flight * acts + head
         if s.zeropp:  # hpZ: each rank keeps 1/k of every unit, gathered, for its node-mates
             k = s.node_size if s.hpz and s.node_size > 1 else 0
@@ -235,37 +286,61 @@ def plan(shape: ModelShape, s: Strategy) -> Plan:
         unit = (12 * h * h + 13 * h) * w  # one block's parameters, gathered (ZeRO-3) or bucketed
         sp.transient = {"zero3 gathered units (this + prefetched)": 2 * unit / t} if s.zero == 3 else {}
         if s.pp > 1:
-            sp.transient["pipeline receive buffer"] = w * sq * b * h
-        _comm(sp, s, params, stage, first, last, layers, f_dp, f_tp, shape)
+            sp.transient["pipeline receive buffer"] = w * tokens * b * h
+        _comm(sp, s, params - experts, experts, stage, first, last, layers, shape)
         stages.append(sp)
     return Plan(shape, s, stages)
 
 
-def _comm(sp: StagePlan, s: Strategy, params, stage, first, last, layers, f_dp, f_tp, shape):
+def _capacity(shape: ModelShape, s: Strategy) -> int:
+    from minizero.moe import capacity
+    return capacity(s.micro_batch * shape.seq // s.cp, shape.experts, shape.top_k, shape.capacity_factor)
+
+
+def _dp_bytes(s: Strategy, params, group) -> float:
+    f, w, m = (group - 1) / group, DTYPES[s.precision], s.micro_batches
+    return {0: 2 * f * params * w, 1: f * params * 2 * w, 2: (m + 1) * f * params * w, 3: 3 * m * f * params * w}[s.zero]
+
+
+def _comm(sp: StagePlan, s: Strategy, params, experts, stage, first, last, layers, shape):
     """Bytes this stage's ranks send per optimizer step, by group, and each group's link class."""
+    from minizero.context import ring_bytes_per_layer, ulysses_bytes_per_layer
+    from minizero.moe import all_to_all_bytes
     w = DTYPES[s.precision]
-    m, act = s.micro_batches, w * shape.seq * s.micro_batch * shape.hidden
-    grid = [[[d * s.pp * s.tp + p * s.tp + k for k in range(s.tp)] for p in range(s.pp)] for d in range(s.dp)]
-    dp_ranks = [grid[d][stage][0] for d in range(s.dp)]
-    dp_bytes = {0: 2 * f_dp * params * w, 1: f_dp * params * 2 * w, 2: (m + 1) * f_dp * params * w,
-                3: 3 * m * f_dp * params * w}[s.zero]
-    if s.dp > 1 and s.zeropp:  # zero.zeropp.bytes_per_rank: the mechanism's own formula
+    m, act = s.micro_batches, w * shape.seq // s.cp * s.micro_batch * shape.hidden
+    def at(d, p, c, k):  # the Mesh's grid[d, p, c, t], computed (not built: O(world) per stage)
+        return ((d * s.pp + p) * s.cp + c) * s.tp + k
+    dp_ranks = [at(d, stage, c, 0) for d in range(s.dp) for c in range(s.cp)]
+    if s.dp * s.cp > 1 and s.zeropp:  # zero.zeropp.bytes_per_rank: the mechanism's own formula
         sent = bytes_per_rank(_zeropp_units(shape, s), s.world, s.node_size, w, s.qwz, s.hpz, s.qgz)
         for group, link_name, link in (("dp", "ring", _link(dp_ranks, s.node_size)), ("dp-node", "node", "intra-node"),
                                        ("dp-across", "across", "cross-node")):
             nbytes = m * sum(b[link_name] for b in sent.values())
             if nbytes:
                 sp.sent[group], sp.link[group] = nbytes, link
-    elif s.dp > 1:
-        sp.sent["dp"], sp.link["dp"] = dp_bytes, _link(dp_ranks, s.node_size)
+    elif s.dp * s.cp > 1:
+        sp.sent["dp"], sp.link["dp"] = _dp_bytes(s, params, s.dp * s.cp), _link(dp_ranks, s.node_size)
+    if experts and s.dp * s.cp // s.ep > 1:  # the ranks holding the same experts: d % ep equal, every c
+        sp.sent["expert_dp"] = _dp_bytes(s, experts, s.dp * s.cp // s.ep)
+        sp.link["expert_dp"] = _link([at(d, stage, c, 0) for d in range(0, s.dp, s.ep) for c in range(s.cp)],
+                                     s.node_size)
     if s.tp > 1:
-        sp.sent["tp"], sp.link["tp"] = _tp_bytes(s, shape, layers, first, last), _link(grid[0][stage], s.node_size)
+        sp.sent["tp"], sp.link["tp"] = _tp_bytes(s, shape, layers, first, last), _link([at(0, stage, 0, k) for k in range(s.tp)], s.node_size)
+    if s.cp > 1:  # the mechanism's bytes per attention layer; the recompute repeats the forward
+        ring = (ulysses_bytes_per_layer if s.ulysses else ring_bytes_per_layer)(
+            s.micro_batch, shape.seq, shape.hidden // s.tp, s.cp, w)
+        sp.sent["cp"] = m * layers * (ring["forward"] * (1 + s.checkpointing) + ring["backward"])
+        sp.link["cp"] = _link([at(0, stage, c, 0) for c in range(s.cp)], s.node_size)
+    if s.ep > 1:  # dispatch + combine, forward and backward (+ the recomputed forward's two)
+        one = all_to_all_bytes(shape.experts, _capacity(shape, s), shape.hidden, w, s.ep)
+        sp.sent["ep"] = m * layers * (4 + 2 * s.checkpointing) * one
+        sp.link["ep"] = _link([at(d, stage, 0, 0) for d in range(s.ep)], s.node_size)
     if s.pp > 1:
         sp.sent["pp"] = m * act * ((not last) + (not first))
-        sp.link["pp"] = _link([grid[0][p][0] for p in range(s.pp)], s.node_size)
+        sp.link["pp"] = _link([at(0, p, 0, 0) for p in range(s.pp)], s.node_size)
         if shape.tied and (first or last):
             sp.sent["tied"] = shape.vocab * shape.hidden * 4 / s.tp
-            sp.link["tied"] = _link([grid[0][0][0], grid[0][-1][0]], s.node_size)
+            sp.link["tied"] = _link([at(0, 0, 0, 0), at(0, s.pp - 1, 0, 0)], s.node_size)
 
 
 def _zeropp_units(shape: ModelShape, s: Strategy) -> list:
@@ -284,13 +359,13 @@ def _tp_bytes(s: Strategy, shape: ModelShape, layers, first, last) -> float:
     from minizero.comm.stats import ring_bytes_sent
     from minizero.tensor.parallel_gpt import collectives_per_step
     w, t = DTYPES[s.precision], s.tp
-    count = collectives_per_step(layers, s.micro_batch, shape.seq, shape.hidden, shape.seq, t, s.sp, bytes_per=w)
+    count = collectives_per_step(layers, s.micro_batch, shape.seq // s.cp, shape.hidden, shape.seq, t, s.sp, bytes_per=w)
 
     def sent(ops):
         return sum(ring_bytes_sent(op, payload, t) for op, (_, payload) in ops.items())
     forward, backward = sent(count["per_layer"]["forward"]), sent(count["per_layer"]["backward"])
     extras = sent(count["forward"]) + sent(count["backward"]) - layers * (forward + backward)
-    act = w * shape.seq * s.micro_batch * shape.hidden
+    act = w * shape.seq // s.cp * s.micro_batch * shape.hidden
     embedding = ring_bytes_sent("all_reduce", act, t)  # g (SP: reduce-scatter, and its all-gather back)
     if s.sp:  # wpe's gradient, seen by s/t tokens per rank, is all-reduced
         embedding += ring_bytes_sent("all_reduce", shape.seq * shape.hidden * w, t)
