@@ -147,12 +147,12 @@ def test_offload_steps_the_users_one_group_with_its_scheduled_lr(res):
 
 
 @pytest.mark.parametrize("extra, words", [
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
-     "model_parameters has 2 param groups, but offload_optimizer steps each shard on the host as ONE group"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+     "model_parameters has 2 param groups, but offload_optimizer nvme steps its sub-groups as ONE group"),
     ({"tensor_parallel": {"autotp_size": 2}}, "model_parameters with tensor_parallel.autotp_size > 1 is not implemented"),
 ])
 def test_param_groups_where_they_cannot_work_are_an_error_before_anything_changes(extra, words, monkeypatch):
-    """Offload's host optimizer has one group; TP replaces the parameters. Both refused before any
+    """The disk tier steps one group; TP replaces the parameters. Both refused before any
     communicator exists (a launcher of 2 ranks announced, none started) and before the model changes."""
     from minizero import comm as comm_mod
     from minizero.runtime.config import ConfigError

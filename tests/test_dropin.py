@@ -70,3 +70,12 @@ def test_deepspeed_initialize_signature_tuple_loader_and_its_errors(res):
         assert "lr_scheduler= must be a callable" in errors["scheduler_object"]
         assert "engine, optimizer, _, _ = minizero.initialize(...)" in errors["engine_from_tuple"]
     assert sorted(seen[0] + seen[1]) == list(range(16)) and not set(seen[0]) & set(seen[1])  # dp shares
+
+
+def test_offload_with_two_param_groups_trains_like_the_device_and_resumes_bitwise(res):
+    for rank, out in enumerate(r["offload_groups"] for r in res):
+        assert out["control"] > 1e-4, f"one group lands {out['control']}: the groups make no difference here"
+        for stage in (1, 2, 3):
+            assert out[f"{stage}/groups"] == 2
+            assert out[f"{stage}/vs_device"] <= 1e-6, f"rank {rank} stage {stage}: {out[f'{stage}/vs_device']}"
+            assert out[f"{stage}/resumed"] == 0.0, f"rank {rank} stage {stage}: resumed {out[f'{stage}/resumed']}"

@@ -209,10 +209,10 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
                 groups = covering_param_groups(model, model_parameters, "model_parameters")
             except (TypeError, ValueError) as e:
                 raise ConfigError(str(e)) from None
-        if groups and len(groups) > 1 and offload is not None:
-            raise ConfigError(f"model_parameters has {len(groups)} param groups, but offload_optimizer steps each "
-                              "shard on the host as ONE group: pass one group (its lr/weight_decay apply) or remove "
-                              "offload_optimizer")
+        if groups and len(groups) > 1 and offload is not None and offload.device == "nvme":
+            raise ConfigError(f"model_parameters has {len(groups)} param groups, but offload_optimizer nvme steps its "
+                              "sub-groups as ONE group: pass one group (its lr/weight_decay apply), or offload to "
+                              "device cpu (several groups work there)")
         for key, on in (("tensor_parallel.autotp_size", tp > 1), ("pipeline.stages", pipe["stages"] > 1)):
             if groups and on:
                 raise ConfigError(f"model_parameters with {key} > 1 is not implemented: the split replaces the "

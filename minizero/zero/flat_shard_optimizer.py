@@ -160,10 +160,10 @@ class FlatShardOptimizer(torch.optim.Optimizer):
         for run in self.runs:
             run.tensor = self.masters[run.master].detach()[run.lo:run.hi]
         if tier is not None:
-            if len(self.param_groups) > 1:
-                raise ValueError(f"{type(self).__name__}: offload steps each shard on the host as ONE group, got "
-                                 f"{len(self.param_groups)} param groups: pass one group, or no offload")
-            tier.param_groups = self.param_groups  # the scheduler edits the user's group; each tier step copies it
+            if len(self.param_groups) > 1:  # the tier steps views of its masters, a param group per user group
+                tier.regroup([(run.master, run.lo, run.hi, run.group) for run in self.runs],
+                             [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups])
+            tier.param_groups = self.param_groups  # the scheduler edits the user's groups; each tier step copies them
             self.optim = tier
             return
         self.optim = self.optimizer_cls(

@@ -313,6 +313,10 @@ class DiskOptimizer(OffloadedOptimizer):
         self._flush_writes()
         self._pool.shutdown()
 
+    def regroup(self, runs, hypers):
+        raise ValueError(f"the disk tier steps its sub-groups as ONE param group, got {len(hypers)}: pass one group "
+                         "(its lr / weight_decay apply), or offload to the host (device 'cpu') instead")
+
     def __repr__(self):
         return (f"DiskOptimizer({type(self.optim).__name__}, {self.numel} elements in {len(self.bounds)} sub-groups "
                 f"of {self.sub_group_numel} under {self.dir}, prefetch={self.prefetch})")

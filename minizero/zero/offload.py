@@ -182,7 +182,17 @@ class HostOptimizer(OffloadedOptimizer):
             for m, p in zip(self.masters, self.device_params):
                 m.copy_(p.detach().reshape(-1))
         self.grads = self._zeros()                # host fp32 gradients, filled by grads_to_host / accumulate
+        self.optimizer_cls = optimizer_cls        # regroup() rebuilds the CPU optimizer with the same class ...
+        self.optimizer_kwargs = optimizer_kwargs  # ... and keywords
         self.optim = cpu_optimizer(optimizer_cls, self.masters, **optimizer_kwargs)
+        self._front()
+
+    def regroup(self, runs, hypers):
+        """Several param groups (nanoGPT's decay / no-decay): runs = [(master index, lo, hi, group)] tiling the
+        masters, hypers = each group's lr, weight_decay, ... The CPU optimizer then steps views of the masters,
+        a param group per user group (DeepSpeed's CPU Adam takes the groups the same way)."""
+        self.optim = RunGroups(self.masters, runs, hypers,
+                               lambda groups: cpu_optimizer(self.optimizer_cls, groups, **self.optimizer_kwargs))
         self._front()
 
     def _zeros(self):
@@ -317,6 +327,81 @@ class HostOptimizer(OffloadedOptimizer):
         numel = sum(m.numel() for m in self.masters)
         return (f"HostOptimizer({type(self.optim).__name__}, {len(self.masters)} tensors, {numel} elements on the "
                 f"host, dpu_warmup_steps={self.dpu_warmup_steps})")
+
+
+class RunGroups:
+    """The CPU optimizer of a tier whose masters hold several param groups: one torch optimizer over views of
+    the masters (a run each), a param group per user group. cpu_step sets each MASTER's .grad as with one
+    group; step() hands every view its slice of it. `state` is keyed by the masters, as the checkpoint code
+    and HostOptimizer.state expect: a master's state is its views' state, put end to end."""
+
+    def __init__(self, masters, runs, hypers, make):
+        self.masters = masters
+        # (master, lo, hi, view) per run, in master order: the views tile each master
+        self.views = [(masters[index], lo, hi, masters[index].detach()[lo:hi])
+                      for index, lo, hi, _ in sorted(runs, key=lambda run: (run[0], run[1]))]
+        group_of = {id(view): group for (_, _, _, view), (_, _, _, group) in
+                    zip(self.views, sorted(runs, key=lambda run: (run[0], run[1])))}
+        self.inner = make([{**hyper, "params": [view for *_, view in self.views if group_of[id(view)] == g]}
+                           for g, hyper in enumerate(hypers)])
+        self.param_groups = self.inner.param_groups
+        self.state = _MasterState(self)
+
+    @torch.no_grad()
+    def step(self):
+        for master, lo, hi, view in self.views:
+            view.grad = None if master.grad is None else master.grad[lo:hi]
+        self.inner.step()
+        for *_, view in self.views:
+            view.grad = None
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd: dict):
+        self.inner.load_state_dict(sd)
+
+
+class _MasterState:
+    """RunGroups' optimizer state by master: tensors shaped like the views are concatenated (split on write),
+    the rest (Adam's step count, the same for every view) is taken from the first view."""
+
+    def __init__(self, owner):
+        self.owner = owner
+
+    def _views(self, master):
+        return [view for m, _, _, view in self.owner.views if m is master]
+
+    def get(self, master, default=None):
+        states = [self.owner.inner.state.get(view) for view in self._views(master)]
+        if not states or any(not state for state in states):
+            return default
+        return {k: torch.cat([state[k] for state in states]) if torch.is_tensor(v) and v.dim() > 0 else v
+                for k, v in states[0].items()}
+
+    def pop(self, master, default=None):
+        state = self.get(master, default)
+        for view in self._views(master):
+            self.owner.inner.state.pop(view, None)
+        return state
+
+    def __setitem__(self, master, state):
+        for view in self._views(master):
+            lo = view.storage_offset() - master.storage_offset()
+            self.owner.inner.state[view] = {k: v[lo:lo + view.numel()].clone() if torch.is_tensor(v) and v.dim() > 0
+                                            and v.numel() == master.numel() else v for k, v in state.items()}
+
+    def __getitem__(self, master):
+        state = self.get(master)
+        if state is None:
+            raise KeyError("no optimizer state for this master")
+        return state
+
+    def __contains__(self, master):
+        return self.get(master) is not None
+
+    def values(self):
+        return self.owner.inner.state.values()
 
 
 class _StateView:
