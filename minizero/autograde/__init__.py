@@ -67,6 +67,32 @@ class Check:
     extra: bool = False  # a stretch task: extra credit, not part of the lab's max_score
 
 
+_LAUNCHES: dict = {}
+
+
+def launched_once(target: str, nprocs: int, args: dict, timeout: float) -> list:
+    """One launch of `target` per (target, ranks, args), shared by the checks that read it: the per-rank
+    results, or the same LaunchError again for every check (a stub or a crash fails them all alike, at once)."""
+    from minizero import launch
+    key = (target, nprocs, repr(sorted(args.items())))
+    if key not in _LAUNCHES:
+        try:
+            _LAUNCHES[key] = launch.run(target, nprocs=nprocs, args=args, timeout=timeout)
+        except launch.LaunchError as e:
+            _LAUNCHES[key] = e
+    if isinstance(_LAUNCHES[key], Exception):
+        raise _LAUNCHES[key]
+    return _LAUNCHES[key]
+
+
+def first_phase(results, phase: str) -> list:
+    """The phase's result on each rank; an error in it (on any rank) fails the check with that error."""
+    for rank, r in enumerate(results):
+        if "error" in r[phase]:
+            raise CheckFailed(f"rank {rank}: {r[phase]['error']}")
+    return [r[phase] for r in results]
+
+
 def get_lab(number: int) -> Lab:
     if number not in LABS:
         raise SystemExit(f"unknown lab {number}; the labs are: "

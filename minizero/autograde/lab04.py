@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from minizero.autograde import Check, CheckFailed, Lab, print_losses
+from minizero.autograde import Check, CheckFailed, Lab, launched_once, print_losses
 from minizero.autograde.hints import update_size_cause
 from minizero.experiments.references import buffer_bytes
 from minizero.experiments.zero12 import GPT, side_by_side
@@ -70,22 +70,10 @@ def check_matches_ddp(impl, stage=1, name="ShardedOptimizer", n=3):
     return "\n".join(lines)
 
 
-_measured = {}
-
-
 def measured(impl, stage=1, name="ShardedOptimizer", n=4):
     """One 4-rank run shared by the memory and bytes checks (cached per file)."""
-    from minizero import launch
-    key = (impl, stage, name, n)
-    if key not in _measured:
-        try:
-            _measured[key] = launch.run(f"minizero.autograde.lab{stage + 3:02d}:measure_worker", nprocs=n,
-                                        args={"impl": impl, "stage": stage, "name": name}, timeout=120)
-        except launch.LaunchError as e:  # a stub or a crash: every check of this run fails alike, at once
-            _measured[key] = e
-    if isinstance(_measured[key], Exception):
-        raise _measured[key]
-    return _measured[key]
+    return launched_once(f"minizero.autograde.lab{stage + 3:02d}:measure_worker", n,
+                         {"impl": impl, "stage": stage, "name": name}, timeout=120)
 
 
 def check_optimizer_state_sharded(impl):

@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from minizero.autograde import Check, CheckFailed, Lab, print_losses
+from minizero.autograde import Check, CheckFailed, Lab, first_phase, launched_once, print_losses
 
 LAB = Lab(10, "tensor_parallel", "Tensor parallelism: f/g, column- and row-parallel linear",
           "minizero/tensor/layers.py")
@@ -216,39 +216,19 @@ def measure_worker(comm, impls: list[str], phases=tuple(PHASES)) -> dict:
     return out
 
 
-_measured: dict = {}
-
-
-def measured(impl: str) -> dict:
+def measured(impl: str) -> list:
     """One 4-rank run per file, shared by the checks (a stub's error is shared too)."""
-    from minizero import launch
-    if impl not in _measured:
-        try:
-            _measured[impl] = launch.run("minizero.autograde.lab10:measure_worker", nprocs=4,
-                                         args={"impls": [impl]}, timeout=180)
-        except launch.LaunchError as e:
-            _measured[impl] = e
-    if isinstance(_measured[impl], Exception):
-        raise _measured[impl]
-    return [r[impl] for r in _measured[impl]]
+    return [r[impl] for r in launched_once("minizero.autograde.lab10:measure_worker", 4, {"impls": [impl]}, 180)]
 
 
 # ------------------------------------------------------------------------------ the judges
-def _first(results, phase):
-    """The phase's result on each rank; an error in it fails the check with that error."""
-    for rank, r in enumerate(results):
-        if "error" in r[phase]:
-            raise CheckFailed(f"rank {rank}: {r[phase]['error']}")
-    return [r[phase] for r in results]
-
-
 def _ops(calls: dict) -> str:
     return ", ".join(f"{n} {op}" for op, n in sorted(calls.items())) or "no collective"
 
 
 def judge_fg(results) -> str:
     t = len(results)
-    for rank, r in enumerate(_first(results, "fg")):
+    for rank, r in enumerate(first_phase(results, "fg")):
         _judge_fg_group(rank, r["t4"], f"t={t}")
         _judge_fg_group(rank, r["t2"], f"tp 2 on {t} ranks")
         _judge_fg_values(rank, r["t4"], t, "")
@@ -318,7 +298,7 @@ def _judge_fg_dtype(rank, r):
 
 def judge_slices(results) -> str:
     t = len(results)
-    for rank, r in enumerate(_first(results, "slices")):
+    for rank, r in enumerate(first_phase(results, "slices")):
         for name, rows, what in (("column", 12, "rows (output features, dim 0)"),
                                  ("fused", 24, "rows (output features, dim 0)"),
                                  ("row", 12, "columns (input features, dim 1)")):
@@ -350,7 +330,7 @@ def judge_slices(results) -> str:
 
 def judge_mlp(results) -> str:
     t = len(results)
-    for rank, r in enumerate(_first(results, "mlp")):
+    for rank, r in enumerate(first_phase(results, "mlp")):
         for run, where, atol in ((r["t4"], "", ATOL), (r["t2"], " (tp 2 on 4 ranks)", ATOL_T2)):
             if run.get("elsewhere"):
                 raise CheckFailed(f"rank {rank}{where}: the layers ran {_ops(run['elsewhere'])} on another group than "
@@ -403,7 +383,7 @@ def judge_sp(results) -> str:
 
 def _judge_gpt_runs(results, phase) -> str:
     lines = []
-    for rank, r in enumerate(_first(results, phase)):
+    for rank, r in enumerate(first_phase(results, phase)):
         for key, run in r.items():
             for what in ("logits", "grads", "params"):
                 w = run[what]

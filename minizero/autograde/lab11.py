@@ -20,8 +20,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from minizero.autograde import Check, CheckFailed, Lab
-from minizero.autograde.lab10 import _first, _phase, load
+from minizero.autograde import Check, CheckFailed, Lab, first_phase, launched_once
+from minizero.autograde.lab10 import _phase, load
 from minizero.context import online_softmax as reference
 
 LAB = Lab(11, "ring_attention", "Ring attention: block attention and the online-softmax merge",
@@ -114,26 +114,14 @@ def measure_worker(comm, impls: list[str], phases=PHASES) -> dict:
     return out
 
 
-_measured: dict = {}
-
-
 def measured(impl: str) -> list:
     """One 4-rank run per file, shared by the checks (a stub's error is shared too)."""
-    from minizero import launch
-    if impl not in _measured:
-        try:
-            _measured[impl] = launch.run("minizero.autograde.lab11:measure_worker", nprocs=4,
-                                         args={"impls": [impl]}, timeout=180)
-        except launch.LaunchError as e:
-            _measured[impl] = e
-    if isinstance(_measured[impl], Exception):
-        raise _measured[impl]
-    return [r[impl] for r in _measured[impl]]
+    return [r[impl] for r in launched_once("minizero.autograde.lab11:measure_worker", 4, {"impls": [impl]}, 180)]
 
 
 # ------------------------------------------------------------------------------ the judges
 def judge_block(results) -> str:
-    r = _first(results, "block")[0]  # the same data on every rank
+    r = first_phase(results, "block")[0]  # the same data on every rank
     for key, m in r.items():
         scale, causal = key.split("/")
         where = f"block_attention({'causal' if causal == 'True' else 'not causal'}, scores ~ {'1e3' if scale != '1' else '1'})"
@@ -159,7 +147,7 @@ def judge_block(results) -> str:
 
 
 def judge_merge(results) -> str:
-    r = _first(results, "merge")[0]
+    r = first_phase(results, "merge")[0]
     for scale, m in r.items():
         where = f"merge (scores ~ {'1' if scale == '1' else '1e3'})"
         if m["in_place"]:
@@ -198,7 +186,7 @@ def judge_merge(results) -> str:
 
 
 def judge_ring(results) -> str:
-    for rank, r in enumerate(_first(results, "ring")):
+    for rank, r in enumerate(first_phase(results, "ring")):
         for case, diffs in r.items():
             bad = {k: v for k, v in diffs.items() if not v <= ATOL}
             if bad:

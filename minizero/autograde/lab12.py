@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from minizero.autograde import Check, CheckFailed, Lab
+from minizero.autograde import Check, CheckFailed, Lab, first_phase, launched_once
 from minizero.autograde.lab10 import _ops, _phase, load
 
 LAB = Lab(12, "moe_dispatch", "MoE dispatch and combine with all-to-all", "minizero/moe/dispatch.py")
@@ -172,36 +172,17 @@ def measure_worker(comm, impls: list[str], phases=tuple(PHASES)) -> dict:
             continue
         out[impl] = {name: _phase(comm, lambda fn=PHASES[name]: fn(comm, mod)) for name in phases}
     return out
-_measured: dict = {}
-
-
 def measured(impl: str, phases=UNITS) -> list:
     """One 4-rank run per file and phase set, shared by the checks (a stub's error is shared too): the four
     checks of the parts share one, the layer check has its own (so a mutant of a part never waits for it)."""
-    from minizero import launch
-    key = (impl, tuple(phases))
-    if key not in _measured:
-        try:
-            _measured[key] = launch.run("minizero.autograde.lab12:measure_worker", nprocs=4,
-                                        args={"impls": [impl], "phases": list(phases)}, timeout=240)
-        except launch.LaunchError as e:
-            _measured[key] = e
-    if isinstance(_measured[key], Exception):
-        raise _measured[key]
-    return [r[impl] for r in _measured[key]]
+    results = launched_once("minizero.autograde.lab12:measure_worker", 4, {"impls": [impl], "phases": list(phases)},
+                            240)
+    return [r[impl] for r in results]
 
 
 # ------------------------------------------------------------------------------ the judges
-def _first(results, phase):
-    """The phase's result on each rank; an error in it fails the check with that error."""
-    for rank, r in enumerate(results):
-        if "error" in r[phase]:
-            raise CheckFailed(f"rank {rank}: {r[phase]['error']}")
-    return [r[phase] for r in results]
-
-
 def judge_positions(results) -> str:
-    res = _first(results, "positions")[0]  # the same on every rank: no collective
+    res = first_phase(results, "positions")[0]  # the same on every rank: no collective
     for name, (choices, num_experts, cap) in POSITION_CASES.items():
         slots, kept = slots_by_hand(choices, num_experts, cap)
         mine = res[name]
@@ -225,7 +206,7 @@ def judge_positions(results) -> str:
 
 def judge_alltoall(results) -> str:
     size = len(results)
-    for rank, r in enumerate(_first(results, "alltoall")):
+    for rank, r in enumerate(first_phase(results, "alltoall")):
         if r["forward"] != {"all_to_all": 1}:
             raise CheckFailed(f"AllToAll's forward ran {_ops(r['forward'])}, expected 1 all_to_all: block j of the input "
                               "goes to rank j")
@@ -246,7 +227,7 @@ def judge_alltoall(results) -> str:
 
 
 def judge_local(results) -> str:
-    r = _first(results, "local")[0]
+    r = first_phase(results, "local")[0]
     if r["buffer"] > 0:
         if r["wrong_slots"] and set(r["wrong_slots"]) <= set(r["dropped_slots"]):
             raise CheckFailed(f"dispatch: flat slots {r['wrong_slots']} hold a token whose choice was DROPPED (its slot "
@@ -272,7 +253,7 @@ def judge_local(results) -> str:
 
 
 def judge_exchange(results) -> str:
-    for rank, r in enumerate(_first(results, "exchange")):
+    for rank, r in enumerate(first_phase(results, "exchange")):
         for ep, x in r.items():
             if x["to"] != x["want_to"]:
                 why = ("the local expert must come first: what arrives is [ep (source), E/ep, C, d]; transpose it to "
@@ -288,7 +269,7 @@ def judge_exchange(results) -> str:
 
 
 def judge_layer(results) -> str:
-    for rank, r in enumerate(_first(results, "layer")):
+    for rank, r in enumerate(first_phase(results, "layer")):
         for key, run in r.items():
             for step, s in enumerate(run["steps"]):
                 if s["routing_equal"][:2] != [True, True]:
