@@ -1,6 +1,7 @@
 """`python -m minizero bench` end to end on a tiny run (2 ranks, 3 timed steps, 3 candidates),
 and what it measured checked against independent counts."""
 import json
+import os
 import subprocess
 import sys
 
@@ -20,10 +21,13 @@ def test_paired_ratio_is_the_median_of_per_step_ratios():
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
+    tmp = d / "tmp"  # the ranks' own temporary folders go here: the run must leave none behind
+    tmp.mkdir()
     proc = subprocess.run([sys.executable, "-m", "minizero", "bench", "--nprocs", "2", "--steps", "3", "--warmup", "1",
                            "--candidates", *CANDIDATES, "--json", str(d / "b.json"), "--plot", str(d / "b.png")],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("minizero-bench")] == [], "bench left its folders"
     return proc.stdout, json.loads((d / "b.json").read_text()), d / "b.png"
 
 

@@ -110,12 +110,23 @@ def worker(comm, candidates=DEFAULT, steps=30, warmup=3, micro=4, lr=1e-3, seed=
            model_kwargs=None, memory_only=False, meta_init=False, sub_group_size=2_000_000):
     """Runs on every rank. Returns this rank's measurements for every candidate that ran.
     model_kwargs: GPTConfig fields that replace BENCH_GPT's (the test uses a smaller model).
-    memory_only: phase 1 alone (a large model: all candidates alive at once would not fit)."""
+    memory_only: phase 1 alone (a large model: all candidates alive at once would not fit).
+    The disk candidates' files go to a temporary folder of this rank's, removed however the run ends."""
+    import shutil
     import tempfile
+    nvme_dir = tempfile.mkdtemp(prefix="minizero-bench-nvme-")
+    try:
+        return _measure(comm, nvme_dir, candidates, steps, warmup, micro, lr, seed, memory_steps, model_kwargs,
+                        memory_only, meta_init, sub_group_size)
+    finally:
+        shutil.rmtree(nvme_dir, ignore_errors=True)
+
+
+def _measure(comm, nvme_dir, candidates, steps, warmup, micro, lr, seed, memory_steps, model_kwargs, memory_only,
+             meta_init, sub_group_size):
     cfg = {**BENCH_GPT, **(model_kwargs or {})}
     if memory_only:
         _fixed_mmap_threshold()
-    nvme_dir = tempfile.mkdtemp(prefix="minizero-bench-nvme-")
     from minizero.comm import init_torch_distributed
     torch.set_num_threads(1)
     init_torch_distributed(torch.device("cpu"))  # torch DDP, FSDP2 and DeepSpeed run on gloo
