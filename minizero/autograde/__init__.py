@@ -85,6 +85,15 @@ def launched_once(target: str, nprocs: int, args: dict, timeout: float) -> list:
     return _LAUNCHES[key]
 
 
+def judged_check(judge, measured, *args):
+    """A check that grades a file by judging a shared run: judge(measured(impl, *args)), named check_x after
+    judge_x (the mutation suite and results.json show that name)."""
+    def check(impl):
+        return judge(measured(impl, *args))
+    check.__name__ = judge.__name__.replace("judge_", "check_")
+    return check
+
+
 def first_phase(results, phase: str) -> list:
     """The phase's result on each rank; an error in it (on any rank) fails the check with that error."""
     for rank, r in enumerate(results):

@@ -6,8 +6,6 @@ ZeRO stage in lockstep): the code that grades a lab is the code that measures th
 """
 import math
 
-import torch
-
 from minizero.autograde import Check, CheckFailed, Lab, launched_once, print_losses
 from minizero.autograde.hints import update_size_cause
 from minizero.experiments.references import buffer_bytes

@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from minizero.autograde import Check, CheckFailed, Lab, first_phase, launched_once, print_losses
+from minizero.autograde import Check, CheckFailed, Lab, first_phase, judged_check, launched_once, print_losses
 
 LAB = Lab(10, "tensor_parallel", "Tensor parallelism: f/g, column- and row-parallel linear",
           "minizero/tensor/layers.py")
@@ -404,20 +404,13 @@ def _judge_gpt_runs(results, phase) -> str:
     return "\n".join(lines)
 
 
-def _check(judge):
-    def check(impl):
-        return judge(measured(impl))
-    check.__name__ = judge.__name__.replace("judge_", "check_")
-    return check
-
-
 CHECKS = [
-    Check("f and g: values and collectives in forward and backward (t=4)", 2, _check(judge_fg)),
-    Check("from_linear: column (plain, fused q|k|v) and row slices (t=4)", 2, _check(judge_slices)),
-    Check("Column -> GeLU -> Row equals nn.Linear; one all-reduce per pass", 3, _check(judge_mlp)),
-    Check("TinyGPT at t=4 equals one process; collectives as the formula", 3, _check(judge_gpt)),
+    Check("f and g: values and collectives in forward and backward (t=4)", 2, judged_check(judge_fg, measured)),
+    Check("from_linear: column (plain, fused q|k|v) and row slices (t=4)", 2, judged_check(judge_slices, measured)),
+    Check("Column -> GeLU -> Row equals nn.Linear; one all-reduce per pass", 3, judged_check(judge_mlp, measured)),
+    Check("TinyGPT at t=4 equals one process; collectives as the formula", 3, judged_check(judge_gpt, measured)),
     Check("stretch: sequence parallelism, TinyGPT at t=2 (SP, tied) x DDP equals one process (extra points)", 2,
-          _check(judge_sp), extra=True),
+          judged_check(judge_sp, measured), extra=True),
 ]
 
 

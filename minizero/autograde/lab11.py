@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from minizero.autograde import Check, CheckFailed, Lab, first_phase, launched_once
+from minizero.autograde import Check, CheckFailed, Lab, first_phase, judged_check, launched_once
 from minizero.autograde.lab10 import _phase, load
 from minizero.context import online_softmax as reference
 
@@ -197,17 +197,10 @@ def judge_ring(results) -> str:
     return f"ring attention at cp={len(results)}, causal balanced and full: output and gradients within {ATOL:g} of torch's"
 
 
-def _check(judge):
-    def check(impl):
-        return judge(measured(impl))
-    check.__name__ = judge.__name__.replace("judge_", "check_")
-    return check
-
-
 CHECKS = [
-    Check("block_attention: o_B and L_B of one block, causal and not, stable at large scores", 3, _check(judge_block)),
-    Check("merge: the online-softmax rescaling, any order, stable, not in place", 4, _check(judge_merge)),
-    Check("ring attention (cp=4) with your kernels equals torch's attention, output and gradients", 3, _check(judge_ring)),
+    Check("block_attention: o_B and L_B of one block, causal and not, stable at large scores", 3, judged_check(judge_block, measured)),
+    Check("merge: the online-softmax rescaling, any order, stable, not in place", 4, judged_check(judge_merge, measured)),
+    Check("ring attention (cp=4) with your kernels equals torch's attention, output and gradients", 3, judged_check(judge_ring, measured)),
 ]
 
 

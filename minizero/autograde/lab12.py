@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from minizero.autograde import Check, CheckFailed, Lab, first_phase, launched_once
+from minizero.autograde import Check, CheckFailed, Lab, first_phase, judged_check, launched_once
 from minizero.autograde.lab10 import _ops, _phase, load
 
 LAB = Lab(12, "moe_dispatch", "MoE dispatch and combine with all-to-all", "minizero/moe/dispatch.py")
@@ -296,19 +296,12 @@ def judge_layer(results) -> str:
             "skewed, ep 2 x expert-dp 2 top-2); all-to-all bytes = 4 x (ep-1)/ep E C d 4 per step")
 
 
-def _check(judge, phases=UNITS):
-    def check(impl):
-        return judge(measured(impl, phases))
-    check.__name__ = judge.__name__.replace("judge_", "check_")
-    return check
-
-
 CHECKS = [
-    Check("expert_positions: slots, first choices first, capacity", 2, _check(judge_positions)),
-    Check("AllToAll: forward and backward exchange (4 ranks)", 2, _check(judge_alltoall)),
-    Check("dispatch and combine with dropped choices", 2, _check(judge_local)),
-    Check("exchange_to_experts / exchange_from_experts at ep 4 and 2", 2, _check(judge_exchange)),
-    Check("the MoE layer equals one process; all-to-all bytes = formula", 2, _check(judge_layer, ("layer",))),
+    Check("expert_positions: slots, first choices first, capacity", 2, judged_check(judge_positions, measured)),
+    Check("AllToAll: forward and backward exchange (4 ranks)", 2, judged_check(judge_alltoall, measured)),
+    Check("dispatch and combine with dropped choices", 2, judged_check(judge_local, measured)),
+    Check("exchange_to_experts / exchange_from_experts at ep 4 and 2", 2, judged_check(judge_exchange, measured)),
+    Check("the MoE layer equals one process; all-to-all bytes = formula", 2, judged_check(judge_layer, measured, ("layer",))),
 ]
 
 
