@@ -1,14 +1,17 @@
 """The grader itself: untouched labs score zero (failing fast and clearly), results.json is
 Gradescope's format, solutions score full marks, and bad input is an error."""
 import json
+import re
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 
+from minizero.autograde import LABS, REPO
 from minizero.cli import labgen
-from minizero.autograde import LABS
+
+LABS_DIR = Path(REPO) / "labs"
 
 
 def _grade(*args):
@@ -16,22 +19,58 @@ def _grade(*args):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_untouched_labs_score_zero_fast(tmp_path):
+def _stubs_in(text: str) -> list[tuple[str, str]]:
+    """(the def a stub raise sits in, its words), read from the generated file's text, not its tree."""
+    return [(re.findall(r"def (\w+)\(", text[:m.start()])[-1], m.group(1))
+            for m in re.finditer(r"raise NotImplementedError\(['\"]lab \d+: not implemented yet: (.*)['\"]\)", text)]
+
+
+def test_untouched_labs_score_zero_without_a_launch(tmp_path, monkeypatch, capsys):
+    """Every check of every untouched lab fails with 'not implemented yet', naming each function whose TODO
+    is still a stub and the TODO's words, and no rank is launched for it (a launch costs seconds)."""
+    from minizero import autograde, launch
+    launched = []
+
+    def no_launch(target, *args, **kwargs):
+        launched.append(target)
+        raise RuntimeError(f"launched {target}")
+    monkeypatch.setattr(launch, "run", no_launch)
     out = tmp_path / "results.json"
-    t0 = time.time()
-    proc = _grade("--impl", "labs", "--json", str(out))
-    elapsed = time.time() - t0
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert autograde.main(["--impl", "labs", "--json", str(out)]) == 1
+    assert launched == []
     result = json.loads(out.read_text())
     assert result["score"] == 0 and result["max_score"] > 0
     n_checks = sum(len(lab.checks()) for lab in LABS.values())
     assert len(result["tests"]) == n_checks
     for t in result["tests"]:
+        n = int(t["name"].split(":")[0].split()[1])
         assert t["status"] == "failed" and t["score"] == 0
-        assert t["output"].startswith(f"lab {t['name'].split(':')[0].split()[1]}: not implemented yet"), t["output"]
-    # Fast because each stub raises NotImplementedError at its first call (asserted above: a stub
-    # that hung until a timeout would say "timed out"); no wall-clock limit, the machine may be loaded.
-    print(f"grading {n_checks} checks of untouched labs took {elapsed:.0f}s")
+        assert t["output"].startswith(f"lab {n}: not implemented yet: "), t["output"]
+        stubs = _stubs_in((LABS_DIR / LABS[n].filename).read_text())
+        assert stubs, n
+        for function, words in stubs:
+            assert function in t["output"].splitlines()[0] and f"{function}: {words}" in t["output"], (function, t["output"])
+    assert f"total: 0 / {result['max_score']:g}" in capsys.readouterr().out
+
+
+def test_a_started_lab_is_launched_and_names_the_stub_its_ranks_hit(tmp_path, monkeypatch):
+    """Only the untouched file skips its launch: lab 1 with a comment changed still does (a comment is no
+    change), with one line added outside its TODOs it is graded by its ranks, and the first stub they hit
+    is the message, as for a half-done lab."""
+    from minizero import launch
+    from minizero.autograde import run_check, untouched_todos
+    lab = LABS[1]
+    check = next(c for c in lab.checks() if c.fn.__name__ == "check_bytes")
+    text = (LABS_DIR / lab.filename).read_text()
+    (tmp_path / lab.filename).write_text(text.replace("# TODO(lab 1): phase 1", "# my notes: phase 1"))
+    assert untouched_todos(lab, str(tmp_path / lab.filename)) == _stubs_in(text)
+    (tmp_path / lab.filename).write_text(text + "\nMY_HELPER = 1\n")
+    assert untouched_todos(lab, str(tmp_path / lab.filename)) is None
+    launched, real = [], launch.run
+    monkeypatch.setattr(launch, "run", lambda target, *a, **k: launched.append(target) or real(target, *a, **k))
+    entry = run_check(lab, check, str(tmp_path))
+    assert launched == ["minizero.autograde.lab01:bytes_worker"]
+    assert entry["status"] == "failed" and entry["output"] == "lab 1: not implemented yet: phase 1, reduce-scatter"
 
 
 @pytest.mark.parametrize("lab", sorted(LABS))

@@ -118,6 +118,49 @@ def impl_file(lab: Lab, impl: str) -> str:
     return path
 
 
+_STUB_TREES: dict = {}
+
+
+def untouched_todos(lab: Lab, path: str) -> list | None:
+    """[(function, the TODO's words), ...] in file order if the file at `path` is the lab exactly as
+    `make labs` generates it (every TODO still its stub; comments and blank lines may differ: the two
+    syntax trees are compared), else None. Read, never imported: nothing of the student's file runs here.
+
+    Such a file fails every check on its first stub (the grader's tests hold labs/ to that), so
+    run_check scores it 0 without launching ranks; a lab with any change is launched as always."""
+    import ast
+
+    from minizero.cli import labgen
+    if lab.number not in _STUB_TREES:
+        _STUB_TREES[lab.number] = ast.dump(ast.parse(labgen.render(lab, "labs")))
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None  # a file that does not parse is graded as always: its ranks report the error
+    if ast.dump(tree) != _STUB_TREES[lab.number]:
+        return None
+    prefix = f"lab {lab.number}: not implemented yet: "
+    stubs = []
+
+    def visit(node, names):
+        for child in ast.iter_child_nodes(node):
+            inner = names + [child.name] if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else names
+            if (isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call) and child.exc.args
+                    and getattr(child.exc.func, "id", None) == "NotImplementedError"
+                    and isinstance(child.exc.args[0], ast.Constant) and str(child.exc.args[0].value).startswith(prefix)):
+                stubs.append((".".join(names) or "<module>", child.exc.args[0].value[len(prefix):]))
+            visit(child, inner)
+    visit(tree, [])
+    return stubs
+
+
+def _untouched_message(lab: Lab, stubs: list) -> str:
+    functions = list(dict.fromkeys(name for name, _ in stubs))
+    return (f"lab {lab.number}: not implemented yet: {', '.join(functions)} (every TODO in {lab.filename} is still "
+            f"its stub; no rank was launched)\n" + "\n".join(f"  {name}: {words}" for name, words in stubs))
+
+
 def run_check(lab: Lab, check: Check, impl: str) -> dict:
     """Run one check; always returns a Gradescope test entry, never raises for a broken submission.
 
@@ -125,11 +168,16 @@ def run_check(lab: Lab, check: Check, impl: str) -> dict:
     file that does not import, an error in the check itself) becomes this check's failing entry
     with its reason, and a known raw error gets its likely cause under it (autograde.hints)."""
     import traceback
+
     from minizero import launch
     from minizero.autograde.hints import with_hint
     t0 = time.time()
     try:
-        output, ok = check.fn(impl_file(lab, impl)), True
+        path = impl_file(lab, impl)
+        stubs = untouched_todos(lab, path)
+        if stubs:
+            raise CheckFailed(_untouched_message(lab, stubs))
+        output, ok = check.fn(path), True
     except CheckFailed as e:
         output, ok = str(e), False
     except launch.RankError as e:
