@@ -11,7 +11,13 @@ group is made of neighbouring ranks (one server: TP needs the fastest links), CP
 attention's K/V blocks every layer), PP next, DP outermost. This is the order of Megatron-LM's
 default (tp-cp-dp-pp) and of picotron's `ProcessGroupManager`. With cp = 1 it is the dp x pp x tp grid.
 
-"Nodes" simulate servers on one machine: `node_size` consecutive world ranks form a node.
+Nodes: `node_size` consecutive world ranks form a node. By default (node_size=None) the nodes are the
+launcher's (comm/launcher.py reads them): the whole world when the launcher put every rank on one machine
+(its local size, LOCAL_WORLD_SIZE / MPI_LOCALNRANKS / OMPI_COMM_WORLD_LOCAL_SIZE, equals the world: plain
+mpirun or torchrun on one machine), else one small all-gather of each rank's node name (torchrun's
+GROUP_RANK, MPICH's PMI_HOSTNAME, the hostname), which must give consecutive blocks of equal size (a
+MeshError otherwise: torchrun always does; mpirun does with -ppn N / --map-by slot, not round-robin).
+An explicit `node_size` wins: that is how nodes are simulated on one machine (lessons 08, 10, 11).
 ZeRO++ (Wang et al. 2023) needs two more groups from that: the `node` group (the ranks of one
 server) and the `cross_node` group (the ranks with the same local index on every server).
 A tp group must fit inside a node, so `node_size` must be a multiple of `tp`.
@@ -38,6 +44,12 @@ from __future__ import annotations
 import torch
 
 from minizero.comm.communicator import Communicator
+from minizero.comm.launcher import (
+    launched_world_size,
+    launcher,
+    local_world_size,
+    node_name,
+)
 
 AXES = ("dp", "pp", "cp", "tp")
 
@@ -50,6 +62,32 @@ def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise MeshError(f"Mesh: {name} must be a positive int, got {value!r}")
     return value
+
+
+def nodes_from_launcher(comm) -> int:
+    """Ranks per node as the launcher placed `comm`'s ranks (module docstring): comm.size when the whole
+    job is on one machine (no collective: every rank's local size equals the world then), otherwise
+    from one all-gather of node names; a MeshError, on every rank alike, unless they form consecutive
+    blocks of equal size."""
+    local = local_world_size()
+    if comm.size == 1 or launcher() == "none" or local == launched_world_size():
+        return comm.size
+    nodes = {}  # node name -> its ranks of comm, in rank order
+    for rank, name in enumerate(comm.allgather_object(node_name())):
+        nodes.setdefault(name, []).append(rank)
+    blocks = list(nodes.values())
+    node_size = len(blocks[0])
+    placed = "; ".join(f"{name}: ranks {ranks if len(ranks) <= 8 else str(ranks[:8])[:-1] + ', ...]'}"
+                       for name, ranks in list(nodes.items())[:6]) + ("; ..." if len(nodes) > 6 else "")
+    if any(len(ranks) != node_size for ranks in blocks):
+        raise MeshError(f"Mesh: the launcher's nodes hold different numbers of ranks ({placed}). Launch the "
+                        "same number on every node (torchrun --nproc-per-node N, mpirun -ppn N), or pass "
+                        "node_size= to choose the nodes yourself")
+    if any(ranks != list(range(ranks[0], ranks[0] + node_size)) for ranks in blocks):
+        raise MeshError(f"Mesh: the launcher's nodes are not consecutive blocks of ranks ({placed}), so "
+                        "groups meant to stay inside a node would cross nodes. Fill each node before the next "
+                        "(mpirun -ppn N or --map-by slot, not round-robin), or pass node_size=")
+    return node_size
 
 
 class Mesh:
@@ -74,11 +112,13 @@ class Mesh:
         if dp % ep:
             raise MeshError(f"Mesh: ep={ep} does not divide dp={dp}: expert parallelism shares the experts out over "
                             f"slices of ep consecutive ranks of each dp group. Use an ep that divides {dp}")
-        node_size = world if node_size is None else _positive_int("node_size", node_size)
+        given = node_size is not None
+        node_size = _positive_int("node_size", node_size) if given else nodes_from_launcher(comm)
         if world % node_size:
             raise MeshError(f"Mesh: node_size={node_size} does not divide the world size {world}")
         if node_size % tp:
-            raise MeshError(f"Mesh: tp={tp} does not fit in nodes of {node_size} ranks: a tp group would span "
+            whose = "" if given else " (the launcher's: launch a multiple of tp ranks per node)"
+            raise MeshError(f"Mesh: tp={tp} does not fit in nodes of {node_size} ranks{whose}: a tp group would span "
                             "two nodes, and TP's per-layer all-reduces need the fast intra-node links. Use a "
                             "node_size that is a multiple of tp")
         self.world = comm                  # every group below is a split of it
@@ -87,7 +127,8 @@ class Mesh:
         self.tp_size = tp                  # tensor-parallel ranks per layer
         self.cp_size = cp                  # context-parallel ranks: each holds s/cp of the sequence
         self.ep_size = ep                  # expert-parallel ranks: a slice of the dp group sharing out the experts
-        self.node_size = node_size         # ranks per simulated server
+        self.node_size = node_size         # ranks per server: the launcher's, or simulated (node_size=)
+        self.node_source = "node_size" if given else "launcher"  # who chose the nodes (repr, tests)
         self.num_nodes = world // node_size
         self.grid = torch.arange(world).view(dp, pp, cp, tp)  # grid[d, p, c, t] = world rank
         coords = (self.grid == comm.rank).nonzero()[0].tolist()
@@ -140,11 +181,11 @@ class Mesh:
         return tuple((self.grid == rank).nonzero()[0].tolist())
 
     def same_node(self, rank_a: int, rank_b: int) -> bool:
-        """Whether two world ranks are on the same simulated server."""
+        """Whether two world ranks are on the same server (the launcher's, or a simulated one)."""
         return rank_a // self.node_size == rank_b // self.node_size
 
     def __repr__(self):
         return (f"Mesh(dp={self.dp_size}, pp={self.pp_size}, cp={self.cp_size}, tp={self.tp_size}, "
-                f"node_size={self.node_size}; rank {self.world.rank} at (d={self.dp_rank}, p={self.pp_rank}, "
+                f"node_size={self.node_size} ({self.node_source}); rank {self.world.rank} at (d={self.dp_rank}, p={self.pp_rank}, "
                 f"c={self.cp_rank}, t={self.tp_rank}), "
                 f"node {self.node_index})")
