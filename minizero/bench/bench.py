@@ -395,9 +395,13 @@ def main(argv=None) -> int:
     if argv[:1] == ["3d"]:  # `python -m minizero bench 3d`: dp x pp x tp against pure DP on 8 ranks
         from minizero.bench.three_d import main as three_d_main
         return three_d_main(argv[1:])
+    if argv[:1] == ["scale"]:  # `python -m minizero bench scale`: the largest model per strategy, cost curves
+        from minizero.bench.scale import main as scale_main
+        return scale_main(argv[1:])
     ap = argparse.ArgumentParser(prog="minizero bench", description=__doc__.splitlines()[0],
                                  epilog="`python -m minizero bench pipeline --help`: the pipeline schedules vs torch's; "
-                                        "`python -m minizero bench 3d --help`: 3D vs pure DP on 8 ranks")
+                                        "`python -m minizero bench 3d --help`: 3D vs pure DP on 8 ranks; "
+                                        "`python -m minizero bench scale --help`: the largest model per strategy")
     ap.add_argument("--nprocs", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30, help="timed steps per candidate (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3)
