@@ -63,6 +63,7 @@ from torch.autograd.variable import Variable
 
 from minizero import comm as comm_mod
 from minizero import memory
+from minizero.comm.labels import labelled
 from minizero.comm.stats import bucket_numel_from_mb
 from minizero.zero.flat_shard_optimizer import check_optimizer_class, covering_param_groups
 from minizero.zero.offload import HostGradShard
@@ -239,6 +240,7 @@ class ShardGradOp(nn.Module):
             p.grad = None
         bucket.filled.add(i)
 
+    @labelled("mz.bucket.launch")  # a profiler range (comm/labels.py)
     def _launch(self, bucket: ReduceBucket):
         """Reduce (sum) each part of the bucket to the rank that owns it, asynchronously."""
         if self._in_flight is not None:  # at most one in flight: bounded bucket memory

@@ -48,6 +48,7 @@ import threading
 import torch
 
 from minizero import memory
+from minizero.comm.labels import labelled
 
 
 class Traffic:
@@ -204,6 +205,7 @@ class HostOptimizer(OffloadedOptimizer):
 
     # ------------------------------------------------------------------ the offloaded step (lab 07)
     @torch.no_grad()
+    @labelled("mz.offload.d2h")  # profiler ranges: comm/labels.py
     def grads_to_host(self, device_grads):
         """Copy each reduced device gradient (any dtype) into its host fp32 buffer, counting the bytes."""
         # gradients down: device -> host.
@@ -217,6 +219,7 @@ class HostOptimizer(OffloadedOptimizer):
             self.traffic.to_host += g.numel() * g.element_size()
 
     @torch.no_grad()
+    @labelled("mz.offload.cpu_step")
     def cpu_step(self, grads):
         """One step of the CPU optimizer on the host masters, with host gradients `grads`."""
         # the CPU step.
@@ -231,6 +234,7 @@ class HostOptimizer(OffloadedOptimizer):
             m.grad = None
 
     @torch.no_grad()
+    @labelled("mz.offload.h2d")
     def params_to_device(self):
         """Copy the updated masters into the device parameters (cast to their dtype), counting the bytes."""
         # parameters up: host -> device.

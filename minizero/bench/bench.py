@@ -432,10 +432,16 @@ def main(argv=None) -> int:
                     "at every t in (2, 4, 8) dividing --nprocs (minizero/bench/tensor_parallel.py; --candidates unused, "
                     "--micro = sequences per tp group, --backend default torch)")
     ap.add_argument("--model", default=None, help="with --tp: GPTConfig fields as JSON, replacing BENCH_TP_GPT's")
+    ap.add_argument("--trace", default=None, metavar="DIR", help="instead: a torch.profiler Chrome trace per "
+                    "candidate and rank, DIR/<candidate>-rank<k>.json, minizero's work labelled (minizero/bench/trace.py)")
+    ap.add_argument("--trace-steps", type=int, default=2, help="with --trace: steps traced (after --warmup)")
     args = ap.parse_args(argv)
     if args.zeropp:
         from minizero.bench import zeropp
         return zeropp.main(steps=args.steps, convergence_steps=args.convergence_steps, timeout=args.timeout)
+    if args.trace:
+        from minizero.bench import trace
+        return trace.main(args)
     if args.tp:
         from minizero.bench import tensor_parallel
         return tensor_parallel.main(args)

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from minizero.comm.labels import label
 from minizero.comm.launcher import launched_rank, launcher
 
 
@@ -107,10 +108,11 @@ class Work:
         if not self._done:
             heartbeat.beat(self._op)
             try:
-                if sleep_s is not None and self._poll is not None:
-                    while not self._poll():
-                        time.sleep(sleep_s)
-                self._waiter()
+                with label("mz.wait"):  # a profiler range (comm/labels.py): this rank blocked on the op
+                    if sleep_s is not None and self._poll is not None:
+                        while not self._poll():
+                            time.sleep(sleep_s)
+                    self._waiter()
             except Exception as e:  # noqa: BLE001  gloo's RuntimeError, mpi4py's MPI.Exception
                 if _peer_lost(e):
                     raise RankLost(e, heartbeat.text if heartbeat.fd is not None else self._op) from None

@@ -25,6 +25,7 @@ import torch
 
 from minizero.comm.backends import (MPIBackend, TorchBackend, Work, heartbeat, init_torch_distributed, mpi_module,
                                     report_rank_lost)
+from minizero.comm.labels import label
 from minizero.comm.launcher import launcher, local_rank
 from minizero.comm.stats import CommStats, ring_bytes_split
 
@@ -120,12 +121,13 @@ class Communicator:
 
     def _run(self, op, payload, launch, async_op):
         self._count(op, payload)
-        work = launch()
-        work._op = self._where  # so a stuck wait() reports the op, its size and group
-        if async_op:  # launched, not waited for: this rank goes on computing
-            heartbeat.beat(f"idle (in flight: {self._where})")
-            return work
-        work.wait()
+        with label(f"mz.{op}"):  # a profiler range (comm/labels.py): the launch, and the wait when blocking
+            work = launch()
+            work._op = self._where  # so a stuck wait() reports the op, its size and group
+            if async_op:  # launched, not waited for: this rank goes on computing
+                heartbeat.beat(f"idle (in flight: {self._where})")
+                return work
+            work.wait()
         heartbeat.beat(f"idle (last: {op})")
         return None
 
@@ -210,7 +212,8 @@ class Communicator:
         self._check_rank("send", dst)
         self._enter("send", tensor, check=False)
         self._count("send", self._nbytes(tensor), peer=dst)
-        work = self._impl.isend(tensor, dst, tag)
+        with label("mz.send"):
+            work = self._impl.isend(tensor, dst, tag)
         work._op = f"send to rank {dst} of {self.name} ({self._nbytes(tensor)} B)"
         heartbeat.beat(f"idle (in flight: {work._op})")
         return work
@@ -219,7 +222,8 @@ class Communicator:
         self._check_rank("recv", src)
         self._enter("recv", tensor, check=False)
         self._count("recv", self._nbytes(tensor))
-        work = self._impl.irecv(tensor, src, tag)
+        with label("mz.recv"):
+            work = self._impl.irecv(tensor, src, tag)
         work._op = f"recv from rank {src} of {self.name} ({self._nbytes(tensor)} B)"
         heartbeat.beat(f"idle (in flight: {work._op})")
         return work

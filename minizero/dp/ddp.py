@@ -58,6 +58,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from minizero import comm as comm_mod
+from minizero.comm.labels import labelled
 from minizero.comm.stats import bucket_numel_from_mb
 
 MODES = ("naive", "bucketed", "overlap")
@@ -254,6 +255,7 @@ class DDP(nn.Module):
                 self._launch(self.buckets[self._next])
             # END SOLUTION
 
+    @labelled("mz.bucket.launch")  # a profiler range (comm/labels.py)
     def _launch(self, bucket: GradBucket):
         bucket.work = self.comm.all_reduce(bucket.buffer, op="sum", async_op=True)
         self._next += 1

@@ -80,6 +80,7 @@ import torch.nn as nn
 
 from minizero import comm as comm_mod
 from minizero import memory, precision
+from minizero.comm.labels import labelled
 from minizero.zero.flat_layout import FlatLayout
 from minizero.zero.init import built_with_init
 
@@ -314,6 +315,7 @@ class FSDP(nn.Module):
         return [_Unit(n, module.get_submodule(n), *groups[n], self.comm, materialize) for n in names if any(groups[n])]
 
     # ------------------------------------------------------------------ gather / free
+    @labelled("mz.fsdp.gather")  # a profiler range (comm/labels.py)
     def _start_gather(self, unit):
         """Launch unit's all-gather (async) into a new flat buffer; persistent part copied locally."""
         self.counters["gathers"] += 1

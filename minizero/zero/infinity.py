@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from minizero import memory
+from minizero.comm.labels import labelled
 from minizero.zero.offload import OffloadedOptimizer, Traffic, cpu_optimizer, host_empty
 
 
@@ -155,6 +156,7 @@ class DiskOptimizer(OffloadedOptimizer):
     def _path(self, i, key):
         return os.path.join(self.dir, f"sg{i:05d}.{key}")
 
+    @labelled("mz.disk.write")  # profiler ranges: comm/labels.py
     def _write_file(self, path, t):
         try:
             if _write_hook is not None:
@@ -199,6 +201,7 @@ class DiskOptimizer(OffloadedOptimizer):
         for i in list(self._writes):
             self._wait_write(i)
 
+    @labelled("mz.disk.read")
     def _read(self, i) -> dict:
         self._wait_write(i)
         out = {}
@@ -226,6 +229,7 @@ class DiskOptimizer(OffloadedOptimizer):
 
     # ------------------------------------------------------------------ the step, sub-group by sub-group
     @torch.no_grad()
+    @labelled("mz.offload.cpu_step")
     def cpu_step(self, grads):
         flat = torch.cat([g.reshape(-1) for g in grads]) if grads is not self.grads else self.flat_grad
         pending = self._pool.submit(self._read, 0) if self.prefetch else None

@@ -44,6 +44,7 @@ import threading
 import torch
 
 from minizero import memory
+from minizero.comm.labels import labelled
 
 
 class Traffic:
@@ -200,6 +201,7 @@ class HostOptimizer(OffloadedOptimizer):
 
     # ------------------------------------------------------------------ the offloaded step (lab 07)
     @torch.no_grad()
+    @labelled("mz.offload.d2h")  # profiler ranges: comm/labels.py
     def grads_to_host(self, device_grads):
         """Copy each reduced device gradient (any dtype) into its host fp32 buffer, counting the bytes."""
         # BEGIN SOLUTION: gradients down: device -> host.
@@ -214,6 +216,7 @@ class HostOptimizer(OffloadedOptimizer):
         # END SOLUTION
 
     @torch.no_grad()
+    @labelled("mz.offload.cpu_step")
     def cpu_step(self, grads):
         """One step of the CPU optimizer on the host masters, with host gradients `grads`."""
         # BEGIN SOLUTION: the CPU step.
@@ -229,6 +232,7 @@ class HostOptimizer(OffloadedOptimizer):
         # END SOLUTION
 
     @torch.no_grad()
+    @labelled("mz.offload.h2d")
     def params_to_device(self):
         """Copy the updated masters into the device parameters (cast to their dtype), counting the bytes."""
         # BEGIN SOLUTION: parameters up: host -> device.

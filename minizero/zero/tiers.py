@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from minizero.comm.labels import labelled
 from minizero.zero.infinity import DiskOptimizer, release_pages
 from minizero.zero.offload import HostOptimizer, OffloadedOptimizer, Traffic
 
@@ -59,6 +60,7 @@ class ShardSource:
         self.tier = tier      # whose traffic counts the copies (and whose files hold the shards, nvme)
         self.device = device  # where the all-gather runs
 
+    @labelled("mz.offload.h2d")  # a profiler range (comm/labels.py): the shard in, from host or file
     def __call__(self, unit, shard):
         nbytes = shard.numel() * shard.element_size()
         self.tier.traffic.to_device += nbytes
