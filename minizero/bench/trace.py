@@ -52,9 +52,15 @@ def _profiled_step(comm, c, x, y, calls: Counter):
             loss = c.backward(x, y)
         with torch.profiler.record_function("mz.update"):
             c.update()
-    for op, s in comm.stats.ops.items():  # step() and the bench reset the stats each step: sum them here
-        calls[op] += s.calls
+    _add_calls(comm, calls)
     return loss.detach()
+
+
+def _add_calls(comm, calls: Counter):
+    """Add minizero.comm's calls per op since the last reset to `calls`, and reset."""
+    for op, s in comm.stats.ops.items():
+        calls[op] += s.calls
+    comm.stats.reset()
 
 
 def _write(prof, thread_ranges, path):
@@ -141,6 +147,7 @@ def worker(comm, trace_dir, candidates, steps=2, warmup=1, micro=4, lr=1e-3, see
                     for x, y in batches[warmup:]:
                         _profiled_step(comm, c, x, y, calls)
                     c.close()  # a DPU step still in flight finishes inside the trace
+                    _add_calls(comm, calls)
             finally:
                 thread_ranges, labels.collect = labels.collect, None
             path = os.path.join(trace_dir, f"{name}-rank{comm.rank}.json")
@@ -178,6 +185,9 @@ def main(args) -> int:
                                 "steps": args.trace_steps, "warmup": args.warmup, "micro": args.micro,
                                 "model_kwargs": model_for(args.params)})
     report(per_rank)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(per_rank, f, indent=1)
     print(f"open them in https://ui.perfetto.dev ({time.time() - t0:.0f} s; 1-min load {os.getloadavg()[0]:.1f})")
     return 0
 
