@@ -34,6 +34,13 @@ class GPTConfig:
     n_embd: int = 64         # must be divisible by n_head
     tie_weights: bool = False  # True: lm_head.weight IS wte.weight (one Parameter used by two modules)
     bias: bool = True        # biases in Linear and LayerNorm; False like many modern LLMs
+    # > 0: every block's MLP is a minizero.moe.MoE of this many experts (DeepSpeed-MoE's layer; the engine
+    # shares them out over moe_ep_size ranks), top-k routing; the loss adds moe_aux_loss_coef x l_aux per block
+    num_experts: int = 0
+    moe_ep_size: int = 1
+    moe_top_k: int = 1
+    moe_capacity_factor: float = 1.25
+    moe_aux_loss_coef: float = 0.01
     # No dropout on purpose: tests compare runs bitwise, and dropout would need an RNG
     # stream per rank that matches the single-process one. Not worth it at this size.
 
@@ -56,6 +63,7 @@ class CausalSelfAttention(nn.Module):
         # out as [q | k | v]. Megatron splits this layer by columns, c_proj by rows.
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.cp_comm = None  # the context-parallel group (TinyGPT.set_context_parallel): Ulysses over it
 
     def forward(self, x):
         qkv = self.c_attn(x)
@@ -67,12 +75,16 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.chunk(3, dim=-1)
         nh = q.size(-1) // self.head_dim
         q, k, v = (t.view(B, T, nh, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        # Written out (not F.scaled_dot_product_attention) so students see every
-        # step, and so there is no backend choice that could change the bits.
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, nh * self.head_dim)
+        if self.cp_comm is not None:  # T = this rank's s/cp tokens: DeepSpeed-Ulysses over the cp group
+            from minizero.context.ulysses import ulysses_attention
+            y = ulysses_attention(q, k, v, self.cp_comm, causal=True)
+        else:
+            # Written out (not F.scaled_dot_product_attention) so students see every
+            # step, and so there is no backend choice that could change the bits.
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = att.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
+        y = y.transpose(1, 2).reshape(B, T, nh * self.head_dim)
         return self.c_proj(y)
 
 
@@ -95,11 +107,20 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = GPTMLP(config)
+        if config.num_experts:
+            from minizero.moe import MoE
+            self.mlp = MoE(config.n_embd, 4 * config.n_embd, config.num_experts, config.moe_ep_size,
+                           config.moe_top_k, config.moe_capacity_factor, config.moe_capacity_factor, min_capacity=1)
+        else:
+            self.mlp = GPTMLP(config)
+        self.aux_loss = None  # the MoE's l_aux of this forward (None: a dense MLP)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        if isinstance(self.mlp, GPTMLP):
+            return x + self.mlp(self.ln_2(x))
+        out, self.aux_loss, _ = self.mlp(self.ln_2(x))
+        return x + out
 
 
 def token_loss(logits, targets):
@@ -124,7 +145,27 @@ class TinyGPT(nn.Module):
             # One Parameter in two modules: the output projection scores token v by
             # its dot product with v's input embedding. Saves vocab*n_embd parameters.
             self.lm_head.weight = self.wte.weight
+        self.cp_comm = None  # the context-parallel group: forward keeps this rank's s/cp tokens (set_context_parallel)
         self.reset_parameters(seed)
+
+    def set_context_parallel(self, comm):
+        """The engine's hook (sequence_parallel_size): from now on forward takes whole sequences, keeps this
+        rank's contiguous s/cp of them (positions offset), and every attention runs DeepSpeed-Ulysses over
+        `comm`; logits and loss are those of this rank's tokens (the engine averages over dp x cp)."""
+        from minizero.context.ulysses import check_heads
+        check_heads(self.config.n_head, comm.size)
+        self.cp_comm = comm
+        for block in self.h:
+            block.attn.cp_comm = comm
+
+    def _context_slice(self, idx, targets):
+        """(idx, targets, first position) of this rank's contiguous s/cp tokens."""
+        cp, rank, T = self.cp_comm.size, self.cp_comm.rank, idx.shape[1]
+        if T % cp:
+            raise ValueError(f"sequence length {T} is not divisible by sequence_parallel_size {cp}: each "
+                             f"context-parallel rank takes T/cp tokens")
+        mine = slice(rank * T // cp, (rank + 1) * T // cp)
+        return idx[:, mine], None if targets is None else targets[:, mine], mine.start
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0):
@@ -140,9 +181,9 @@ class TinyGPT(nn.Module):
         for name, p in self.named_parameters():
             if name.split(".")[-2].startswith("ln_"):  # ln_1, ln_2, ln_f: start as identity
                 p.fill_(1.0 if name.endswith("weight") else 0.0)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "experts.b1", "experts.b2")):
                 p.zero_()
-            elif name.endswith("c_proj.weight"):
+            elif name.endswith(("c_proj.weight", "experts.w2")):  # an expert's second layer is its c_proj
                 p.normal_(0.0, residual_std, generator=g)
             else:  # wte, wpe, lm_head, c_attn, c_fc
                 p.normal_(0.0, 0.02, generator=g)
@@ -151,11 +192,17 @@ class TinyGPT(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        x = GPTEmbed.forward(self, idx)  # the code the pipeline's first and last stage run (pipeline_parts)
+        start = 0
+        if self.cp_comm is not None:
+            idx, targets, start = self._context_slice(idx, targets)
+        x = GPTEmbed.forward(self, idx, start)  # the code the pipeline's first and last stage run (pipeline_parts)
         for block in self.h:
             x = block(x)
         logits = GPTHead.forward(self, x)
-        return logits, token_loss(logits, targets)
+        loss = token_loss(logits, targets)
+        if loss is not None and self.config.num_experts:  # DeepSpeed-MoE: the user adds the weighted l_aux
+            loss = loss + self.config.moe_aux_loss_coef * sum(block.aux_loss for block in self.h)
+        return logits, loss
 
     def num_params(self) -> int:
         """Parameters counted once each (a tied weight is one tensor in memory)."""
@@ -178,8 +225,9 @@ class GPTEmbed(nn.Module):
         self.wte = wte
         self.wpe = wpe
 
-    def forward(self, idx):
-        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, idx, start: int = 0):
+        """start: the position of idx's first token (a context-parallel rank's slice begins later)."""
+        return self.wte(idx) + self.wpe(torch.arange(start, start + idx.shape[1], device=idx.device))
 
 
 class GPTHead(nn.Module):

@@ -190,7 +190,32 @@ BAD = [  # (what, model, config, world, match, extra initialize kwargs)
      "activation_checkpointing: EdgeCaseModel has no nn.ModuleList", {}),
     ("hpz vs the mesh", _gpt, {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, 4,
      "the mesh has nodes of 4 ranks", {"mesh": True}),
+    # sequence_parallel_size (DeepSpeed-Ulysses) and MoE ep_size (issue 24; tests/test_engine_keys.py trains them)
+    ("sp world", _gpt, {"sequence_parallel_size": 3}, 4, "sequence_parallel_size = 3 does not divide the world", {}),
+    ("sp heads", _gpt, {"sequence_parallel_size": 3}, 6, "n_head/cp whole heads, but the model has 4 heads", {}),
+    ("sp block_size", lambda: _gpt(block_size=10), {"sequence_parallel_size": 4}, 4, "block_size 10 is not divisible", {}),
+    ("sp pipeline", _gpt, {"sequence_parallel_size": 2, "pipeline": {"stages": 2}}, 4,
+     "sequence_parallel_size=2 with pipeline.stages > 1: not implemented", {}),
+    ("sp tp", _gpt, {"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, 4,
+     "sequence_parallel_size=2 with tensor_parallel.autotp_size > 1: not implemented", {}),
+    ("sp ZeRO++", _gpt, {"sequence_parallel_size": 2, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+     2, "sequence_parallel_size=2 with ZeRO\\+\\+", {}),
+    ("sp without the hook", MLP, {"sequence_parallel_size": 2}, 2, "needs a model that takes the context-parallel", {}),
+    ("moe ep at stage 2", lambda: _gpt(num_experts=4, moe_ep_size=2), {"zero_optimization": {"stage": 2}}, 2,
+     "MoE layers \\(ep_size=2\\) with zero_optimization.stage 2: not implemented", {}),
+    ("moe ep groups at stage 1", lambda: _gpt(num_experts=4, moe_ep_size=2), {"zero_optimization": {"stage": 1}}, 2,
+     "model_parameters with MoE layers of ep_size=2 at zero_optimization.stage 1", {"groups": 1}),
+    ("moe ep vs dp", lambda: _gpt(num_experts=4, moe_ep_size=2), {}, 3, "ep_size=2 does not divide the 3 data-parallel", {}),
+    ("moe with tp", lambda: _gpt(num_experts=4), {"tensor_parallel": {"autotp_size": 2}}, 2,
+     "MoE layers \\(ep_size=1\\) with tensor_parallel.autotp_size > 1", {}),
+    ("moe with a group", lambda: _moe_with_group(), {}, 2, "already runs over an expert-parallel group", {}),
 ]
+
+
+def _moe_with_group():
+    model = _gpt(num_experts=4)
+    model.h[0].mlp.layer.ep_comm = SpyComm(2)  # a group set by hand: the engine would split the experts again
+    return model
 
 
 def _unequal():

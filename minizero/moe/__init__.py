@@ -6,6 +6,8 @@
     experts.py              Experts: E/ep two-layer MLPs per rank, sliced from the full set
     moe_layer.py            MoELayer: router -> dispatch -> all-to-all -> experts -> all-to-all -> combine
     expert_data_parallel.py reduce_gradients: dense over mesh.dp, experts over mesh.expert_dp
+    moe.py                  MoE: DeepSpeed's deepspeed.moe.layer.MoE(hidden_size, expert, num_experts, ep_size,
+                            k, capacity_factor, ...) -> (out, l_aux, exp_counts); the engine sets its ep group
 
 The groups come from the Mesh: `Mesh(comm, ep=2)` cuts each dp group into slices of 2 ranks
 (mesh.ep, the all-to-all group) and gives mesh.expert_dp (the ranks holding the same experts).
@@ -13,8 +15,9 @@ The groups come from the Mesh: `Mesh(comm, ep=2)` cuts each dp group into slices
 from minizero.moe.dispatch import all_to_all_bytes  # the module `dispatch` stays a module: MoELayer's default ops
 from minizero.moe.expert_data_parallel import gradient_bytes, is_expert, reduce_gradients
 from minizero.moe.experts import Experts
+from minizero.moe.moe import MoE
 from minizero.moe.moe_layer import MoELayer
 from minizero.moe.router import Routing, TopKRouter, capacity, load_balancing_loss
 
-__all__ = ["Experts", "MoELayer", "Routing", "TopKRouter", "all_to_all_bytes", "capacity", "gradient_bytes",
+__all__ = ["Experts", "MoE", "MoELayer", "Routing", "TopKRouter", "all_to_all_bytes", "capacity", "gradient_bytes",
            "is_expert", "load_balancing_loss", "reduce_gradients"]

@@ -49,6 +49,23 @@ class Experts(nn.Module):
             param.expert_parallel_dim = 0    # full = cat of the ep ranks' slices along dim 0
             setattr(self, name, param)
 
+    @torch.no_grad()
+    def shard(self, ep_rank: int, ep_size: int):
+        """Keep only this rank's E/ep experts of the E this module holds (built with ep_size 1): what the
+        engine does when it learns the expert-parallel group (moe/moe.py's MoE.set_expert_parallel)."""
+        if self.num_local != self.num_experts:
+            raise ValueError(f"Experts.shard: this module already holds {self.num_local} of {self.num_experts} experts")
+        if self.num_experts % ep_size:
+            raise ValueError(f"Experts: num_experts={self.num_experts} is not divisible by the expert-parallel size "
+                             f"{ep_size}: each of the {ep_size} ranks must hold the same number of experts")
+        self.num_local = self.num_experts // ep_size
+        self.first_expert = ep_rank * self.num_local
+        for name in ("w1", "b1", "w2", "b2"):
+            param = nn.Parameter(getattr(self, name)[self.first_expert:self.first_expert + self.num_local].clone())
+            param.expert_parallel = True
+            param.expert_parallel_dim = 0
+            setattr(self, name, param)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = F.gelu(torch.baddbmm(self.b1.unsqueeze(1), x, self.w1))
         return torch.baddbmm(self.b2.unsqueeze(1), hidden, self.w2)

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from minizero.moe.dispatch import expert_positions
 
 
-def capacity(tokens: int, num_experts: int, k: int, capacity_factor: float) -> int:
-    """Slots per expert: ceil(k * T * capacity_factor / E), at least 1."""
-    return max(1, math.ceil(k * tokens * capacity_factor / num_experts))
+def capacity(tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int = 1) -> int:
+    """Slots per expert: ceil(k * T * capacity_factor / E), at least min_capacity (DeepSpeed's, default 4 there)."""
+    return max(min_capacity, math.ceil(k * tokens * capacity_factor / num_experts))
 
 
 def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -78,7 +78,7 @@ class TopKRouter(nn.Module):
     """softmax(x W_g), top-k, capacity, combine weights and the balancing loss (module docstring)."""
 
     def __init__(self, hidden: int, num_experts: int, k: int = 1, capacity_factor: float = 1.25,
-                 aux_loss_coef: float = 0.01, positions=expert_positions):
+                 aux_loss_coef: float = 0.01, positions=expert_positions, min_capacity: int = 1):
         super().__init__()
         if k not in (1, 2) or k > num_experts:
             raise ValueError(f"TopKRouter: k={k}, but k must be 1 or 2 and at most num_experts={num_experts}")
@@ -90,11 +90,12 @@ class TopKRouter(nn.Module):
         self.capacity_factor = capacity_factor  # slots per expert relative to an even split
         self.aux_loss_coef = aux_loss_coef      # alpha of the balancing loss (Switch uses 1e-2)
         self.positions = positions              # the slot-assignment function (lab 12 swaps in its own)
+        self.min_capacity = min_capacity        # the fewest slots per expert (DeepSpeed's min_capacity)
 
     def forward(self, tokens: torch.Tensor) -> Routing:
         probs = F.softmax(self.gate(tokens).float(), dim=-1)   # [T, E], fp32 as every MoE code base does
         top_probs, expert_index = probs.topk(self.k, dim=-1)   # [T, k]
-        cap = capacity(tokens.shape[0], self.num_experts, self.k, self.capacity_factor)
+        cap = capacity(tokens.shape[0], self.num_experts, self.k, self.capacity_factor, self.min_capacity)
         positions, kept = self.positions(expert_index, self.num_experts, cap)
         gates = top_probs * kept
         if self.k > 1:  # DeepSpeed's top2gating: normalize over the kept choices (both dropped: 0, the residual)

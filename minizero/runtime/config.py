@@ -93,6 +93,9 @@ SCHEMA = {
         "schedule": "1f1b",                   # minizero extra: gpipe, 1f1b, interleaved_1f1b or zb_h1
         "chunks": 1,                          # minizero extra: model chunks per rank (Megatron's virtual stages)
     },
+    # DeepSpeed's key for DeepSpeed-Ulysses: cp ranks split every sequence (a Mesh cp axis); each keeps s/cp tokens,
+    # attention runs Ulysses over them (minizero/context/ulysses.py), gradients are reduced over dp x cp
+    "sequence_parallel_size": 1,
     "tensor_parallel": {
         "autotp_size": 1,                     # t: ranks that split every layer (Megatron TP); must divide the world
         "sequence_parallel": False,           # minizero extra: Megatron's SP (LayerNorms on s/t tokens), needs t > 1
@@ -226,7 +229,7 @@ MINIMUM = {
     "zero_optimization.stage3_param_persistence_threshold": (0, True),
     "zero_optimization.zero_hpz_partition_size": (1, True),
     "pipeline.stages": (1, True), "pipeline.chunks": (1, True), "pipeline.micro_batches": (1, True),
-    "tensor_parallel.autotp_size": (1, True),
+    "tensor_parallel.autotp_size": (1, True), "sequence_parallel_size": (1, True),
     "zero_optimization.offload_optimizer.dpu_warmup_steps": (0, True),
 }
 _WORDS = {"bool": "a boolean (true or false)", "int": "an integer", "number": "a number", "str": "a string",
@@ -376,14 +379,15 @@ PP_ZERO_MSG = (
 
 
 def _data_parallel_size(cfg: dict, world_size: int) -> int:
-    """The ranks that split the batch: the world over the pipeline stages and the tensor-parallel
-    ranks (DeepSpeed's dp world)."""
-    stages, tp = cfg["pipeline"]["stages"], cfg["tensor_parallel"]["autotp_size"]
-    if world_size % (stages * tp):
-        raise ConfigError(f"pipeline.stages = {stages} x tensor_parallel.autotp_size = {tp} does not divide the world "
-                          f"size {world_size}: launch a multiple of {stages * tp} ranks (the ranks beyond one "
-                          "pipeline are data parallel)")
-    return world_size // (stages * tp)
+    """The ranks that split the batch: the world over the pipeline stages, the tensor-parallel and the
+    sequence-parallel ranks (DeepSpeed's dp world: a sequence-parallel group shares its rows)."""
+    stages, tp, sp = cfg["pipeline"]["stages"], cfg["tensor_parallel"]["autotp_size"], cfg["sequence_parallel_size"]
+    if world_size % (stages * tp * sp):
+        names = f"pipeline.stages = {stages} x tensor_parallel.autotp_size = {tp}" + \
+            (f" x sequence_parallel_size = {sp}" if sp > 1 else "")
+        raise ConfigError(f"{names} does not divide the world size {world_size}: launch a multiple of "
+                          f"{stages * tp * sp} ranks (the ranks beyond one pipeline are data parallel)")
+    return world_size // (stages * tp * sp)
 
 
 def _check_pipeline(cfg: dict):

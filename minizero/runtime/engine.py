@@ -44,6 +44,18 @@ The chain (each step a function of resolve.Plan, runtime/resolve.py; docs/design
   tensor_parallel.autotp_size t > 1: a dp x tp Mesh; the model split over mesh.tp (tensor.TensorParallelGPT,
     with tensor_parallel.sequence_parallel), DDP/ZeRO over mesh.dp, the batch split over the dp ranks
     only (engine.dp_rank, engine.dp_size), clipping on the full model's norm (runtime/trainer.py).
+  sequence_parallel_size cp > 1 (DeepSpeed's key, DeepSpeed-Ulysses): a dp x cp Mesh; the model's hook
+    set_context_parallel(mesh.cp) (TinyGPT's) makes its forward take whole sequences, keep this rank's
+    contiguous s/cp tokens (positions offset) and run every attention as Ulysses (context/ulysses.py); the
+    batch is split over the dp ranks only (engine.dp_size = world / cp), the gradients are reduced (and ZeRO
+    shards) over the dp x cp ranks (engine.dp_comm; runtime/expert_strategy.py says why). Not with pipeline,
+    TP or ZeRO++ (config errors).
+  MoE layers (minizero.moe.MoE, DeepSpeed's deepspeed.moe.layer.MoE with ep_size) in the model: a Mesh with
+    ep = ep_size; each layer keeps its E/ep experts and exchanges over mesh.ep; at stage 0 dense gradients are
+    all-reduced over mesh.dp, expert ones over mesh.expert_dp, both / dp; at stage 1 each kind has its own
+    ZeRO-1 optimizer over its group (runtime/expert_strategy.py); the clip counts every expert once. ZeRO-2/3,
+    offload, param groups at stage 1, pipeline, TP, CP and checkpoints with ep_size > 1 are refused (config
+    errors; NotImplementedError for a checkpoint).
   offload_optimizer.device cpu (stages 1-3; zero/offload.py, ZeRO-Offload): fp32 masters, gradients and
     the optimizer state of this rank's shard on the host, torch's fused CPU optimizer; each boundary moves
     the reduced gradient shard down (ZeRO-3: each unit's gradient as backward produces it), unscales, votes
@@ -73,8 +85,13 @@ from minizero import memory
 from minizero.activation_checkpointing import checkpoint_blocks
 from minizero.runtime import checkpoint
 from minizero.runtime.chain import model_names, strategy_part
+from minizero.runtime.expert_strategy import (
+    ExpertDDPStrategy,
+    ExpertZero1Strategy,
+    dp_cp_group,
+)
 from minizero.runtime.pipeline_engine import PipelineEngine
-from minizero.runtime.resolve import Plan, optimizer_spec, resolve  # noqa: F401  (optimizer_spec: tests)
+from minizero.runtime.resolve import Plan, moe_layers, optimizer_spec, resolve  # noqa: F401  (optimizer_spec: tests)
 from minizero.runtime.strategies import STRATEGIES, norm_weights
 from minizero.runtime.trainer import TrainerCore, shares_core
 
@@ -128,13 +145,19 @@ class Engine:
         self.zero_init = plan.zero_init  # built under zero.Init: FSDP materializes it unit by unit
         # what a checkpoint maps back to the plain model (before TP splits it and ZeRO-3 removes its parameters)
         _, self.aliases, self.state_dict_keys, self.param_shapes = model_names(model)
-        # 1. tensor parallel: a dp x tp Mesh and the model split over mesh.tp (in place), or neither
+        # 1. tensor, context, expert parallel: a dp x cp x tp Mesh (ep slices of dp), the model split over mesh.tp
+        #    (in place), told its cp group (Ulysses) and its MoE layers their ep group; or none of it
         self.mesh = None
-        if plan.tp_size > 1:
+        if plan.tp_size > 1 or plan.cp_size > 1 or plan.ep_size > 1:
             from minizero.comm import Mesh
+            self.mesh = Mesh(comm, tp=plan.tp_size, cp=plan.cp_size, ep=plan.ep_size)
+        if plan.tp_size > 1:
             from minizero.tensor import TensorParallelGPT
-            self.mesh = Mesh(comm, tp=plan.tp_size)
             model = TensorParallelGPT(model, self.mesh.tp, cfg["tensor_parallel"]["sequence_parallel"])
+        if plan.cp_size > 1:
+            model.set_context_parallel(self.mesh.cp)  # TinyGPT: s/cp tokens per rank, Ulysses attention
+        for layer in moe_layers(model) if plan.ep_size > 1 else []:
+            layer.set_expert_parallel(self.mesh.ep)   # each rank keeps E/ep experts
         self.module = model          # the plain model (DeepSpeed's engine.module); with TP its parallel version
         self.name_of, _, _, _ = model_names(model)  # {id(parameter): name} of what this rank holds
         self.local_shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}  # TP: slices
@@ -143,15 +166,21 @@ class Engine:
                          for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "tensor_parallel_dim")}
         # 2. activation checkpointing (a TP split converted the blocks in place: they stay checkpointed)
         self.checkpointed_blocks = checkpoint_blocks(model) if cfg["activation_checkpointing"] is not None else []
-        self.dp_comm = self.mesh.dp if self.mesh else comm  # the ranks that split the batch and reduce gradients
-        self.dp_rank, self.dp_size = self.dp_comm.rank, self.dp_comm.size  # which micro-batch is this rank's
+        # the ranks that reduce the gradients (and shard ZeRO's states): dp, or dp x cp with sequence parallelism
+        self.dp_comm = (dp_cp_group(self.mesh) if plan.cp_size > 1 else self.mesh.dp) if self.mesh else comm
+        batch_comm = self.mesh.dp if self.mesh else comm  # the ranks that split the batch (a cp group shares rows)
+        self.dp_rank, self.dp_size = batch_comm.rank, batch_comm.size  # which micro-batch is this rank's
         # 3. precision: the model in its training dtype (zero.Init's recorder rounds as model.to(dtype) would)
         if self.zero_init is not None:
             self.zero_init.dtype = self.dtype if self.half else None
         else:
             model.to(self.device, self.dtype if self.half else None)
         # 4. the data-parallel strategy, offload a part of it
-        self.strategy = STRATEGIES[plan.stage](model, self.dp_comm, strategy_part(plan, model, self.dp_comm, mesh))
+        part = strategy_part(plan, model, self.dp_comm, mesh)
+        if plan.ep_size > 1:  # MoE: experts reduced over mesh.expert_dp, dense parameters over mesh.dp
+            self.strategy = (ExpertDDPStrategy if plan.stage == 0 else ExpertZero1Strategy)(model, self.mesh, part)
+        else:
+            self.strategy = STRATEGIES[plan.stage](model, self.dp_comm, part)
         self.node_mesh = self.strategy.part.zeropp["mesh"] if self.strategy.part.zeropp else None
         self.wrapped = self.strategy.wrapped
         self.offload = self.strategy.offload
@@ -229,17 +258,21 @@ class Engine:
 
     def weight_of(self):
         """name -> its weight in the global norm (trainer.py), or None when every element counts once."""
-        if self.mesh is None:
+        if self.mesh is None or self.mesh.tp_size == 1 and self.mesh.ep_size == 1:
             return None
         t, split = self.mesh.tp_size, self.tp_split
-        return lambda name: 1.0 if name in split else 1.0 / t
+        expert = self.strategy.expert_names(self.param_names) if self.mesh.ep_size > 1 else set()
+        copies = self.mesh.dp_size // self.mesh.ep_size
+        # an expert's gradient is held whole by the dp/ep ranks of its expert_dp group: summed over the world once
+        return lambda name: (1.0 if name in split else 1.0 / t) / (copies if name in expert else 1)
 
     def clip(self, grads) -> float:
         weight_of = self.weight_of()
         weights = norm_weights(grads, self.strategy.grad_names(self.param_names) if weight_of else None,
                                weight_of, self.device)
         return self.core.clip(grads, weights, self.world if self.strategy.shards else None,
-                              [self.mesh.tp] if self.mesh is not None and self.strategy.has_replicated else [])
+                              [self.mesh.tp] if self.mesh is not None and self.mesh.tp_size > 1
+                              and self.strategy.has_replicated else [])
 
     def zero_grad(self):
         self.strategy.zero_grad()
@@ -261,11 +294,13 @@ class Engine:
     def save_checkpoint(self, save_dir, tag=None, client_state=None):
         """Every rank writes its shard; see minizero.runtime.checkpoint. A collective. client_state: plain data
         (numbers, strings, lists, dicts, tensors), handed back by load_checkpoint."""
+        self._check_checkpointable()
         self.strategy.finish_offload()  # DPU: the checkpoint holds the update in flight
         return checkpoint.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir, tag=None):
         """-> (path, client_state), as DeepSpeed. Validates everything before changing anything."""
+        self._check_checkpointable()
         out = checkpoint.load(self, load_dir, tag)
         if self.offload is not None:
             self.offload.steps = self.global_steps - self.skipped_steps  # DPU's warm-up resumes where it was
@@ -273,10 +308,18 @@ class Engine:
 
     def full_state_dict(self) -> dict:
         """The plain model's state dict in fp32, on every rank (a collective: gathers the shards)."""
+        self._check_checkpointable()
         self.strategy.finish_offload()
         return checkpoint.full_state_dict(self)
 
     # ------------------------------------------------------------------ what a checkpoint asks
+    def _check_checkpointable(self):
+        """Every rank alike, before any collective: the checkpoint format has no key for an expert slice."""
+        if self.plan.ep_size > 1:
+            raise NotImplementedError(f"checkpoints of an engine with expert parallelism (ep_size={self.plan.ep_size}) "
+                                      "are not implemented: each ep rank holds other experts under the same names, "
+                                      "and the format keys only tensor-parallel slices (name@tp{k})")
+
     def checkpoint_layout(self) -> dict:
         """How this job's ranks split the model: tp slices are saved under name@tp{k} (runtime/checkpoint.py)."""
         return {"dp": self.dp_size, "pp": 1, "tp": self.mesh.tp_size if self.mesh is not None else 1,
@@ -284,7 +327,7 @@ class Engine:
 
     def checkpoint_key(self, name: str) -> str | None:
         """The key this rank saves parameter `name` under (None: another rank saves it)."""
-        return name if self.mesh is None else f"{name}@tp{self.mesh.tp_rank}"
+        return name if self.mesh is None or self.mesh.tp_size == 1 else f"{name}@tp{self.mesh.tp_rank}"
 
     def checkpoint_keys(self) -> list:
         """[(key, shape)] of every trained tensor this rank holds a part of."""

@@ -22,7 +22,7 @@ from minizero.runtime.schedulers import build_scheduler
 class Plan(NamedTuple):
     config: dict             # the checked config, every default filled in (config.py)
     world_size: int          # ranks in the job
-    dp_size: int             # ranks that split the batch (world / (pp x tp))
+    dp_size: int             # ranks that split the batch (world / (pp x tp x cp))
     pp_size: int             # pipeline stages
     tp_size: int             # tensor-parallel ranks
     stage: int               # the ZeRO stage: strategies.STRATEGIES[stage] is the data-parallel strategy
@@ -32,6 +32,8 @@ class Plan(NamedTuple):
     groups: list | None      # model_parameters as param groups (None: one group)
     zero_init: object        # the zero.Init recorder the model was built under, or None
     offload: object          # a zero.tiers.OffloadSpec (DeepSpeed's offload sections), or None
+    cp_size: int = 1         # sequence_parallel_size: ranks splitting each sequence (DeepSpeed-Ulysses)
+    ep_size: int = 1         # the model's MoE layers' ep_size: ranks sharing out the experts
 
     @property
     def half(self) -> bool:
@@ -135,6 +137,71 @@ def _check_tensor_parallel(model, cfg: dict):
         raise ConfigError(str(e)) from None
 
 
+def _check_sequence_parallel(model, cfg: dict):
+    """sequence_parallel_size cp > 1 (DeepSpeed-Ulysses): a model with the hook, heads and length divisible."""
+    cp = cfg["sequence_parallel_size"]
+    if cp == 1:
+        return
+    for key, on in (("pipeline.stages > 1", cfg["pipeline"]["stages"] > 1),
+                    ("tensor_parallel.autotp_size > 1", cfg["tensor_parallel"]["autotp_size"] > 1)):
+        if on:
+            raise ConfigError(f"sequence_parallel_size={cp} with {key}: not implemented in minizero's engine (the "
+                              "mechanisms compose: tests/test_context.py runs dp x cp x tp); use one of them")
+    zero = cfg["zero_optimization"]
+    if zero["zero_quantized_weights"] or zero["zero_quantized_gradients"] or zero["zero_hpz_partition_size"] > 1:
+        raise ConfigError(f"sequence_parallel_size={cp} with ZeRO++: not implemented (ZeroPP's nodes are cut from "
+                          "the whole world); turn ZeRO++ off or set sequence_parallel_size 1")
+    if not hasattr(model, "set_context_parallel"):
+        raise ConfigError(f"sequence_parallel_size={cp} needs a model that takes the context-parallel group: "
+                          f"set_context_parallel(comm), then whole sequences in forward (minizero.models.TinyGPT has "
+                          f"it); {type(model).__name__} has none")
+    gpt = model.config
+    if gpt.n_head % cp:
+        raise ConfigError(f"sequence_parallel_size={cp}: Ulysses gives each of the {cp} ranks n_head/cp whole heads, "
+                          f"but the model has {gpt.n_head} heads; use a sequence_parallel_size that divides {gpt.n_head}")
+    if gpt.block_size % cp:
+        raise ConfigError(f"sequence_parallel_size={cp}: each rank keeps seq_len/cp tokens, and block_size "
+                          f"{gpt.block_size} is not divisible by {cp}; use a sequence_parallel_size that divides it")
+
+
+def moe_layers(model) -> list:
+    """The model's minizero.moe.MoE layers (DeepSpeed's deepspeed.moe.layer.MoE)."""
+    from minizero.moe import MoE
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def _expert_parallel_size(model, cfg: dict, world_size: int) -> int:
+    """The ep_size of the model's MoE layers (1 without), checked against the config."""
+    from minizero.moe import MoELayer
+    split = [n for n, m in model.named_modules() if isinstance(m, MoELayer) and m.ep_comm is not None]
+    if split:
+        raise ConfigError(f"{split[0]} already runs over an expert-parallel group: the engine splits the experts itself; "
+                          "build the model with minizero.moe.MoE(..., ep_size=N) and no group")
+    layers = moe_layers(model)
+    if not layers:
+        return 1
+    sizes = sorted({m.ep_size for m in layers})
+    if len(sizes) > 1:
+        raise ConfigError(f"the model's MoE layers have different ep_size {sizes}: minizero's engine builds one "
+                          "expert-parallel group; give every layer the same ep_size")
+    ep, zero = sizes[0], cfg["zero_optimization"]
+    for key, on in (("pipeline.stages > 1", cfg["pipeline"]["stages"] > 1),
+                    ("tensor_parallel.autotp_size > 1", cfg["tensor_parallel"]["autotp_size"] > 1),
+                    ("sequence_parallel_size > 1", cfg["sequence_parallel_size"] > 1),
+                    (f"zero_optimization.stage {zero['stage']}", ep > 1 and zero["stage"] > 1),
+                    ("offload_optimizer", ep > 1 and zero["offload_optimizer"]["device"] != "none")):
+        if on:
+            raise ConfigError(f"a model with MoE layers (ep_size={ep}) with {key}: not implemented in minizero's "
+                              "engine, which runs MoE layers without pipeline, tensor or sequence parallelism and "
+                              "reduces expert parameters over expert_dp (ep_size > 1) at ZeRO stages 0 and 1, without "
+                              "offload (DeepSpeed-MoE also takes ZeRO-2)")
+    dp = world_size // (cfg["pipeline"]["stages"] * cfg["tensor_parallel"]["autotp_size"] * cfg["sequence_parallel_size"])
+    if dp % ep:
+        raise ConfigError(f"the MoE layers' ep_size={ep} does not divide the {dp} data-parallel ranks: experts are "
+                          f"shared out over slices of ep consecutive ranks; launch a multiple of {ep} ranks")
+    return ep
+
+
 def pipeline_parts(model):
     """The model cut for a pipeline: a PipelineModel, or what model.pipeline_parts() gives (TinyGPT)."""
     from minizero.pipeline import PipelineModel
@@ -192,7 +259,9 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
         if where is not None and where.type != "cpu":
             raise ConfigError("offload_param is implemented for CPU runs only (where the host shard and its device "
                               "copy are both host memory); on CUDA remove offload_param, keep offload_optimizer")
-    groups, zero_init = None, None
+    groups, zero_init, ep, cp = None, None, 1, cfg["sequence_parallel_size"]
+    if model is None and cp > 1 and (pipe["stages"] > 1 or tp > 1):
+        _check_sequence_parallel(None, cfg)  # the rules that need no model
     if model is not None:
         if cfg["activation_checkpointing"] is not None and pipe["stages"] == 1:
             from minizero.activation_checkpointing import repeated_blocks
@@ -200,7 +269,9 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
                 raise ConfigError(f"activation_checkpointing: {type(model).__name__} has no nn.ModuleList of blocks "
                                   "to checkpoint: remove the section, or call minizero.activation_checkpointing."
                                   "checkpoint_blocks(model, ['layer1', ...]) yourself")
+        ep = _expert_parallel_size(model, cfg, world_size)  # first: TP's own checks do not know MoE blocks
         _check_tensor_parallel(model, cfg)
+        _check_sequence_parallel(model, cfg)
         if pipe["stages"] > 1:
             _check_pipeline_model(model, cfg)
         if model_parameters is not None:
@@ -209,6 +280,10 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
                 groups = covering_param_groups(model, model_parameters, "model_parameters")
             except (TypeError, ValueError) as e:
                 raise ConfigError(str(e)) from None
+        if groups and ep > 1 and zero["stage"] == 1:
+            raise ConfigError(f"model_parameters with MoE layers of ep_size={ep} at zero_optimization.stage 1 is not "
+                              "implemented: the dense and the expert parameters get one ZeRO-1 optimizer each, of one "
+                              "group; leave model_parameters out, or use stage 0")
         if groups and len(groups) > 1 and offload is not None and offload.device == "nvme":
             raise ConfigError(f"model_parameters has {len(groups)} param groups, but offload_optimizer nvme steps its "
                               "sub-groups as ONE group: pass one group (its lr/weight_decay apply), or offload to "
@@ -223,5 +298,5 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
         if zero_init is not None and zero["stage"] != 3:
             raise ConfigError(f"a model built under zero.Init needs ZeRO stage 3, got stage {zero['stage']}")
     dtype = torch.float16 if cfg["fp16"]["enabled"] else torch.bfloat16 if cfg["bf16"]["enabled"] else torch.float32
-    return Plan(cfg, world_size, world_size // (pipe["stages"] * tp), pipe["stages"], tp, zero["stage"], dtype,
-                cls, kw, groups, zero_init, offload)
+    return Plan(cfg, world_size, world_size // (pipe["stages"] * tp * cp), pipe["stages"], tp, zero["stage"], dtype,
+                cls, kw, groups, zero_init, offload, cp, ep)

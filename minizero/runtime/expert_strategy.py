@@ -1,0 +1,137 @@
+"""The data-parallel pieces that sequence and expert parallelism add to the engine's chain.
+
+dp_cp_group(mesh): with sequence_parallel_size cp > 1 every rank of a cp group computes the gradient of
+its own s/cp tokens' loss (Ulysses' all-to-all backward routes each rank's share home), so the mean
+over the global batch is the average over the dp x cp ranks (Megatron-LM reduces over "dp with cp" the
+same way). The data-parallel strategy, whatever the ZeRO stage, runs over that group.
+
+ExpertDDPStrategy / ExpertZero1Strategy (stage 0 / 1 with MoE layers of ep_size > 1, DeepSpeed-MoE's expert-data parallelism):
+dense gradients all-reduced over mesh.dp, expert ones over mesh.expert_dp (dp/ep ranks), both divided
+by dp (minizero/moe/expert_data_parallel.py gives the equation and the bytes). Gradients accumulate
+locally until the boundary (one reduction per step, as DDP's no_sync); ZeRO-1 reduce-scatters each group's
+flat buffer over its own group instead. For the global norm at stage 0 the expert
+gradients count as `sharded` (each ep rank holds other experts), weighted 1/(dp/ep) by the engine
+because dp/ep ranks hold each one (runtime/engine.py weight_of).
+"""
+from __future__ import annotations
+
+import torch
+
+from minizero.runtime.strategies import DDPStrategy, Grads, Strategy
+
+
+def dp_cp_group(mesh):
+    """The ranks with this rank's (pp, tp) coordinates: dp x cp of them, ordered by (d, c)."""
+    d, p, c, t = mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank
+    return mesh.world.split(p * mesh.tp_size + t, d * mesh.cp_size + c,
+                            name=f"dp_cp{mesh.grid[:, p, :, t].reshape(-1).tolist()}")
+
+
+class ExpertDDPStrategy(DDPStrategy):
+    """Stage 0 with experts: every rank holds its dense parameters and E/ep experts whole (module docstring)."""
+
+    shards = True  # the expert gradients differ across the ep ranks: their squares add up over the world
+
+    def __init__(self, model, mesh, part):
+        Strategy.__init__(self, model, mesh.dp, part)
+        from minizero.moe import is_expert
+        from minizero.precision import MixedPrecisionOptimizer
+        self.mesh = mesh     # dense gradients over mesh.dp, expert ones over mesh.expert_dp
+        self.ddp = None      # no wrapper: reduced_grads does both all-reduces at the boundary
+        self.params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+        self.expert = {id(p) for p in self.params if is_expert(p)}  # param.expert_parallel (moe/experts.py)
+        # one start on every rank: the dense parameters and buffers of dp rank 0, each expert's of its group's first
+        mesh.dp.broadcast_tensors([p for p in model.parameters() if id(p) not in self.expert] + list(model.buffers()))
+        mesh.expert_dp.broadcast_tensors([p for p in self.params if id(p) in self.expert])
+        kw = part.optimizer_kwargs
+        self.optimizer = MixedPrecisionOptimizer(part.groups or self.params, part.optimizer_cls, None, 0.0, mesh.dp,
+                                                 **kw) if part.half else part.optimizer_cls(part.groups or self.params, **kw)
+
+    def forward_prelude(self):
+        if torch.is_grad_enabled():  # no wrapper: rank 0's buffers, as DDP does
+            self.mesh.dp.broadcast_tensors(list(self.model.buffers()))
+
+    def expert_names(self, name_of) -> set:
+        return {name_of[id(p)] for p in self.params if id(p) in self.expert}
+
+    def reduced_grads(self) -> Grads:
+        from minizero.moe import reduce_gradients
+        reduce_gradients(self.model, self.mesh.dp, self.mesh.expert_dp)
+        grads = super().reduced_grads().replicated  # in _trained() order (fp32 masters' under 16 bits)
+        trained = [p for p, _ in self._trained() if p.grad is not None]
+        return Grads([g for p, g in zip(trained, grads) if id(p) in self.expert],
+                     [g for p, g in zip(trained, grads) if id(p) not in self.expert])
+
+    def grad_names(self, name_of):
+        trained = [p for p, _ in self._trained() if p.grad is not None]
+        return ([name_of[id(p)] for p in trained if id(p) in self.expert],
+                [name_of[id(p)] for p in trained if id(p) not in self.expert])
+
+
+class ExpertZero1Strategy(Strategy):
+    """Stage 1 with experts: two ZeRO-1 optimizers (zero.ShardedOptimizer), the dense parameters' sharded over
+    mesh.dp and the experts' over mesh.expert_dp (DeepSpeed-MoE shards each over its own group). The expert
+    shard is averaged over dp/ep ranks by its reduce-scatter, then divided by ep: / dp in all (module docstring).
+    Both shards are `sharded` gradients: over the world each element is held once. The scheduler drives the
+    dense optimizer (engine.optimizer); its hyperparameters are copied to the expert one before each step."""
+
+    has_replicated = False
+
+    def __init__(self, model, mesh, part):
+        super().__init__(model, mesh.dp, part)
+        from minizero.moe import is_expert
+        from minizero.zero.sharded_optimizer import ShardedOptimizer
+        params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+        self.mesh = mesh         # dense over mesh.dp, experts over mesh.expert_dp
+        self.expert = {id(p) for p in params if is_expert(p)}
+        comm_of = {"dense": mesh.dp, "expert": mesh.expert_dp}
+        mesh.dp.broadcast_tensors([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
+        self.optimizers = {kind: ShardedOptimizer([p for p in params if (id(p) in self.expert) == (kind == "expert")],
+                                                  part.optimizer_cls, comm_of[kind], **part.optimizer_kwargs)
+                           for kind in ("dense", "expert")}
+        self.optimizer = self.optimizers["dense"]  # what the engine's scheduler drives
+        self._shards = None
+
+    def forward_prelude(self):
+        if torch.is_grad_enabled():
+            self.mesh.dp.broadcast_tensors(list(self.model.buffers()))
+
+    def expert_names(self, name_of) -> set:
+        return set()  # each expert element is in one shard of the world: no weight for the norm
+
+    def reduced_grads(self) -> Grads:
+        from minizero import memory
+        dense = self.optimizers["dense"].reduce_gradients()
+        # both shards live at once, each ShardedOptimizer books its own as "zero1.grad_shard": rename the first
+        memory.transient.free("zero1.grad_shard")
+        memory.transient.alloc("zero1.grad_shard.dense", dense)
+        expert = self.optimizers["expert"].reduce_gradients()
+        expert.div_(self.mesh.ep_size)  # averaged over dp/ep ranks; the global mean divides by dp
+        self._shards = [opt.gradient_for_step(g) for opt, g in zip(self.optimizers.values(), (dense, expert))]
+        return Grads(list(self._shards), [])
+
+    def grad_names(self, name_of):
+        """Per shard: [(name, shard_lo, numel)] of the pieces this rank holds, and the shard's size."""
+        return [([(name_of[id(opt.params[pc.index])], pc.shard_lo, pc.hi - pc.lo) for pc in opt.layout.pieces(opt.comm.rank)],
+                 opt.layout.shard_numel) for opt in self.optimizers.values()], []
+
+    @torch.no_grad()
+    def apply(self):
+        dense, expert = self.optimizers["dense"], self.optimizers["expert"]
+        for mine, theirs in zip(expert.param_groups, dense.param_groups):  # the scheduler's lr reaches the experts
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+        for opt, shard in zip(self.optimizers.values(), self._shards):
+            opt.step_gradient(shard)
+
+    def zero_grad(self):
+        from minizero import memory
+        dense, expert = self.optimizers["dense"], self.optimizers["expert"]
+        expert.zero_grad()  # frees its "zero1.grad_shard"
+        if dense._grad_shard is not None:  # the name dense's zero_grad frees
+            memory.transient.free("zero1.grad_shard.dense")
+            memory.transient.alloc("zero1.grad_shard", dense._grad_shard)
+        dense.zero_grad()
+        self._shards = None
+
+    def memory_objects(self):
+        return (self.model, *self.optimizers.values())
