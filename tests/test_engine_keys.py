@@ -104,3 +104,22 @@ def test_moe_ep_size_2_trains_like_one_process_with_the_same_routing(stage, expe
     init = TinyGPT(GPTConfig(**{**W.MOE, "moe_ep_size": 1})).state_dict()
     # the experts trained, each tensor by more than 20x the tolerance (w1 moves least: 7e-5, the clip is active)
     assert all((w - init[n]).abs().max() > 20 * ATOL for n, w in experts.items())
+
+
+def test_moe_takes_deepspeeds_arguments_and_refuses_what_it_does_not_implement():
+    from minizero.models import GPTMLP
+    from minizero.moe import MoE
+    layer = MoE(32, GPTMLP(GPTConfig(n_embd=32)), num_experts=4, ep_size=2, k=2, min_capacity=3)
+    assert layer.layer.experts.w1.shape == (4, 32, 128)  # f read from the module's first Linear; all E experts
+    x = torch.randn(2, 5, 32)
+    out, l_aux, counts = layer(x)
+    probs = torch.softmax(layer.layer.router.gate(x.reshape(10, 32)), -1)
+    first = torch.bincount(probs.argmax(-1), minlength=4)
+    assert out.shape == (2, 5, 32) and counts.tolist() == first.tolist()  # exp_counts: the first choices per expert
+    # l_aux unscaled (DeepSpeed's: the user weighs it): E sum_i f_i P_i
+    torch.testing.assert_close(l_aux, 4 * (first.float() / 10 * probs.mean(0)).sum())
+    assert layer.layer.last_routing.capacity == 5  # max(min_capacity 3, ceil(2 * 10 * 1.0 / 4) = 5)
+    for bad, words in (({"use_rts": True}, "use_rts=True is not implemented"), ({"ep_size": 3}, "ep_size=3 must"),
+                       ({"drop_tokens": False}, "drop_tokens=False"), ({"expert": torch.nn.Linear(32, 32)}, "two nn.Linear")):
+        with pytest.raises(ValueError, match=words):
+            MoE(**{"hidden_size": 32, "expert": 64, "num_experts": 4, **bad})

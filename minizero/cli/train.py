@@ -138,7 +138,8 @@ def describe(engine) -> str:
     mesh = engine.mesh
     if mesh is None:
         return f"ZeRO stage {engine.stage}"
-    return f"ZeRO stage {engine.stage}, dp {mesh.dp_size} x pp {mesh.pp_size} x tp {mesh.tp_size}"
+    extra = (f" x cp {mesh.cp_size}" if mesh.cp_size > 1 else "") + (f", ep {mesh.ep_size}" if mesh.ep_size > 1 else "")
+    return f"ZeRO stage {engine.stage}, dp {mesh.dp_size} x pp {mesh.pp_size} x tp {mesh.tp_size}{extra}"
 
 
 def summary(result, ledgers, out=sys.stdout):
