@@ -44,6 +44,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minizero.comm.labels import labelled
+
 BITS = (4, 8)
 CHUNK_NUMEL = 1 << 16  # encode/decode a quarter-MB of fp32 at a time: 3x faster than whole 3M-element tensors
 
@@ -133,35 +135,71 @@ def _step(block_numel, bits):
     return 2 * step if bits == 4 and step % 2 else step
 
 
+def _pack_int4_into(codes, out):
+    """pack_int4's bytes for int8 codes [rows, m], m even, written into uint8 `out` [rows, m // 2]; codes is
+    overwritten (+8, then its odd columns shifted): two in-place passes and one into `out`, no temporaries."""
+    codes.add_(8)
+    high = codes[:, 1::2]
+    high.bitwise_left_shift_(4)  # int8: 15 << 4 wraps to -16, the same bits as uint8's 240
+    torch.bitwise_or(codes[:, 0::2], high, out=out.view(torch.int8))
+
+
+def _unpack_int4_into(packed, buf):
+    """unpack_int4's codes (both nibbles of every byte, 2 x packed's columns) written into int8 `buf`."""
+    pairs = buf.view(buf.shape[0], -1, 2)
+    torch.bitwise_and(packed, 15, out=pairs[..., 0].view(torch.uint8))
+    torch.bitwise_right_shift(packed, 4, out=pairs[..., 1].view(torch.uint8))
+    buf.sub_(8)
+
+
+@labelled("mz.quantize.encode")  # a profiler range (comm/labels.py)
 def encode(x, block_numel, bits):
     """Rows of x -> uint8 rows [codes (packed for int4) | fp32 scales as bytes], one buffer to send.
-    Quantized a chunk of columns at a time: identical codes, but each pass stays in the cache."""
+    Quantized a chunk of columns at a time: identical codes, but each pass stays in the cache, and
+    each chunk's codes are written (packed) straight into the buffer that is sent."""
     x = _rows(x)
-    codes, scales = [], []
-    for start in range(0, x.shape[1], _step(block_numel, bits)):
-        chunk_codes, chunk_scales = quantize_blockwise(x[:, start:start + _step(block_numel, bits)], block_numel, bits)
-        codes.append(pack_int4(chunk_codes) if bits == 4 else chunk_codes.view(torch.uint8))
+    rows, n = x.shape
+    code_bytes = -(-n // 2) if bits == 4 else n
+    wire = torch.empty(rows, code_bytes + 4 * -(-n // block_numel), dtype=torch.uint8, device=x.device)
+    scales = []
+    step = _step(block_numel, bits)
+    for start in range(0, n, step):
+        chunk_codes, chunk_scales = quantize_blockwise(x[:, start:start + step], block_numel, bits)
+        width = chunk_codes.shape[1]
+        if bits == 8:
+            wire[:, start:start + width].copy_(chunk_codes.view(torch.uint8))
+        elif width % 2:  # the last chunk of an odd row: pad one code, as pack_int4 does
+            wire[:, start // 2:start // 2 + (width + 1) // 2].copy_(pack_int4(chunk_codes))
+        else:
+            _pack_int4_into(chunk_codes, wire[:, start // 2:start // 2 + width // 2])
         scales.append(chunk_scales)
-    return torch.cat(codes + [torch.cat(scales, dim=1).view(torch.uint8)], dim=1)
+    wire[:, code_bytes:].copy_(torch.cat(scales, dim=1).view(torch.uint8))
+    return wire
 
 
+@labelled("mz.quantize.decode")
 def decode(wire, n, block_numel, bits, out=None, sum_rows=False):
     """Inverse of encode: uint8 rows -> rows of n values, written into `out` (any float dtype) if given,
     else a new fp32 tensor; sum_rows: their fp32 sum instead, one row of n. A chunk of columns at a
-    time, like encode."""
+    time, like encode (int4 codes unpacked into one reused buffer)."""
     code_bytes = -(-n // 2) if bits == 4 else n
     scales = wire[:, code_bytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # aligned
     if out is None:
         out = torch.empty(n, device=wire.device) if sum_rows else torch.empty(wire.shape[0], n, device=wire.device)
     step = _step(block_numel, bits)
+    unpacked = torch.empty(wire.shape[0], step + 1, dtype=torch.int8, device=wire.device) if bits == 4 else None
     for start in range(0, n, step):
         stop = min(n, start + step)
         if bits == 4:  # start is even: byte start // 2 holds codes start and start + 1
-            codes = unpack_int4(wire[:, start // 2:(stop + 1) // 2], stop - start)
+            packed = wire[:, start // 2:(stop + 1) // 2]
+            _unpack_int4_into(packed, unpacked[:, :2 * packed.shape[1]])
+            codes = unpacked[:, :stop - start]
         else:
             codes = wire[:, start:stop].view(torch.int8)
         values = dequantize_blockwise(codes, scales[:, start // block_numel:-(-stop // block_numel)], block_numel)
-        if sum_rows:
+        if sum_rows and values.shape[0] == 2:  # v0 + v1, as the sum over two rows (never -0.0: code * scale)
+            torch.add(values[0], values[1], out=out[start:stop])
+        elif sum_rows:
             torch.sum(values, dim=0, out=out[start:stop])
         else:
             out[:, start:stop] = values
