@@ -63,7 +63,8 @@ class CausalSelfAttention(nn.Module):
         # out as [q | k | v]. Megatron splits this layer by columns, c_proj by rows.
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.cp_comm = None  # the context-parallel group (TinyGPT.set_context_parallel): Ulysses over it
+        self.cp_comm = None  # the context-parallel group (TinyGPT.set_context_parallel): attention over it
+        self.cp_ring = False  # True: ring attention on two mirrored chunks per rank; False: Ulysses
 
     def forward(self, x):
         qkv = self.c_attn(x)
@@ -75,7 +76,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.chunk(3, dim=-1)
         nh = q.size(-1) // self.head_dim
         q, k, v = (t.view(B, T, nh, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        if self.cp_comm is not None:  # T = this rank's s/cp tokens: DeepSpeed-Ulysses over the cp group
+        if self.cp_comm is not None and self.cp_ring:  # T = this rank's two mirrored chunks of s/(2cp) tokens
+            from minizero.context.ring_attention import ring_attention
+            y = ring_attention(q, k, v, self.cp_comm, causal=True, balanced=True)
+        elif self.cp_comm is not None:  # T = this rank's s/cp tokens: DeepSpeed-Ulysses over the cp group
             from minizero.context.ulysses import ulysses_attention
             y = ulysses_attention(q, k, v, self.cp_comm, causal=True)
         else:
@@ -146,26 +150,35 @@ class TinyGPT(nn.Module):
             # its dot product with v's input embedding. Saves vocab*n_embd parameters.
             self.lm_head.weight = self.wte.weight
         self.cp_comm = None  # the context-parallel group: forward keeps this rank's s/cp tokens (set_context_parallel)
+        self.cp_ring = False  # which of them: contiguous (Ulysses) or two mirrored chunks (ring attention)
         self.reset_parameters(seed)
 
-    def set_context_parallel(self, comm):
+    def set_context_parallel(self, comm, attention: str = "ulysses"):
         """The engine's hook (sequence_parallel_size): from now on forward takes whole sequences, keeps this
-        rank's contiguous s/cp of them (positions offset), and every attention runs DeepSpeed-Ulysses over
-        `comm`; logits and loss are those of this rank's tokens (the engine averages over dp x cp)."""
-        from minizero.context.ulysses import check_heads
-        check_heads(self.config.n_head, comm.size)
-        self.cp_comm = comm
+        rank's s/cp tokens of them (their positions), and every attention runs over `comm`: "ulysses"
+        (DeepSpeed-Ulysses on contiguous shards) or "ring" (ring attention on chunks r and 2cp-1-r, causal
+        load balancing; context/layout.py). Logits and loss are this rank's tokens' (in that order); the
+        engine averages over dp x cp."""
+        if attention not in ("ulysses", "ring"):
+            raise ValueError(f"set_context_parallel: attention {attention!r} is not 'ulysses' or 'ring'")
+        if attention == "ulysses":
+            from minizero.context.ulysses import check_heads
+            check_heads(self.config.n_head, comm.size)
+        self.cp_comm, self.cp_ring = comm, attention == "ring"
         for block in self.h:
-            block.attn.cp_comm = comm
+            block.attn.cp_comm, block.attn.cp_ring = comm, self.cp_ring
 
     def _context_slice(self, idx, targets):
-        """(idx, targets, first position) of this rank's contiguous s/cp tokens."""
+        """(idx, targets, positions) of this rank's tokens (context/layout.py's shard_sequence)."""
+        from minizero.context.layout import check_sequence, shard_sequence
         cp, rank, T = self.cp_comm.size, self.cp_comm.rank, idx.shape[1]
-        if T % cp:
-            raise ValueError(f"sequence length {T} is not divisible by sequence_parallel_size {cp}: each "
-                             f"context-parallel rank takes T/cp tokens")
-        mine = slice(rank * T // cp, (rank + 1) * T // cp)
-        return idx[:, mine], None if targets is None else targets[:, mine], mine.start
+        try:
+            check_sequence(T, cp, self.cp_ring)
+        except ValueError as e:
+            raise ValueError(f"sequence_parallel_size {cp}: {e}") from None
+        mine = lambda t: shard_sequence(t, rank, cp, self.cp_ring, dim=t.dim() - 1)  # noqa: E731
+        positions = mine(torch.arange(T, device=idx.device))
+        return mine(idx), None if targets is None else mine(targets), positions
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0):
@@ -192,10 +205,10 @@ class TinyGPT(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        start = 0
+        positions = None
         if self.cp_comm is not None:
-            idx, targets, start = self._context_slice(idx, targets)
-        x = GPTEmbed.forward(self, idx, start)  # the code the pipeline's first and last stage run (pipeline_parts)
+            idx, targets, positions = self._context_slice(idx, targets)
+        x = GPTEmbed.forward(self, idx, positions)  # the code the pipeline's first and last stage run (pipeline_parts)
         for block in self.h:
             x = block(x)
         logits = GPTHead.forward(self, x)
@@ -225,9 +238,11 @@ class GPTEmbed(nn.Module):
         self.wte = wte
         self.wpe = wpe
 
-    def forward(self, idx, start: int = 0):
-        """start: the position of idx's first token (a context-parallel rank's slice begins later)."""
-        return self.wte(idx) + self.wpe(torch.arange(start, start + idx.shape[1], device=idx.device))
+    def forward(self, idx, positions=None):
+        """positions: of idx's tokens (a context-parallel rank's: TinyGPT._context_slice); None: 0 .. T-1."""
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.wte(idx) + self.wpe(positions)
 
 
 class GPTHead(nn.Module):

@@ -1,10 +1,11 @@
 """The engine keys of issue 24, against one process (one 4-rank launch: tests/engine_keys_workers.py).
 
-* sequence_parallel_size 2 (DeepSpeed's key; dp 2 x cp 2, Ulysses in TinyGPT's attention), ZeRO stages 0-3:
+* sequence_parallel_size 2 (DeepSpeed's key; dp 2 x cp 2, Ulysses in TinyGPT's attention), ZeRO stages 0-3,
+  and with context_parallel.attention "ring" (minizero's key: ring attention, chunks r and 2cp-1-r) at stage 1:
   the losses, the clip's global norm and every parameter after 3 SGD-momentum steps (2 micro-batches each,
   clip active) equal one process training on the whole global batch with torch's clip_grad_norm_.
   Tolerance rtol 1e-5 / atol 1e-6 in fp32: Ulysses' attention is torch's scaled_dot_product_attention on
-  the whole sequence, the reference TinyGPT's written-out softmax, and the gradients are summed in another
+  the whole sequence, ring attention an online softmax over blocks, the reference TinyGPT's written-out softmax, and the gradients are summed in another
   order (2 x 2 ranks, ring all-reduce), so the two differ by float32 rounding (measured: tests/notes).
 * An MoE TinyGPT (minizero.moe.MoE with ep_size 2; 4 experts, top-2, capacity factor 1 so tokens drop) at
   stages 0 and 1 on dp 4: the same against one process that routes each rank's micro-batch as that rank does
@@ -60,7 +61,7 @@ def sequence_reference():
     return one_process(W.GPT, dp=2, per_rank=False)
 
 
-@pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
+@pytest.mark.parametrize("stage", ["0", "1", "2", "3", "ring"])
 def test_sequence_parallel_size_2_trains_like_one_process(stage, sequence_reference):
     model, losses, norms = sequence_reference
     ranks = [r["sequence"][stage] for r in results()]

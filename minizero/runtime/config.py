@@ -96,6 +96,9 @@ SCHEMA = {
     # DeepSpeed's key for DeepSpeed-Ulysses: cp ranks split every sequence (a Mesh cp axis); each keeps s/cp tokens,
     # attention runs Ulysses over them (minizero/context/ulysses.py), gradients are reduced over dp x cp
     "sequence_parallel_size": 1,
+    # minizero's key (DeepSpeed has none; Megatron's --cp-comm-type p2p): how the sequence_parallel_size ranks attend,
+    # "ulysses" (contiguous s/cp tokens, all-to-all to heads) or "ring" (two mirrored chunks, K/V around the ring)
+    "context_parallel": {"attention": "ulysses"},
     "tensor_parallel": {
         "autotp_size": 1,                     # t: ranks that split every layer (Megatron TP); must divide the world
         "sequence_parallel": False,           # minizero extra: Megatron's SP (LayerNorms on s/t tokens), needs t > 1
@@ -499,6 +502,12 @@ def load_config(config, world_size: int = 1) -> dict:
         raise ConfigError("zero_optimization.offload_param needs stage 3 (only stage 3 partitions parameters)")
     _check_offload(zero)
     _check_activation_checkpointing(cfg["activation_checkpointing"])
+    attention = cfg["context_parallel"]["attention"]
+    if attention not in ("ulysses", "ring"):
+        raise ConfigError(f"context_parallel.attention must be 'ulysses' or 'ring', got {attention!r}")
+    if attention != "ulysses" and cfg["sequence_parallel_size"] == 1:
+        raise ConfigError(f"context_parallel.attention {attention!r} needs sequence_parallel_size > 1 (the ranks "
+                          "that split each sequence)")
     checked = CheckedConfig(cfg)
     checked.world_size = world_size
     return checked

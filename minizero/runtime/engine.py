@@ -46,7 +46,8 @@ The chain (each step a function of resolve.Plan, runtime/resolve.py; docs/design
     only (engine.dp_rank, engine.dp_size), clipping on the full model's norm (runtime/trainer.py).
   sequence_parallel_size cp > 1 (DeepSpeed's key, DeepSpeed-Ulysses): a dp x cp Mesh; the model's hook
     set_context_parallel(mesh.cp) (TinyGPT's) makes its forward take whole sequences, keep this rank's
-    contiguous s/cp tokens (positions offset) and run every attention as Ulysses (context/ulysses.py); the
+    contiguous s/cp tokens (positions offset) and run every attention as Ulysses (context/ulysses.py), or with
+    context_parallel.attention "ring" (a minizero key) keep chunks r and 2cp-1-r and run ring attention; the
     batch is split over the dp ranks only (engine.dp_size = world / cp), the gradients are reduced (and ZeRO
     shards) over the dp x cp ranks (engine.dp_comm; runtime/expert_strategy.py says why). Not with pipeline,
     TP or ZeRO++ (config errors).
@@ -155,7 +156,8 @@ class Engine:
             from minizero.tensor import TensorParallelGPT
             model = TensorParallelGPT(model, self.mesh.tp, cfg["tensor_parallel"]["sequence_parallel"])
         if plan.cp_size > 1:
-            model.set_context_parallel(self.mesh.cp)  # TinyGPT: s/cp tokens per rank, Ulysses attention
+            ring = cfg["context_parallel"]["attention"] == "ring"  # TinyGPT: s/cp tokens per rank, Ulysses or ring
+            model.set_context_parallel(self.mesh.cp, attention="ring") if ring else model.set_context_parallel(self.mesh.cp)
         for layer in moe_layers(model) if plan.ep_size > 1 else []:
             layer.set_expert_parallel(self.mesh.ep)   # each rank keeps E/ep experts
         self.module = model          # the plain model (DeepSpeed's engine.module); with TP its parallel version

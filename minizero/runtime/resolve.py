@@ -155,13 +155,16 @@ def _check_sequence_parallel(model, cfg: dict):
         raise ConfigError(f"sequence_parallel_size={cp} needs a model that takes the context-parallel group: "
                           f"set_context_parallel(comm), then whole sequences in forward (minizero.models.TinyGPT has "
                           f"it); {type(model).__name__} has none")
-    gpt = model.config
-    if gpt.n_head % cp:
+    gpt, ring = model.config, cfg["context_parallel"]["attention"] == "ring"
+    if gpt.n_head % cp and not ring:
         raise ConfigError(f"sequence_parallel_size={cp}: Ulysses gives each of the {cp} ranks n_head/cp whole heads, "
-                          f"but the model has {gpt.n_head} heads; use a sequence_parallel_size that divides {gpt.n_head}")
-    if gpt.block_size % cp:
-        raise ConfigError(f"sequence_parallel_size={cp}: each rank keeps seq_len/cp tokens, and block_size "
-                          f"{gpt.block_size} is not divisible by {cp}; use a sequence_parallel_size that divides it")
+                          f"but the model has {gpt.n_head} heads; use a sequence_parallel_size that divides {gpt.n_head}, "
+                          "or context_parallel.attention 'ring'")
+    parts = 2 * cp if ring else cp
+    if gpt.block_size % parts:
+        what = f"two chunks of seq_len/{parts} (ring attention's load balancing)" if ring else f"seq_len/{cp} tokens"
+        raise ConfigError(f"sequence_parallel_size={cp}: each rank keeps {what}, and block_size "
+                          f"{gpt.block_size} is not divisible by {parts}")
 
 
 def moe_layers(model) -> list:
