@@ -3,14 +3,16 @@ its cost grows on the way there (issue 26 items 1-3).
 
 Size rule, one knob s:  n_layer = s, n_embd = 64·s, n_head = s (head width 64), vocab 64, sequence 32,
     Ψ ≈ 12·s·(64 s)² = 49152·s³  (s = 3: 1.3M ... s = 34: 2.0B, s = 43: 3.9B; exact counts from a meta build).
-A probe trains s for 3 steps on N ranks (micro-batch 1, the same batch each step, torch Adam lr 1e-3, fp32)
-and passes when the global loss of step 3 is below step 1's. The search grows s by 4x parameters until a
+A probe trains s for 3 steps on N ranks (micro-batch 1, the same batch each step, torch Adam, fp32, lr 1e-3/s:
+Adam moves every weight by about lr, so the step shrinks as 1/width as in muP; at a fixed 1e-3 the loss of a
+108M model rose again at step 3, measured) and passes when the global loss of step 3 is below step 1's. The search grows s by 4x parameters until a
 probe fails, then bisects (in s) until the gap is below --resolution in parameters.
 
 Never takes the machine down: each probe is its own job (launch.run: mpirun in a new session) whose
 processes carry a tag in their environment; a watcher sums the anonymous + shared RSS (RssAnon + RssShmem:
 what cannot be dropped; mapped files' pages can) of every tagged process every 0.2 s and SIGKILLs them all
-when the sum passes --cap-gb (its sampled peak is reported). A disk probe first checks that the free space
+when the sum passes --cap-gb (its sampled peak is reported), or when the machine's MemAvailable falls below
+1.5 GB (the machine is shared: others' growth counts too). A disk probe first checks that the free space
 minus its need (16 B per parameter: fp32 master, m, v and the parameters' file) keeps --disk-reserve-gb free.
 Each probe has a timeout (launch.run kills the job), and its temporary folder is removed however it ends.
 The gloo process group's timeout and minizero's watchdog are raised to the probe's timeout (gloo's default
@@ -118,7 +120,7 @@ def _du(path) -> int:
                if os.path.exists(os.path.join(d, f)))
 
 
-def probe_worker(comm, candidate, size, steps=3, micro=1, lr=1e-3, folder=None, seed=0):
+def probe_worker(comm, candidate, size, steps=3, micro=1, lr=None, folder=None, seed=0):
     import types
 
     import torch
@@ -145,7 +147,7 @@ def probe_worker(comm, candidate, size, steps=3, micro=1, lr=1e-3, folder=None, 
             raise RuntimeError(f"DeepSpeed did not start: {why}")
     timers = _Timers()
     timers.install()
-    cfg = gpt(size)
+    cfg, lr = gpt(size), lr or 1e-3 / size
     x, y = shard(global_batches(types.SimpleNamespace(**cfg), 1, micro * comm.size, seed=seed)[0], comm.rank, comm.size)
     mine = os.path.join(folder, f"rank{comm.rank}")
     os.makedirs(mine, exist_ok=True)
@@ -204,7 +206,14 @@ def _unshared_rss(pid: int) -> int:
     return total
 
 
-def run_probe(candidate, size, ranks=4, cap_bytes=12e9, timeout=900, folder=None, disk_reserve=10e9, steps=3):
+def _available() -> float:
+    """The kernel's MemAvailable, bytes: what the whole machine (other users included) can still get."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def run_probe(candidate, size, ranks=4, cap_bytes=12e9, timeout=900, folder=None, disk_reserve=10e9, steps=3,
+              min_available=1.5e9):
     """One probe as its own job under the memory cap. Returns a row: outcome ('ok' or why not) and figures."""
     from minizero import launch
     psi = count(size)
@@ -236,8 +245,10 @@ def run_probe(candidate, size, ranks=4, cap_bytes=12e9, timeout=900, folder=None
             peak = max(peak, sum(rss.values()))
             for p, v in rss.items():
                 peak_pid[p] = max(peak_pid.get(p, 0), v)
-            if sum(rss.values()) > cap_bytes and not capped:
-                capped = True
+            low = _available() < min_available
+            if (sum(rss.values()) > cap_bytes or low) and not capped:
+                capped = "the machine's MemAvailable fell below " \
+                    f"{min_available / 1e9:.1f} GB" if low else f"the job's RssAnon+RssShmem passed {cap_bytes / 1e9:.1f} GB"
                 for p in pids:
                     with contextlib.suppress(OSError):
                         os.kill(p, signal.SIGKILL)
@@ -251,7 +262,7 @@ def run_probe(candidate, size, ranks=4, cap_bytes=12e9, timeout=900, folder=None
                peak_unshared_per_process=sorted(peak_pid.values(), reverse=True)[:ranks])
     err = result.get("error")
     if capped:
-        return {**row, "outcome": f"memory cap: the job's RssAnon+RssShmem passed {cap_bytes / 1e9:.1f} GB"}
+        return {**row, "outcome": f"memory cap: {capped}"}
     if err is not None:
         kind = "timeout" if type(err).__name__ == "LaunchTimeout" else \
             "disk" if "DiskError" in str(err) or "No space" in str(err) else "error"
@@ -275,14 +286,14 @@ def grow(size: int) -> int:
     return max(size + 1, round(size * 4 ** (1 / 3)))
 
 
-def search(candidate, start, stop, probe, resolution=1.5, log=print) -> dict:
+def search(candidate, start, stop, probe, resolution=1.5, log=None) -> dict:
     """Grow from `start` by grow() until a probe fails (or `stop`), then bisect in s until the last passing
     and the first failing size are within `resolution` in parameters. probe(candidate, size) -> row."""
     rows, ok, bad = [], None, None
-    size = start
+    size, log = start, log or (lambda row: print(_line(row), flush=True))
     while size <= stop:
         rows.append(probe(candidate, size))
-        log(_line(rows[-1]))
+        log(rows[-1])
         if rows[-1]["outcome"] != "ok":
             bad = rows[-1]
             break
@@ -290,7 +301,7 @@ def search(candidate, start, stop, probe, resolution=1.5, log=print) -> dict:
         size = grow(size)
     while ok is not None and bad is not None and bad["size"] - ok["size"] > 1 and bad["psi"] / ok["psi"] > resolution:
         rows.append(probe(candidate, round((ok["size"] * bad["size"]) ** 0.5)))
-        log(_line(rows[-1]))
+        log(rows[-1])
         ok, bad = (rows[-1], bad) if rows[-1]["outcome"] == "ok" else (ok, rows[-1])
     return {"candidate": candidate, "largest": ok, "stopped_by": bad["outcome"] if bad else f"not tried past s={stop}",
             "next_size": bad["psi"] if bad else None, "probes": rows}
@@ -412,6 +423,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-calibrate", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                    help="no probes: merge these runs' results (later files win per candidate), report and plot")
     ap.add_argument("--quick", action="store_true", help="the suite's version: torch-ddp and minizero-zero3-init on 2 "
                     "ranks, s 4 and 6, cap 0.3 GB above the first probe, no sweep, no calibration")
     args = ap.parse_args(argv)
@@ -419,6 +432,15 @@ def main(argv=None) -> int:
         args.candidates, args.ranks, args.start, args.stop, args.resolution = \
             ["torch-ddp", "minizero-zero3-init"], 2, 4, 6, float("inf")
         args.cap_above_first_gb, args.sweep_size, args.no_calibrate = args.cap_above_first_gb or 0.3, 0, True
+    if args.from_json:
+        results = merge(args.from_json)
+        analyse(results, results["calibration"])
+        print(report(results))
+        if args.json:
+            _write(args.json, results)
+        if args.plot:
+            plot(results, args.plot)
+        return 0
     t0 = time.time()
     from minizero.bench import calibrate
     cal = None if args.no_calibrate else calibrate.calibrate(args.folder, nprocs=args.ranks)
@@ -433,11 +455,15 @@ def main(argv=None) -> int:
             cap["bytes"] = cap["first"] + args.cap_above_first_gb * 1e9
         return row
     results = {"ranks": args.ranks, "timeout": args.timeout, "calibration": cal, "candidates": {}, "ranks_sweep": {},
-               "load_before": os.getloadavg(), "argv": argv}
+               "load_before": os.getloadavg(), "argv": argv, "skipped": {}}
+    if "deepspeed-z3-offload" in args.candidates:
+        why = prebuild_cpu_adam()
+        if why:
+            results["skipped"]["deepspeed-z3-offload"] = why
+            args.candidates = [c for c in args.candidates if c != "deepspeed-z3-offload"]
     for name in args.candidates:
         print(f"{name}:", flush=True)
-        results["candidates"][name] = search(name, args.start, args.stop, probe, args.resolution,
-                                             log=lambda s: print(s, flush=True))
+        results["candidates"][name] = search(name, args.start, args.stop, probe, args.resolution)
         results["cap_bytes"] = cap["bytes"]
         if args.json:  # what finished so far survives an interrupted run
             _write(args.json, results)
@@ -457,6 +483,40 @@ def main(argv=None) -> int:
         plot(results, args.plot)
     print(f"({results['wall_s']:.0f} s)")
     return 0
+
+
+def prebuild_cpu_adam(timeout=1200) -> str | None:
+    """DeepSpeedCPUAdam's C++ op, JIT-built once here (minutes on 2 cores) rather than inside a probe, where
+    the probe's timeout would kill the compiler and leave torch's build lock behind (every later build then
+    waits on it forever: seen here). None, or why it cannot be built."""
+    import subprocess
+    import sys
+    code = ("import torch\nfrom deepspeed.ops.adam import DeepSpeedCPUAdam\n"
+            "DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))])")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                              check=False, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    except subprocess.TimeoutExpired:
+        return f"DeepSpeedCPUAdam's op did not build within {timeout} s"
+    lines = (proc.stderr or "").strip().splitlines()
+    return None if proc.returncode == 0 else f"DeepSpeedCPUAdam's op did not build: {lines[-1] if lines else '?'}"
+
+
+def merge(paths) -> dict:
+    """Several runs' JSON as one: later files win per candidate; cap and calibration from the last."""
+    merged = None
+    for path in paths:
+        with open(path) as f:
+            res = json.load(f)
+        if merged is None:
+            merged = res
+        else:
+            merged["candidates"].update(res["candidates"])
+            merged["ranks_sweep"].update(res.get("ranks_sweep", {}))
+            merged.setdefault("skipped", {}).update(res.get("skipped", {}))
+            merged["calibration"] = res.get("calibration") or merged.get("calibration")
+            merged["cap_bytes"], merged["timeout"] = res["cap_bytes"], max(res["timeout"], merged["timeout"])
+    return merged
 
 
 def _write(path, results):
