@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from minizero.bench.scale import count, gpt, grow, search
+from minizero.bench.scale import grow, search
+from minizero.bench.scale_probe import count, gpt
 
 
 def test_size_rule_and_search_without_jobs():
