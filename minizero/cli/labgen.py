@@ -11,10 +11,13 @@ One task per marker, as minitorch's "TODO: Implement for Task 0.1".
 `labs/labNN_name.py` gets the module with each region replaced by a
 `raise NotImplementedError("lab N: <hint>")` stub; `solutions/labNN_name.py` gets it with the
 markers dropped. Both get a header and a `__main__` block that runs the lab under mpirun.
+A lab may come from several modules (Lab.source a tuple, e.g. lab 08: quantize.py, then
+zeropp.py for its stretch task): they are joined in that order into one file (`joined`).
 `python -m minizero.cli.labgen` (make labs) writes them; `--check` fails if the committed files
 differ from what would be generated (a test runs it).
 """
 import argparse
+import ast
 import os
 import re
 import sys
@@ -68,14 +71,42 @@ def transform(source: str, lab: int, stub: bool) -> str:
     return "\n".join(out) + "\n"
 
 
+def sources(lab) -> tuple:
+    """The module(s) a lab is generated from, in file order."""
+    return (lab.source,) if isinstance(lab.source, str) else tuple(lab.source)
+
+
+def joined(paths) -> str:
+    """One module's text from several: the first as it is; each next one under a rule naming it, without
+    its `from __future__` import (allowed only at the top of a file; the first module must have the same)
+    and its imports from an earlier one (those names are this file's own: the student's code, not the
+    package's)."""
+    texts, earlier = [], []
+    for path in paths:
+        with open(os.path.join(REPO, path)) as f:
+            text = f.read()
+        if "# BEGIN SOLUTION" not in text:
+            raise ValueError(f"{path} has no '# BEGIN SOLUTION' region")
+        if texts:
+            lines = text.splitlines()
+            for node in reversed(ast.parse(text).body):
+                if isinstance(node, ast.ImportFrom) and node.module in ("__future__", *earlier):
+                    if node.module == "__future__" and not all(f"from __future__ import {a.name}" in texts[0]
+                                                               for a in node.names):
+                        raise ValueError(f"{path}: its __future__ import must be in {paths[0]} too")
+                    del lines[node.lineno - 1:node.end_lineno]
+            text = f"\n\n# {'-' * 77} from {path}\n" + "\n".join(lines) + "\n"
+        texts.append(text)
+        earlier.append(path.removesuffix(".py").replace("/", "."))
+    return "".join(texts)
+
+
 def render(lab, kind: str) -> str:
-    with open(os.path.join(REPO, lab.source)) as f:
-        source = f.read()
-    if "# BEGIN SOLUTION" not in source:
-        raise ValueError(f"{lab.source} has no '# BEGIN SOLUTION' region for lab {lab.number}")
+    paths = sources(lab)
+    source = joined(paths)
     what = "the TODO regions (everything else is the reference code)" if kind == "labs" else "nothing: this is the reference solution"
     header = (f"# Lab {lab.number:02d}: {lab.title}\n"
-              f"# GENERATED from {lab.source} by `make labs`. Edit {what}.\n"
+              f"# GENERATED from {' + '.join(paths)} by `make labs`. Edit {what}.\n"
               f"#   run:   mpirun -n {lab.nprocs} python {kind}/{lab.filename}\n"
               f"#   check: python -m minizero grade --lab {lab.number} --impl {kind}"
               f"    (or: pytest -m lab{lab.number} --impl {kind})\n")

@@ -13,10 +13,11 @@ crosses them:
        weight_block_numel elements (quantize.quantized_all_gather): M -> 0.5M for 16-bit weights.
        Forward and backward compute with the dequantized weights w' (|w - w'| <= scale/2); the
        optimizer steps the exact fp32 shards (a straight-through estimate, as in DeepSpeed).
-  hpZ  hpz: a secondary partition inside each node. When a unit is gathered from the primary
-       shards, each rank keeps the 1/k of the full (dequantized) unit that its k node-mates will
-       need, and backward gathers the unit from those copies over mesh.node only: M -> 0 across
-       nodes, for Ψ/k more parameter memory per rank (the ledger counts it as "parameters").
+  hpZ  hpz: a secondary partition inside each node (lab 08's stretch task). When a unit is
+       gathered from the primary shards, each rank keeps the 1/k of the full (dequantized) unit
+       that its k node-mates will need, and backward gathers the unit from those copies over
+       mesh.node only: M -> 0 across nodes, for Ψ/k more parameter memory per rank (the ledger
+       counts it as "parameters"; it is allocated by the first forward).
        A copy is used only between a forward and its backward: every forward() forgets them and
        so does any change to a shard (its version counter), so a resumed, loaded or edited model
        rebuilds them on its next forward instead of reading stale weights.
@@ -111,10 +112,7 @@ class ZeroPP(FSDP):
         self.grad_block_numel = grad_block_numel           # elements per int4 scale
         self.quantizer = quantizer or quantize             # where the quantized collectives come from
         self.measure_error = measure_error                 # also run exact reduce-scatters, to compare
-        # hpZ: a unit's gathered part is N = nodes * k shards, so each node-mate keeps an exact 1/k of it
-        self.secondary = {unit: torch.zeros(unit.gathered_numel // mesh.node_size, dtype=self.dtype,
-                                            device=self.comm.device)
-                          for unit in self.units if self.hpz and unit.gathered_numel}
+        self.secondary = {}  # hpZ: unit -> the 1/k of it this rank keeps for its node (each forward's gather)
         self._filled = {}   # unit -> its shard's version when this forward filled its secondary partition
         self.errors = {}    # this step's quantization error on this rank (see quantization_error)
 
@@ -124,12 +122,36 @@ class ZeroPP(FSDP):
         self.errors = {"weights": [0.0, 0.0, 0.0], "gradients": [0.0, 0.0, 0.0]}  # err², ref², max |err|
         return super().forward(*args, **kwargs)
 
+    def _gathered(self, unit, buf, work):
+        """After a gather from the primary shards (every forward): note the error, keep hpZ's part."""
+        work.wait()
+        if self.quantized_weights:
+            mine = buf[self.comm.rank * unit.layout.shard_numel:][:unit.layout.shard_numel].float()
+            self._add_error("weights", mine, unit.shard.detach())
+        if self.hpz and unit.gathered_numel:
+            # BEGIN SOLUTION: hpZ's secondary partition (stretch, 1 of 2): in forward, keep your part of the unit.
+            #   buf[:unit.gathered_numel] now holds the whole unit, Ψu elements gathered from the N primary
+            #   shards. hpZ shards it a second time, over the k ranks of mesh.node only: the rank j of the
+            #   node keeps part j of k (Ψu/k elements) in self.secondary[unit], a tensor of its own (buf
+            #   is freed after the unit's forward), so that backward finds all k parts inside the node.
+            #   Memory: + Ψu·b/k bytes per rank (b bytes per element), against Ψu·b/N for the primary shard.
+            node = self.mesh.node
+            part = unit.gathered_numel // node.size
+            self.secondary[unit] = buf[node.rank * part:(node.rank + 1) * part].clone()
+            # END SOLUTION
+            self._filled[unit] = unit.shard._version
+
     def _gather_shards(self, unit, buf, src):
-        secondary = self.secondary.get(unit)
-        if secondary is not None and self._filled.get(unit) == unit.shard._version:
+        if self._filled.get(unit) == unit.shard._version:
             # hpZ: the weights have not changed since this forward gathered them: stay in the node
             memory.transient.alloc(f"{self._tag}/{unit.name}", buf)
-            unit.work = self.mesh.node.all_gather(buf[:unit.gathered_numel], secondary, async_op=True)
+            # BEGIN SOLUTION: hpZ's secondary partition (stretch, 2 of 2): in backward, gather the unit in the node.
+            #   The k parts kept by this node's ranks in forward, in node-rank order, are the whole unit:
+            #   gathering them over mesh.node fills buf[:unit.gathered_numel] with no byte leaving the
+            #   node (ZeRO-3 sends (N-1)/N·Ψu·b per rank over all N ranks, across nodes too); each rank
+            #   sends (k-1)/k·Ψu·b. Asynchronous like FSDP's own gather: its handle goes to unit.work.
+            unit.work = self.mesh.node.all_gather(buf[:unit.gathered_numel], self.secondary[unit], async_op=True)
+            # END SOLUTION
             return
         if self.quantized_weights and unit.gathered_numel:
             memory.transient.alloc(f"{self._tag}/{unit.name}", buf)
@@ -140,18 +162,6 @@ class ZeroPP(FSDP):
             work = unit.work
         if work is not None:
             unit.work = Pending(lambda: self._gathered(unit, buf, work))
-
-    def _gathered(self, unit, buf, work):
-        """After a gather from the primary shards: note the error, keep hpZ's slice."""
-        work.wait()
-        if self.quantized_weights:
-            mine = buf[self.comm.rank * unit.layout.shard_numel:][:unit.layout.shard_numel].float()
-            self._add_error("weights", mine, unit.shard.detach())
-        secondary = self.secondary.get(unit)
-        if secondary is not None:
-            start = self.mesh.node.rank * secondary.numel()
-            secondary.copy_(buf[start:start + secondary.numel()])
-            self._filled[unit] = unit.shard._version
 
     # ------------------------------------------------------------------ gradients: qgZ
     def _reduce_shard_grad(self, unit, g):

@@ -1,4 +1,5 @@
-"""Lab 08 (ZeRO++ quantized all-gather): plausible student bugs, each caught by one check."""
+"""Lab 08 (ZeRO++ quantized all-gather): plausible student bugs, each caught by one check; then the
+stretch task's (hpZ's secondary partition, solutions/lab08_zeropp.py's ZeroPP), graded by check_hpz."""
 from tests.mutants import Mutant
 
 GATHER = """    wire = encode(shard, block_numel, 8)
@@ -69,4 +70,26 @@ MUTANTS = [
            .replace("decode(rows, shard.numel(), block_numel, 8, out=output.view(comm.size, -1))",
                     "output.view(comm.size, -1).copy_(rows)"),
            "check_bytes", "int8 codes, 1 byte per element"),
+]
+
+# the stretch task, hpZ's secondary partition (extra points): its own mutants, graded by check_hpz alone
+KEEP = "self.secondary[unit] = buf[node.rank * part:(node.rank + 1) * part].clone()"
+BACKWARD = "unit.work = self.mesh.node.all_gather(buf[:unit.gathered_numel], self.secondary[unit], async_op=True)"
+MUTANTS += [
+    Mutant("hpZ: the secondary partition sharded over the world, not the node (its primary shard again)",
+           "node = self.mesh.node\n", "node = self.comm\n", "check_hpz", "sharded over the world"),
+    Mutant("hpZ: keeps the full copy of the unit instead of its part", KEEP,
+           "self.secondary[unit] = buf[:unit.gathered_numel].clone()", "check_hpz", "the whole unit"),
+    Mutant("hpZ: the part indexed by the node's index instead of the rank inside the node", KEEP,
+           KEEP.replace("node.rank", "self.mesh.node_index"), "check_hpz",
+           "expected part 1: the rank j of a node keeps part j"),
+    Mutant("hpZ: the part indexed by the world rank", KEEP, KEEP.replace("node.rank", "self.comm.rank"),
+           "check_hpz", "runs past the unit's end"),
+    Mutant("hpZ: keeps a view of the gathered buffer, not a copy", KEEP, KEEP.replace(".clone()", ""),
+           "check_hpz", "keeps the whole buffer alive"),
+    Mutant("hpZ: backward gathers the primary shards over the world (ZeRO-3's gather)", BACKWARD,
+           "unit.work = self.comm.all_gather(buf[:unit.gathered_numel], unit.shard.detach(), async_op=True)",
+           "check_hpz", "cross-node, expected 0"),
+    Mutant("hpZ: backward all-gathers the parts over the world group", BACKWARD,
+           BACKWARD.replace("self.mesh.node.all_gather", "self.comm.all_gather"), "check_hpz", "over mesh.node"),
 ]
