@@ -32,7 +32,7 @@ class Lab:
     number: int
     name: str           # file stem after labNN_
     title: str
-    source: str         # the marked reference module labs/ and solutions/ are generated from
+    source: str | tuple  # the marked reference module(s) labs/ and solutions/ are generated from, joined in order
     nprocs: int = 4
 
     @property
