@@ -6,7 +6,8 @@ reused, so in a full run this file's build executes no notebook), unless MINIZER
 network would: no console error and no failed request, every image decoded and not blank, every
 internal link and anchor resolves, every lesson page shows the numbers its notebook printed, search
 finds a lesson. Screenshots go to build/site-test/: start.png, lesson-04_*-top.png (title and run
-stamp) and lesson-04_*.png (its first plot), and report.json (pages, images per lesson page).
+stamp) and lesson-04_*.png (its first plot), and report.json (pages, images per lesson page, and for its own
+build the lessons it executed and its seconds).
 Skipped, with the reason, where the site's packages (`pip install -e ".[site]"`) or Chromium are missing:
 this test installs nothing."""
 import json
@@ -49,6 +50,7 @@ pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 # The bench run for this test's own build (none where build/bench/ holds one): tests/test_bench.py's tiny run
 # (2 ranks, 3 timed steps, 3 candidates; ~12 s of CPU where --steps 10 over every candidate took ~60 s): the
 # page, its plot and its report are what this test checks, not the figures (make site runs the full bench).
+BUILD: dict = {}  # what this test's own build did (report.json)
 BENCH_ARGS = ["--nprocs", "2", "--steps", "3", "--warmup", "1", "--candidates", *BENCH_CANDIDATES]
 
 
@@ -59,8 +61,13 @@ def site():
         assert (out / "index.html").exists(), f"MINIZERO_SITE={out} holds no built site: run `make site`"
         return out
     from docs.site.build import build
+    from docs.site.notebooks import executed_copy
+    # In a full run tests/test_lessons.py has just executed every lesson: the build re-executes none (report.json
+    # says which it did, and how long the build took, so a fresh-clone CI run shows whether the reuse worked).
+    BUILD["lessons_executed_by_the_build"] = [p.name for p in sorted((ROOT / "lessons").glob("*.ipynb"))
+                                              if executed_copy(p) is None]
     out = ROOT / "site"
-    build(out, bench_args=BENCH_ARGS)
+    BUILD["build_s"] = build(out, bench_args=BENCH_ARGS)["total_s"]
     return out
 
 
@@ -189,7 +196,7 @@ def test_every_lesson_has_a_page_with_its_plots_and_measured_numbers(visited):
         assert plots and len(page["images"]) >= plots, f"{stem}: {plots} plots in the notebook, {len(page['images'])} images on the page"
         assert "Ran " in page["text"] and "CPU cores" in page["text"] and "load average" in page["text"], f"{stem}: no run stamp"
         report[stem] = {"images": len(page["images"]), "plots_in_notebook": plots, "numbers_checked": len(numbers)}
-    (SHOTS / "report.json").write_text(json.dumps({"pages": len(pages), "lessons": report}, indent=1))
+    (SHOTS / "report.json").write_text(json.dumps({"pages": len(pages), "lessons": report, "build": BUILD}, indent=1))
 
 
 def test_lesson_04_page_shows_the_ratio_it_measured(visited):
