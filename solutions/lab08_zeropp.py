@@ -41,12 +41,15 @@ skipped, unquantized. Any N, k, s work: blocks may be short and int4 rows are pa
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
 from minizero.comm.labels import labelled
 
 BITS = (4, 8)
+LITTLE_ENDIAN = sys.byteorder == "little"  # the int16 view of two int8 codes (_pack_int4_into)
 CHUNK_NUMEL = 1 << 16  # encode/decode a quarter-MB of fp32 at a time: 3x faster than whole 3M-element tensors
 
 
@@ -141,18 +144,22 @@ def _step(block_numel, bits):
 
 def _pack_int4_into(codes, out):
     """pack_int4's bytes for int8 codes [rows, m], m even, written into uint8 `out` [rows, m // 2]; codes is
-    overwritten (+8, then its odd columns shifted): two in-place passes and one into `out`, no temporaries."""
+    overwritten. Each pair of codes, +8, read as one little-endian int16 v = b0 + 256 b1 (0 < b < 16): the
+    packed byte b0 | b1 << 4 is the low byte of v | v >> 4. Three contiguous passes instead of strided ones
+    (3.5x faster on a 64K chunk than the nibble view)."""
+    if not codes.is_contiguous() or codes.storage_offset() % 2:  # the int16 view needs aligned rows
+        codes = codes.clone(memory_format=torch.contiguous_format)
     codes.add_(8)
-    high = codes[:, 1::2]
-    high.bitwise_left_shift_(4)  # int8: 15 << 4 wraps to -16, the same bits as uint8's 240
-    torch.bitwise_or(codes[:, 0::2], high, out=out.view(torch.int8))
+    pairs = codes.reshape(-1).view(torch.int16).view(codes.shape[0], -1)
+    out.copy_(pairs.bitwise_or(pairs >> 4))  # int16 -> uint8 keeps the low byte
 
 
 def _unpack_int4_into(packed, buf):
-    """unpack_int4's codes (both nibbles of every byte, 2 x packed's columns) written into int8 `buf`."""
-    pairs = buf.view(buf.shape[0], -1, 2)
-    torch.bitwise_and(packed, 15, out=pairs[..., 0].view(torch.uint8))
-    torch.bitwise_right_shift(packed, 4, out=pairs[..., 1].view(torch.uint8))
+    """unpack_int4's codes (both nibbles of every byte, 2 x packed's columns) written into int8 `buf`: each
+    byte p as an int16, (p | p << 4) & 0x0F0F has p's low nibble in its low byte and its high nibble in its
+    high byte (little-endian), then -8."""
+    wide = packed.to(torch.int16)
+    torch.bitwise_and(wide.bitwise_or_(wide << 4), 0x0F0F, out=buf.view(torch.int16))
     buf.sub_(8)
 
 
@@ -172,7 +179,7 @@ def encode(x, block_numel, bits):
         width = chunk_codes.shape[1]
         if bits == 8:
             wire[:, start:start + width].copy_(chunk_codes.view(torch.uint8))
-        elif width % 2:  # the last chunk of an odd row: pad one code, as pack_int4 does
+        elif width % 2 or not LITTLE_ENDIAN:  # an odd last chunk (padded, as pack_int4 does), or big-endian
             wire[:, start // 2:start // 2 + (width + 1) // 2].copy_(pack_int4(chunk_codes))
         else:
             _pack_int4_into(chunk_codes, wire[:, start // 2:start // 2 + width // 2])
@@ -191,13 +198,16 @@ def decode(wire, n, block_numel, bits, out=None, sum_rows=False):
     if out is None:
         out = torch.empty(n, device=wire.device) if sum_rows else torch.empty(wire.shape[0], n, device=wire.device)
     step = _step(block_numel, bits)
-    unpacked = torch.empty(wire.shape[0], step + 1, dtype=torch.int8, device=wire.device) if bits == 4 else None
+    unpacked = torch.empty(wire.shape[0], step, dtype=torch.int8, device=wire.device) if bits == 4 else None
     for start in range(0, n, step):
         stop = min(n, start + step)
         if bits == 4:  # start is even: byte start // 2 holds codes start and start + 1
             packed = wire[:, start // 2:(stop + 1) // 2]
-            _unpack_int4_into(packed, unpacked[:, :2 * packed.shape[1]])
-            codes = unpacked[:, :stop - start]
+            if LITTLE_ENDIAN:
+                _unpack_int4_into(packed, unpacked[:, :2 * packed.shape[1]])
+                codes = unpacked[:, :stop - start]
+            else:
+                codes = unpack_int4(packed, stop - start)
         else:
             codes = wire[:, start:stop].view(torch.int8)
         values = dequantize_blockwise(codes, scales[:, start // block_numel:-(-stop // block_numel)], block_numel)
