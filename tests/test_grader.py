@@ -37,7 +37,7 @@ def test_untouched_labs_score_zero_without_a_launch(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(launch, "run", no_launch)
     out = tmp_path / "results.json"
     assert autograde.main(["--impl", "labs", "--json", str(out)]) == 1
-    assert launched == []
+    assert launched == [], f"untouched labs were launched: {launched} (is labs/ out of date? `make labs`)"
     result = json.loads(out.read_text())
     assert result["score"] == 0 and result["max_score"] > 0
     n_checks = sum(len(lab.checks()) for lab in LABS.values())
