@@ -115,12 +115,8 @@ class DiskOptimizer(OffloadedOptimizer):
         self.numel = self.offsets[-1]
         self.sub_group_numel = min(int(sub_group_numel), max(self.numel, 1))
         self.bounds = [(lo, min(lo + self.sub_group_numel, self.numel)) for lo in range(0, self.numel, self.sub_group_numel)]
-        # host fp32 gradients: one flat buffer, a view per device param (the hooks and the clip use them)
-        self.flat_grad = host_empty(self.numel, pin=pin_memory).zero_()
-        self.grads = [self.flat_grad[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
         self._work = torch.nn.Parameter(torch.zeros(1), requires_grad=False)  # each sub-group is swapped in here
         self.optim = cpu_optimizer(optimizer_cls, [self._work], **optimizer_kwargs)
-        self._front()
         self.keys = None                           # elementwise state names, known after the first step
         self.scalars = {}                          # sub-group -> its scalar state (Adam's step)
         # at least 2: one reads the next sub-group while another writes the last one back (aio.thread_count)
@@ -133,6 +129,13 @@ class DiskOptimizer(OffloadedOptimizer):
             for i, (lo, hi) in enumerate(self.bounds):
                 self._write(i, {"master": self._gather_device(lo, hi)})
         self._flush_writes()
+        if self.param_dir is not None:  # copying the masters paged the parameter files in: out again now
+            self.release_params()
+        # host fp32 gradients: one flat buffer, a view per device param (the hooks and the clip use them).
+        # Allocated after the masters are written, so the two never add up in the build's peak RSS.
+        self.flat_grad = host_empty(self.numel, pin=pin_memory).zero_()
+        self.grads = [self.flat_grad[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
+        self._front()
 
     # ------------------------------------------------------------------ files
     @torch.no_grad()
