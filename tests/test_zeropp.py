@@ -223,6 +223,20 @@ def test_valid_zeropp_config_and_mesh_mismatch_fail_before_any_collective():
         minizero.initialize(model=build_model("tiny-gpt"), config=_cfg(zero_hpz_partition_size=2), mesh=mesh)
 
 
+def test_hpz_must_match_the_launchers_nodes(monkeypatch):
+    """On real nodes (the launcher's local size below the world), hpZ's partition is a node: a ConfigError
+    from the environment alone, before any communicator exists."""
+    from minizero.runtime.resolve import resolve
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size=4 but the launcher put 2 ranks on each node"):
+        resolve(_cfg(zero_hpz_partition_size=4), 4, build_model("tiny-gpt"))
+    assert resolve(_cfg(zero_hpz_partition_size=2), 4, build_model("tiny-gpt")).config[
+        "zero_optimization"]["zero_hpz_partition_size"] == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one machine: hpZ simulates its nodes, as lesson 08 does
+    assert resolve(_cfg(zero_hpz_partition_size=2), 4, build_model("tiny-gpt")).config[
+        "zero_optimization"]["zero_hpz_partition_size"] == 2
+
+
 @pytest.mark.parametrize("kw", [dict(weight_block_numel=0), dict(grad_block_numel=-8), dict(weight_block_numel=1.5)])
 def test_block_size_must_be_positive_before_any_collective(kw):
     mesh = SimpleNamespace(world=None, pp_size=1, tp_size=1, node_size=2)  # never reached

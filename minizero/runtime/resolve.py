@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from minizero.comm.launcher import local_world_size
 from minizero.runtime.config import ConfigError, load_config
 from minizero.runtime.schedulers import build_scheduler
 
@@ -250,6 +251,11 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
     if node_size is not None and hpz > 1 and hpz != node_size:
         raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} but the mesh has nodes of "
                           f"{node_size} ranks: hpZ's groups are the mesh's nodes; make them agree")
+    local = local_world_size()  # ranks the launcher put on this node (environment only: no collective)
+    if node_size is None and hpz > 1 and local is not None and local < world_size and hpz != local:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} but the launcher put {local} ranks on "
+                          f"each node: hpZ's secondary partition is one node's ranks (its backward all-gather must "
+                          f"stay inside a node, and its bytes are booked by the real nodes); set it to {local}")
     offload = None
     if zero["offload_optimizer"]["device"] != "none":  # DeepSpeed's sections -> what the strategy's tier is built from
         from minizero.zero.tiers import OffloadSpec
