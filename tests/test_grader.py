@@ -53,6 +53,21 @@ def test_untouched_labs_score_zero_without_a_launch(tmp_path, monkeypatch, capsy
     assert f"total: 0 / {result['max_score']:g}" in capsys.readouterr().out
 
 
+def test_every_check_depends_on_the_students_file(monkeypatch):
+    """The shortcut above scores an untouched lab 0 whatever its checks do, so this shows that each check would
+    fail on the stubs on its own: a check that no mutant makes lose marks (tests/mutants: the others depend on
+    the file by that suite) is launched on the untouched lab with the shortcut off, and fails on a stub it hits."""
+    from minizero import autograde
+    from minizero.autograde.batch import run_checks
+    from tests.test_mutants import MUTANTS
+    jobs = [(lab, c, "labs") for n, lab in LABS.items() for c in lab.checks()
+            if c.fn.__name__ not in {m.check for m in MUTANTS.get(n, [])}]
+    monkeypatch.setattr(autograde, "untouched_todos", lambda lab, path: None)
+    for (lab, check, _), entry in zip(jobs, run_checks(jobs)):
+        assert entry["status"] == "failed" and entry["score"] == 0, (lab.number, check.name, entry)
+        assert entry["output"].startswith(f"lab {lab.number}: not implemented yet: "), (check.name, entry["output"])
+
+
 def test_a_started_lab_is_launched_and_names_the_stub_its_ranks_hit(tmp_path, monkeypatch):
     """Only the untouched file skips its launch: lab 1 with a comment changed still does (a comment is no
     change), with one line added outside its TODOs it is graded by its ranks, and the first stub they hit
