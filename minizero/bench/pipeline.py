@@ -11,8 +11,9 @@ Only the pipeline step is timed (forward and backward of every micro-batch; grad
 untimed): no optimizer, no data parallelism, so the ratio is the schedules' and runtimes' own.
 Ground truth: the weights are the same (one seed), so the last step's gradients of every rank must
 equal torch's; the table gives the atol that needs at rtol 1e-6 ("grad vs torch").
-Interleaved: step k of every candidate, then step k+1, each after a sleeping barrier, the order
-rotating with k; a step is done when its slowest rank is. Ratio: median over rounds of minizero /
+Interleaved: step k of every candidate, then step k+1, each after a sleeping barrier, minizero's and
+torch's run of a schedule back to back (who goes first alternating), the blocks rotating with k
+(round_order); a step is done when its slowest rank is. Ratio: median over rounds of minizero /
 torch in the same round (paired), with a bootstrap 95% CI (common.paired_ratio).
 
 Memory: the peak bytes autograd holds for backward during one step, per rank, counted by the same
@@ -74,6 +75,22 @@ def _candidates(comm, gloo_comm, p, m, micro, schedules):
     return out
 
 
+def round_order(names, k):
+    """Round k's order: minizero-<s> and torch-<s> back to back (which goes first alternating with k), the
+    gloo runtime a block of its own, the blocks rotating with k. In a plain rotation of all candidates the
+    pair's ratio moved with what ran between them: 1F1B / torch 0.78 [0.74-0.90] with no gloo candidate in
+    the job, 1.12 [1.02-1.28] with one (two 20-step jobs a few minutes apart, load 19-25)."""
+    blocks, rest = [], list(names)
+    for schedule in SCHEDULES:
+        pair = [f"minizero-{schedule}", f"torch-{schedule}"]
+        if all(n in rest for n in pair):
+            blocks.append(pair if k % 2 == 0 else pair[::-1])
+            rest = [n for n in rest if n not in pair]
+    blocks += [[n] for n in rest]
+    r = k % len(blocks)
+    return [n for block in blocks[r:] + blocks[:r] for n in block]
+
+
 def worker(comm, schedules=SCHEDULES, m=8, micro=4, steps=10, warmup=2, timed_ms=(4.0, 4.0, 4.0), timed_steps=4):
     from minizero.comm import Communicator, init_torch_distributed
     from minizero.comm.backends import TorchBackend
@@ -91,7 +108,7 @@ def worker(comm, schedules=SCHEDULES, m=8, micro=4, steps=10, warmup=2, timed_ms
            "losses": {n: [] for n in names}, "saved_peak": {}, "load_average": {"start": os.getloadavg()}}
     grads = {}                                                      # name -> this rank's flat gradients, last step
     for k, (x, y) in enumerate(batches):
-        for name in names[k % len(names):] + names[:k % len(names)]:
+        for name in round_order(names, k):
             step, stage = built[name]
             meter = memory.SavedTensors(exclude=stage.parameters())
             barrier(comm)
