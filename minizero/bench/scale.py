@@ -61,19 +61,24 @@ def _line(r) -> str:
 
 
 def fit(rows) -> dict | None:
-    """Least squares of peak RSS per rank (max rank) on Ψ/N, Ψ and 1: bytes per sharded parameter (a), per
-    replicated parameter (b), constant (c); the same fit of memory.estimate's bytes at the same points."""
+    """Least squares of peak RSS per rank (max rank) on (Ψ/N, Ψ, 1): bytes per sharded parameter (a), per
+    replicated parameter (b), a constant (c); with one N only, Ψ/N and Ψ are the same column, so on (Ψ, 1)
+    (b: bytes per parameter at that N); with one Ψ only (a ranks sweep) on (Ψ/N, 1). The same fit of the
+    ledger and of memory.estimate at the same points."""
     import numpy as np
     rows = [r for r in rows if r["outcome"] == "ok"]
     if len({(r["psi"], r["ranks"]) for r in rows}) < 3:
         return None
-    design = np.array([[r["psi"] / r["ranks"], r["psi"], 1.0] for r in rows])
-    coef = lambda y: np.linalg.lstsq(design, np.array(y, dtype=float), rcond=None)[0].tolist()
-    a, b, c = coef([max(r["rss_peak"]) for r in rows])
-    la, lb, lc = coef([max(r["ledger"]) for r in rows])
-    ea, eb, ec = coef([r["estimate"] for r in rows])
-    return {"rss": {"a": a, "b": b, "c": c}, "ledger": {"a": la, "b": lb, "c": lc},
-            "estimate": {"a": ea, "b": eb, "c": ec}, "points": len(rows)}
+    several_n, several_psi = len({r["ranks"] for r in rows}) > 1, len({r["psi"] for r in rows}) > 1
+    design = np.array([[r["psi"] / r["ranks"] if several_n else 0.0, r["psi"] if several_psi else 0.0, 1.0]
+                       for r in rows])  # one Ψ only: the Ψ term is inside the constant
+
+    def coef(y):
+        a, b, c = np.linalg.lstsq(design, np.array(y, dtype=float), rcond=None)[0].tolist()
+        return {"a": a, "b": b, "c": c}
+    return {"rss": coef([max(r["rss_peak"]) for r in rows]), "ledger": coef([max(r["ledger"]) for r in rows]),
+            "estimate": coef([r["estimate"] for r in rows]), "points": len(rows),
+            "ranks": sorted({r["ranks"] for r in rows})}
 
 
 def analyse(results: dict, cal: dict | None) -> dict:
@@ -82,8 +87,10 @@ def analyse(results: dict, cal: dict | None) -> dict:
     for res in results["candidates"].values():
         rows = res["probes"] + results["ranks_sweep"].get(res["candidate"], [])
         res["fit"] = fit(rows)
+        if res["largest"] is not None:  # (a copy after a JSON round trip: the probe itself again)
+            res["largest"] = next(r for r in res["probes"] if r["size"] == res["largest"]["size"])
         for r in rows:
-            if r["outcome"] == "ok" and cal:
+            if r["outcome"] == "ok" and cal and "source" not in r:  # (a row rebuilt from a log lacks the bytes)
                 stepped = r["psi"] / (1 if res["candidate"] == "torch-ddp" else r["ranks"])
                 b = bound(cal, r["psi"], 32 * r["ranks"], r["ranks"], stepped, r["sent"], r["disk_read"],
                           r["disk_written"])
@@ -102,6 +109,8 @@ def report(results: dict) -> str:
            f"{'compute/comm/disk s':>19} | {'bound':>5} | {'MFU':>5} | stopped the next size")]
     for name, res in results["candidates"].items():
         r = res["largest"]
+        if not res["probes"]:  # (a run with the ranks sweep only)
+            continue
         if r is None:
             out.append(f"{name:<27}| {'none':>8} | {res['stopped_by'][:150]}")
             continue
@@ -115,7 +124,8 @@ def report(results: dict) -> str:
         if f:
             out.append(f"{name:<27} peak RSS/rank ~ {f['rss']['a']:.1f} B·Ψ/N + {f['rss']['b']:.1f} B·Ψ + "
                        f"{f['rss']['c'] / mib:.0f} MiB; ledger {f['ledger']['a']:.1f}·Ψ/N + {f['ledger']['b']:.1f}·Ψ; "
-                       f"memory.estimate {f['estimate']['a']:.1f}·Ψ/N + {f['estimate']['b']:.1f}·Ψ ({f['points']} probes)")
+                       f"memory.estimate {f['estimate']['a']:.1f}·Ψ/N + {f['estimate']['b']:.1f}·Ψ ({f['points']} probes, "
+                       f"N = {', '.join(map(str, f['ranks']))}{': one N, so all of it in the Ψ term' if len(f['ranks']) == 1 else ''})")
     for why in results.get("skipped", {}).items():
         out.append(f"{why[0]:<27} skipped: {why[1]}")
     return "\n".join(out)
@@ -126,13 +136,14 @@ def plot(results: dict, path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
-    for name, res in results["candidates"].items():
+    for i, (name, res) in enumerate(results["candidates"].items()):
         sweeps = (sorted((r for r in res["probes"] if r["outcome"] == "ok"), key=lambda r: r["psi"]),
                   sorted((r for r in results["ranks_sweep"].get(name, []) if r["outcome"] == "ok"),
                          key=lambda r: r["ranks"]))
         for col, (rows, x) in enumerate(zip(sweeps, ("psi", "ranks"))):
             if rows:
-                style = {"marker": "o", "ms": 3, "label": name, "ls": "-" if name.startswith("minizero") else "--"}
+                style = {"marker": "o", "ms": 3, "label": name, "color": f"C{i}",
+                         "ls": "-" if name.startswith("minizero") else "--"}
                 axes[0][col].plot([r[x] for r in rows], [r["step_s"] for r in rows], **style)
                 axes[1][col].plot([r[x] for r in rows], [max(r["rss_peak"]) / 2 ** 20 for r in rows], **style)
     size = results.get("sweep_psi", 0) / 1e6
@@ -140,7 +151,9 @@ def plot(results: dict, path: str):
         axes[row][0].set(xscale="log", yscale="log", xlabel=f"parameters Ψ ({results['ranks']} ranks)", ylabel=what)
         axes[row][1].set(xscale="log", yscale="log", xlabel=f"ranks N (Ψ = {size:.0f}M)", ylabel=what)
         axes[row][1].set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
-    axes[0][0].legend(fontsize=7)
+    for ax in axes[0]:
+        if ax.lines:
+            ax.legend(fontsize=7)
     fig.suptitle(f"bench scale: cost curves, cap {results['cap_bytes'] / 1e9:.0f} GB, {os.cpu_count()} cores")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -207,7 +220,15 @@ def main(argv=None) -> int:
             args.candidates = [c for c in args.candidates if c != "deepspeed-z3-offload"]
     for name in args.candidates:
         print(f"{name}:", flush=True)
-        results["candidates"][name] = search(name, args.start, args.stop, probe, args.resolution)
+        def log(row, name=name):  # each probe's row is in the JSON as soon as it ends (an interrupted run keeps it)
+            print(_line(row), flush=True)
+            done = results["candidates"].get(name, {"probes": []})["probes"]
+            results["candidates"][name] = {"candidate": name, "largest": None, "stopped_by": "interrupted",
+                                           "next_size": None, "probes": [*done, row]}
+            results["cap_bytes"] = cap["bytes"]
+            if args.json:
+                _write(args.json, results)
+        results["candidates"][name] = search(name, args.start, args.stop, probe, args.resolution, log=log)
         results["cap_bytes"] = cap["bytes"]
         if args.json:  # what finished so far survives an interrupted run
             _write(args.json, results)

@@ -3,9 +3,10 @@ own job, under a memory cap, and what it measured.
 
 Size rule, one knob s:  n_layer = s, n_embd = 64·s, n_head = s (head width 64), vocab 64, sequence 32,
     Ψ ≈ 12·s·(64 s)² = 49152·s³  (s = 3: 1.3M ... s = 34: 2.0B, s = 43: 3.9B; exact counts from a meta build).
-Training: micro-batch 1, the same batch each step, torch Adam, fp32, lr 1e-3/s (Adam moves every weight by
-about lr, so the step shrinks as 1/width as in muP; at a fixed 1e-3 the loss of a 108M model rose again at
-step 3, measured); a probe passes when the global loss of step 3 is below step 1's.
+Training: micro-batch 1, the same batch each step, torch Adam, fp32, lr 1e-4/s (Adam moves every weight by
+about lr: the step shrinks with the width, as in muP; measured: at a fixed 1e-3 the loss of a 108M model rose
+again at step 3 (4.34, 4.02, 5.11), and at 1e-3/s so did an 865M one (4.52, 4.24, 5.30), the depth adding
+up the updates too); a probe passes when the global loss of step 3 is below step 1's.
 
 Never takes the machine down: each probe is its own job (launch.run: mpirun in a new session) whose
 processes carry a tag in their environment; a watcher sums the anonymous + shared RSS (RssAnon + RssShmem:
@@ -144,7 +145,7 @@ def probe_worker(comm, candidate, size, steps=3, micro=1, lr=None, folder=None, 
             raise RuntimeError(f"DeepSpeed did not start: {why}")
     timers = _Timers()
     timers.install()
-    cfg, lr = gpt(size), lr or 1e-3 / size
+    cfg, lr = gpt(size), lr or 1e-4 / size
     x, y = shard(global_batches(types.SimpleNamespace(**cfg), 1, micro * comm.size, seed=seed)[0], comm.rank, comm.size)
     mine = os.path.join(folder, f"rank{comm.rank}")
     os.makedirs(mine, exist_ok=True)
