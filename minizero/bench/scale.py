@@ -276,12 +276,26 @@ def merge(paths) -> dict:
         if merged is None:
             merged = res
         else:
-            merged["candidates"].update(res["candidates"])
+            for name, cand in res["candidates"].items():
+                if name in merged["candidates"] and cand["probes"]:  # several runs of one candidate: all probes
+                    cand = _combined(merged["candidates"][name]["probes"] + cand["probes"], name)
+                if cand["probes"] or name not in merged["candidates"]:
+                    merged["candidates"][name] = cand
             merged["ranks_sweep"].update(res.get("ranks_sweep", {}))
             merged.setdefault("skipped", {}).update(res.get("skipped", {}))
             merged["calibration"] = res.get("calibration") or merged.get("calibration")
             merged["cap_bytes"], merged["timeout"] = res["cap_bytes"], max(res["timeout"], merged["timeout"])
     return merged
+
+
+def _combined(probes, name) -> dict:
+    """One candidate's result from the probes of several runs: the largest that passed, the smallest that
+    failed above it."""
+    ok = max((r for r in probes if r["outcome"] == "ok"), key=lambda r: r["psi"], default=None)
+    bad = min((r for r in probes if r["outcome"] != "ok" and (ok is None or r["psi"] > ok["psi"])),
+              key=lambda r: r["psi"], default=None)
+    return {"candidate": name, "largest": ok, "stopped_by": bad["outcome"] if bad else "not tried past the largest",
+            "next_size": bad["psi"] if bad else None, "probes": probes}
 
 
 def _write(path, results):
