@@ -11,7 +11,6 @@ Tensor parallelism needs t >= 2 ranks; NCCL refuses two ranks on one GPU, so it 
 Prints one JSON object per part; on CPU (--quick) it runs the same code small, as a smoke test.
 """
 import json
-import math
 import os
 import subprocess
 import sys

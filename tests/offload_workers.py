@@ -11,7 +11,6 @@ import tempfile
 import numpy as np
 import torch
 
-from minizero import memory
 from minizero.data import SyntheticTokens, shard
 from minizero.models import build_model
 from minizero.runtime import checkpoint

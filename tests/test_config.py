@@ -1,5 +1,4 @@
 """DeepSpeed-config validation: typos, unimplemented DeepSpeed keys, "auto", the batch triple."""
-import json
 import re
 from pathlib import Path
 

@@ -1,5 +1,4 @@
 """The launcher never hangs and always says what went wrong."""
-import os
 import time
 
 import pytest

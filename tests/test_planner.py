@@ -28,7 +28,7 @@ def test_pipeline_stages_hold_the_model_once_and_tp_splits_the_matrices():
     stages = plan(SHAPE, Strategy(8, pp=4, micro_batches=8)).stages
     assert sum(s.params for s in stages) == SHAPE.num_params()
     assert stages[0].params > stages[1].params  # the embeddings
-    one, two = plan(SHAPE, Strategy(8, tp=1)).stages[0], plan(SHAPE, Strategy(8, tp=2)).stages[0]
+    two = plan(SHAPE, Strategy(8, tp=2)).stages[0]
     assert SHAPE.num_params() / 2 < two.params < SHAPE.num_params() / 2 + 6 * 2048 * 24 + 1024 * 2048 + 2 * 2048
 
 

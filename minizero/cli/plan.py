@@ -111,7 +111,7 @@ def print_stages(p, times=None) -> None:
         cells = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.memory.items() if v)
         host = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.host.items() if v)
         print(f"  stage {st.stage}: {st.params / 1e6:.4g}M params/rank; device GB: {cells}"
-              + (f"; transient: " + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.transient.items()) if st.transient else "")
+              + ("; transient: " + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.transient.items()) if st.transient else "")
               + f"; total {st.device_total / 1e9:.3g}" + (f"; host GB: {host}" if host else ""))
         sent = ", ".join(f"{g} {b / 1e9:.3g} ({st.link[g]})" for g, b in st.sent.items())
         links = st.sent_by_link

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from minizero.comm.backends import (MPIBackend, TorchBackend, Work, heartbeat, init_torch_distributed, mpi_module,
+from minizero.comm.backends import (MPIBackend, TorchBackend, heartbeat, init_torch_distributed, mpi_module,
                                     report_rank_lost)
 from minizero.comm.labels import label
 from minizero.comm.launcher import launcher, local_rank
