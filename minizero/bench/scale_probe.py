@@ -2,7 +2,7 @@
 own job, under a memory cap, and what it measured.
 
 Size rule, one knob s:  n_layer = s, n_embd = 64·s, n_head = s (head width 64), vocab 64, sequence 32,
-    Ψ ≈ 12·s·(64 s)² = 49152·s³  (s = 3: 1.3M ... s = 34: 2.0B, s = 43: 3.9B; exact counts from a meta build).
+    Ψ ≈ 12·s·(64 s)² = 49152·s³  (s = 3: 1.4M ... s = 34: 1.93B, s = 35: 2.11B, s = 43: 3.91B; exact counts from a meta build).
 Training: micro-batch 1, the same batch each step, torch Adam, fp32, lr 1e-4/s (Adam moves every weight by
 about lr: the step shrinks with the width, as in muP; measured: at a fixed 1e-3 the loss of a 108M model rose
 again at step 3 (4.34, 4.02, 5.11), and at 1e-3/s so did an 865M one (4.52, 4.24, 5.30), the depth adding
