@@ -66,7 +66,10 @@ def test_torchrun_runs_the_train_command_and_a_plain_script_on_two_ranks(config,
     # 2 ranks x 4 rows: the loss of the 8-row global batch (one rank alone would see 4 rows)
     assert log[0]["loss"] == pytest.approx(_first_loss(2), rel=1e-6)
     assert log[0]["loss"] != pytest.approx(_first_loss(1), rel=1e-6)
-    proc = _run([TORCHRUN, "--nproc_per_node", "2", "tests/torchrun_script.py"])
+    # rank 1 starts 9 s late, past a 6 s rendezvous wait: a collective may wait longer than the rendezvous
+    # (gloo used the rendezvous timeout for every collective: "Timed out waiting 5999ms for recv")
+    proc = _run([TORCHRUN, "--nproc_per_node", "2", "tests/torchrun_script.py"], MINIZERO_INIT_TIMEOUT_S="6",
+                SLOW_RANK_S="9")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # the two ranks share one stdout: their lines may interleave, so read each JSON object after "RESULT "
     ranks = sorted((json.JSONDecoder().raw_decode(chunk)[0] for chunk in proc.stdout.split("RESULT ")[1:]),

@@ -1,6 +1,8 @@
 """A plain training script as a course with torchrun scripts has one: no init_process_group, no
 mpirun. Run by tests/test_launchers.py as `torchrun --nproc_per_node 2 tests/torchrun_script.py`."""
 import json
+import os
+import time
 
 import torch
 
@@ -14,6 +16,8 @@ model = build_model("mlp", seed=0)
 ddp = DDP(model, world)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 losses = []
+if world.rank == 1:  # a step longer than the rendezvous wait (a billion-parameter step takes minutes): rank 0 waits
+    time.sleep(float(os.environ.get("SLOW_RANK_S", "0")))  # in its first all-reduce, which must not time out
 for step in range(3):
     x, y = shard(regression_batch(step, 8, 16, 4), world.rank, world.size)
     loss = ddp(x, y)[1]

@@ -342,7 +342,8 @@ def init_torch_distributed(device: torch.device, timeout_s: float | None = None)
         MASTER_ADDR/PORT needs setting by hand;
       * nothing: a world of one on a free local port (WORLD_SIZE > 1 without the rest is an error).
     A rendezvous that does not complete within `timeout_s` (MINIZERO_INIT_TIMEOUT_S, default 60)
-    is an error saying who was waited for, instead of torch's 30 minutes of silence."""
+    is an error saying who was waited for, instead of torch's 30 minutes of silence. The collectives
+    after it keep torch's default timeout: a step may take minutes."""
     import datetime
 
     import torch.distributed as dist
@@ -395,6 +396,13 @@ def init_torch_distributed(device: torch.device, timeout_s: float | None = None)
     except Exception as e:  # noqa: BLE001  torch raises several types for a failed rendezvous
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise failed(f"{type(e).__name__}: {first}") from None
+    # init_process_group's timeout is also every later collective's: a rank waiting at a gather while another
+    # finishes a minute-long step (bench scale: 113 s steps at 2.1B parameters) would fail after timeout_s.
+    # Collectives get torch's own default back (30 min for gloo, 10 for NCCL); the watchdog
+    # (MINIZERO_WATCHDOG_S) names a hung rank long before that.
+    from torch.distributed import constants
+    dist.distributed_c10d._set_pg_timeout((device.type == "cuda" and constants.default_pg_nccl_timeout)
+                                          or constants.default_pg_timeout)
 
 
 def _reachable(addr: str, port: int, timeout_s: float) -> bool:
