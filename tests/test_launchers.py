@@ -58,7 +58,7 @@ def _first_loss(world, micro=4):
 def test_torchrun_runs_the_train_command_and_a_plain_script_on_two_ranks(config, tmp_path):
     cmd = [TORCHRUN, "--nproc_per_node", "2", "-m", "minizero", "train", "--config", str(config), "--model", "mlp",
            "--steps", "2", "--no-progress", "--out", str(tmp_path / "run")]
-    proc = _run(cmd)
+    proc = _run(cmd, TMPDIR=str(tmp_path))  # torchrun's own torchelastic_* log folder lands there, not in /tmp
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("minizero train:") == 1 and "2 ranks" in proc.stdout, proc.stdout
     log = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
@@ -69,7 +69,7 @@ def test_torchrun_runs_the_train_command_and_a_plain_script_on_two_ranks(config,
     # rank 1 starts 9 s late, past a 6 s rendezvous wait: a collective may wait longer than the rendezvous
     # (gloo used the rendezvous timeout for every collective: "Timed out waiting 5999ms for recv")
     proc = _run([TORCHRUN, "--nproc_per_node", "2", "tests/torchrun_script.py"], MINIZERO_INIT_TIMEOUT_S="6",
-                SLOW_RANK_S="9")
+                SLOW_RANK_S="9", TMPDIR=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # the two ranks share one stdout: their lines may interleave, so read each JSON object after "RESULT "
     ranks = sorted((json.JSONDecoder().raw_decode(chunk)[0] for chunk in proc.stdout.split("RESULT ")[1:]),

@@ -29,8 +29,9 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["TMPDIR"] = str(tmp_path_factory.mktemp("torchrun"))  # torchrun's torchelastic_* log folder, not /tmp's
     proc = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "tests/outside/nanogpt_train.py", ",".join(MODES)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
