@@ -1,5 +1,5 @@
 """`python -m minizero bench scale --quick`: the largest-model search on 2 ranks under a small memory cap
-(0.3 GB above the first probe's job), torch DDP against minizero ZeRO-3 + zero.Init, checked against
+(0.2 GB above the first probe's job: torch DDP grows ~0.3 GB from s 4 to 6, ZeRO-3 ~0.1), torch DDP against minizero ZeRO-3 + zero.Init, checked against
 independent counts: the watcher's kill, the ledger against memory.estimate, sharding's 1/N."""
 import json
 import os
