@@ -15,8 +15,8 @@ when the sum passes --cap-gb (its sampled peak is reported), or when the machine
 1.5 GB (the machine is shared: others' growth counts too). A disk probe first checks that the free space
 minus its need (16 B per parameter: fp32 master, m, v and the parameters' file) keeps --disk-reserve-gb free.
 Each probe has a timeout (launch.run kills the job), and its temporary folder is removed however it ends.
-The gloo process group's timeout and minizero's watchdog are raised to the probe's timeout (gloo's default
-here is MINIZERO_INIT_TIMEOUT_S = 60 s, shorter than one step at 1B+ parameters).
+minizero's watchdog is raised to the probe's timeout (its default, 300 s, is a few steps at 2B parameters);
+collectives keep torch's own timeout (comm/backends.py bounds only the rendezvous by MINIZERO_INIT_TIMEOUT_S).
 
 Per probe, on each rank: peak RSS (VmHWM, whole process, reset before the build), the ledger (memory.measure
 of what the rank holds, read after the last backward), bytes sent, disk bytes (the files in its folder, and
@@ -229,8 +229,7 @@ def run_probe(candidate, size, ranks=4, cap_bytes=12e9, timeout=900, folder=None
         try:
             result["ranks"] = launch.run("minizero.bench.scale_probe:probe_worker", nprocs=ranks, timeout=timeout,
                                          args={"candidate": candidate, "size": size, "folder": tmp, "steps": steps},
-                                         env={"MINIZERO_SCALE_PROBE": tag, "MINIZERO_INIT_TIMEOUT_S": str(timeout),
-                                              "MINIZERO_WATCHDOG_S": str(timeout)})
+                                         env={"MINIZERO_SCALE_PROBE": tag, "MINIZERO_WATCHDOG_S": str(timeout)})
         except Exception as e:  # noqa: BLE001  classified below
             result["error"] = e
     t0, peak, peak_pid, capped = time.time(), 0, {}, False
