@@ -30,7 +30,8 @@ MINIZERO = ("minizero-ddp", "minizero-zero1", "minizero-zero2", "minizero-zero3"
 OFFLOAD = ("minizero-zero3-init", "minizero-zero2-offload", "minizero-zero2-dpu", "minizero-zero3-offload",
            "minizero-zero3-nvme", "minizero-zero3-nvme-noprefetch", "minizero-zero3-nvme-params")
 TORCH = ("torch-ddp", "torch-fsdp2")
-DEEPSPEED = tuple(f"deepspeed-z{s}" for s in range(4)) + ("deepspeed-z2-offload", "deepspeed-z3-offload")
+DEEPSPEED = tuple(f"deepspeed-z{s}" for s in range(4)) + ("deepspeed-z2-offload", "deepspeed-z3-offload",
+                                                          "deepspeed-z3-nvme")
 CANDIDATES = MINIZERO + OFFLOAD + TORCH + DEEPSPEED
 DEFAULT = MINIZERO + ("minizero-zero2-offload", "minizero-zero3-offload") + TORCH + DEEPSPEED[:4]
 REFERENCE = "torch-ddp"
@@ -238,7 +239,7 @@ class _DeepSpeedHeld:
                     yield "optimizer_state", v, None
 
 
-def _deepspeed(name, model, comm, lr, micro):
+def _deepspeed(name, model, comm, lr, micro, nvme_dir=None):
     import deepspeed
     stage = int(name[len("deepspeed-z")])
     # gradient_clipping: DeepSpeed 0.19's default is 1.0 (clip at global norm 1); everyone else here
@@ -246,10 +247,12 @@ def _deepspeed(name, model, comm, lr, micro):
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10 ** 9}
-    offload = name.endswith("-offload")
+    offload = name.endswith(("-offload", "-nvme"))
     if offload:  # ZeRO-Offload: DeepSpeed's own CPU Adam (DeepSpeedCPUAdam) steps on the host
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         config["optimizer"] = {"type": "Adam", "params": {"lr": lr, "weight_decay": 0.0, "adam_w_mode": False}}
+    if name.endswith("-nvme"):  # ZeRO-Infinity: parameters and optimizer state in files (its async-I/O op)
+        config["zero_optimization"].update(_deepspeed_nvme(nvme_dir, model))
     if model is None:  # stage 3 at scale: built under DeepSpeed's zero.Init, partitioned module by module
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = build_model("tiny-gpt", seed=_deepspeed.seed, **_deepspeed.cfg)
@@ -263,6 +266,19 @@ def _deepspeed(name, model, comm, lr, micro):
         return loss
     return Candidate(backward, engine.step, lambda: (_DeepSpeedHeld(engine),), "torch.distributed calls",
                      close=getattr(engine, "destroy", None))
+
+
+def _deepspeed_nvme(nvme_dir, model):
+    """ZeRO-Infinity's settings, sized to the model rather than DeepSpeed's defaults: its parameter swap
+    buffers (buffer_count x buffer_size elements, pinned) default to 5 x 1e8 fp32 = 2 GB per rank and
+    max_in_cpu to 1e9 elements (4 GB), which alone would fill the 12 GB cap of `bench scale` on 4 ranks.
+    buffer_size must hold the largest parameter (a 4·d x d MLP weight); sub_group_size sets the optimizer's
+    swap unit (default 1e9 elements, 12 GB of fp32 state in flight)."""
+    largest = 4 * _deepspeed.cfg["n_embd"] ** 2 if model is None else max(p.numel() for p in model.parameters())
+    return {"offload_param": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": False, "buffer_count": 5,
+                              "buffer_size": largest, "max_in_cpu": largest},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": False, "buffer_count": 4},
+            "sub_group_size": 2 * largest}
 
 
 # ----------------------------------------------------------------------------- counting torch's bytes
@@ -345,10 +361,10 @@ def build(name, comm, cfg, seed, lr, micro, count_ddp=False, meta_init=False, nv
         return _torch(name, model, comm, lr, count_ddp)
     if meta_init and name.startswith("deepspeed-z3"):
         _deepspeed.seed, _deepspeed.cfg = seed, cfg
-        return _deepspeed(name, None, comm, lr, micro)
+        return _deepspeed(name, None, comm, lr, micro, nvme_dir)
     model = build_model("tiny-gpt", seed=seed, **cfg)
     if name in MINIZERO:
         return _minizero(name, model, comm, lr)
     if name in TORCH:
         return _torch(name, model, comm, lr, count_ddp)
-    return _deepspeed(name, model, comm, lr, micro)
+    return _deepspeed(name, model, comm, lr, micro, nvme_dir)

@@ -213,11 +213,9 @@ def main(argv=None) -> int:
         return row
     results = {"ranks": args.ranks, "timeout": args.timeout, "calibration": cal, "candidates": {}, "ranks_sweep": {},
                "load_before": os.getloadavg(), "argv": argv, "skipped": {}}
-    if "deepspeed-z3-offload" in args.candidates:
-        why = prebuild_cpu_adam()
-        if why:
-            results["skipped"]["deepspeed-z3-offload"] = why
-            args.candidates = [c for c in args.candidates if c != "deepspeed-z3-offload"]
+    for name, why in prebuild_deepspeed_ops(args.candidates).items():
+        results["skipped"][name] = why
+        args.candidates = [c for c in args.candidates if c != name]
     for name in args.candidates:
         print(f"{name}:", flush=True)
         def log(row, name=name):  # each probe's row is in the JSON as soon as it ends (an interrupted run keeps it)
@@ -250,21 +248,38 @@ def main(argv=None) -> int:
     return 0
 
 
-def prebuild_cpu_adam(timeout=1200) -> str | None:
-    """DeepSpeedCPUAdam's C++ op, JIT-built once here (minutes on 2 cores) rather than inside a probe, where
-    the probe's timeout would kill the compiler and leave torch's build lock behind (every later build then
-    waits on it forever: seen here). None, or why it cannot be built."""
+_SHM = ("DeepSpeed's shared-memory collectives op (built by init_distributed on the CPU accelerator)",
+        "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\nShareMemCommBuilder().load()")
+_CPU_ADAM = ("DeepSpeedCPUAdam's op", "from deepspeed.ops.adam import DeepSpeedCPUAdam\n"
+             "DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))])")
+_AIO = ("the async-I/O op (needs libaio-dev, an OS package)",
+        "from deepspeed.ops.op_builder import AsyncIOBuilder\nAsyncIOBuilder().load()")
+DEEPSPEED_OPS = {"deepspeed-z3-offload": [_CPU_ADAM], "deepspeed-z3-nvme": [_CPU_ADAM, _AIO]}  # the C++ ops each
+# candidate JIT-builds beyond _SHM, which every deepspeed-* candidate builds: (what, code that builds it)
+
+
+def prebuild_deepspeed_ops(candidates, timeout=1200) -> dict:
+    """DeepSpeed's C++ ops, JIT-built once here (1 min for CPU Adam on an idle 2-core machine, over 15 at load
+    ~18) rather than inside a probe, where the probe's timeout would kill the compiler and leave torch's build
+    lock behind (every later build then waits on it forever: seen here), and where the compiler (1.5 GB) would
+    count in the probe's memory, tagged through its environment. {candidate: why it cannot run}."""
     import subprocess
     import sys
-    code = ("import torch\nfrom deepspeed.ops.adam import DeepSpeedCPUAdam\n"
-            "DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))])")
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                              check=False, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    except subprocess.TimeoutExpired:
-        return f"DeepSpeedCPUAdam's op did not build within {timeout} s"
-    lines = (proc.stderr or "").strip().splitlines()
-    return None if proc.returncode == 0 else f"DeepSpeedCPUAdam's op did not build: {lines[-1] if lines else '?'}"
+    why, built = {}, {}
+    for name in [c for c in candidates if c.startswith("deepspeed")]:
+        for what, code in [_SHM, *DEEPSPEED_OPS.get(name, [])]:
+            if what not in built:
+                try:
+                    proc = subprocess.run([sys.executable, "-c", "import torch\n" + code], capture_output=True,
+                                          text=True, timeout=timeout, check=False,
+                                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+                    lines = (proc.stderr or "").strip().splitlines()
+                    built[what] = None if proc.returncode == 0 else f"{what} did not build: {lines[-1] if lines else '?'}"
+                except subprocess.TimeoutExpired:
+                    built[what] = f"{what} did not build within {timeout} s"
+            if built[what]:
+                why.setdefault(name, built[what])
+    return why
 
 
 def merge(paths) -> dict:
