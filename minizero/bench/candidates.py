@@ -239,7 +239,7 @@ class _DeepSpeedHeld:
                     yield "optimizer_state", v, None
 
 
-def _deepspeed(name, model, comm, lr, micro, nvme_dir=None):
+def _deepspeed(name, model, comm, lr, micro, nvme_dir=None, sized_to_model=False):
     import deepspeed
     stage = int(name[len("deepspeed-z")])
     # gradient_clipping: DeepSpeed 0.19's default is 1.0 (clip at global norm 1); everyone else here
@@ -251,8 +251,11 @@ def _deepspeed(name, model, comm, lr, micro, nvme_dir=None):
     if offload:  # ZeRO-Offload: DeepSpeed's own CPU Adam (DeepSpeedCPUAdam) steps on the host
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         config["optimizer"] = {"type": "Adam", "params": {"lr": lr, "weight_decay": 0.0, "adam_w_mode": False}}
-    if name.endswith("-nvme"):  # ZeRO-Infinity: parameters and optimizer state in files (its async-I/O op)
-        config["zero_optimization"].update(_deepspeed_nvme(nvme_dir, model))
+    width = _deepspeed.cfg["n_embd"] if model is None else model.config.n_embd
+    if sized_to_model and stage == 3:
+        config["zero_optimization"].update(_deepspeed_stage3_sizes(width))
+    if name.endswith("-nvme"):  # ZeRO-Infinity: optimizer state in files (its async-I/O op)
+        config["zero_optimization"].update(_deepspeed_nvme(nvme_dir, width))
     if model is None:  # stage 3 at scale: built under DeepSpeed's zero.Init, partitioned module by module
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = build_model("tiny-gpt", seed=_deepspeed.seed, **_deepspeed.cfg)
@@ -268,17 +271,24 @@ def _deepspeed(name, model, comm, lr, micro, nvme_dir=None):
                      close=getattr(engine, "destroy", None))
 
 
-def _deepspeed_nvme(nvme_dir, model):
-    """ZeRO-Infinity's settings, sized to the model rather than DeepSpeed's defaults: its parameter swap
-    buffers (buffer_count x buffer_size elements, pinned) default to 5 x 1e8 fp32 = 2 GB per rank and
-    max_in_cpu to 1e9 elements (4 GB), which alone would fill the 12 GB cap of `bench scale` on 4 ranks.
-    buffer_size must hold the largest parameter (a 4·d x d MLP weight); sub_group_size sets the optimizer's
-    swap unit (default 1e9 elements, 12 GB of fp32 state in flight)."""
-    largest = 4 * _deepspeed.cfg["n_embd"] ** 2 if model is None else max(p.numel() for p in model.parameters())
-    return {"offload_param": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": False, "buffer_count": 5,
-                              "buffer_size": largest, "max_in_cpu": largest},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": False, "buffer_count": 4},
-            "sub_group_size": 2 * largest}
+def _deepspeed_stage3_sizes(width):
+    """ZeRO-3's buffers as Hugging Face's DeepSpeed integration sizes them ("auto", from the hidden size d):
+    reduce_bucket_size d², stage3_prefetch_bucket_size 0.9·d², stage3_param_persistence_threshold 10·d.
+    DeepSpeed's own defaults are one size for every model (reduce bucket 5e8 elements, prefetch bucket 5e7,
+    persistence threshold 1e5); `bench scale` gives every library its large-model settings."""
+    return {"reduce_bucket_size": width ** 2, "stage3_prefetch_bucket_size": int(0.9 * width ** 2),
+            "stage3_param_persistence_threshold": 10 * width}
+
+
+def _deepspeed_nvme(nvme_dir, width):
+    """ZeRO-Infinity's optimizer state in files (offload_optimizer nvme: master weights, m and v), sized to the
+    model: sub_group_size (the optimizer's swap unit; default 1e9 elements, 12 GB of fp32 state in flight) is
+    two MLP weights. The parameters stay in RAM: DeepSpeed 0.19.8's parameter offload to nvme fails on this
+    CPU machine whatever its buffer_count (at 135M on 4 ranks, 5 to 16 buffers: "Not enough buffers 0 for
+    swapping 1", deepspeedai/DeepSpeed#3062, open since 2023; 46 and 58: "param 168 already assigned swap
+    buffer id"; it ran only at 25M and below)."""
+    return {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": False, "buffer_count": 4},
+            "sub_group_size": 2 * 4 * width ** 2}
 
 
 # ----------------------------------------------------------------------------- counting torch's bytes
@@ -349,10 +359,12 @@ def start_deepspeed(comm):
         return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def build(name, comm, cfg, seed, lr, micro, count_ddp=False, meta_init=False, nvme_dir=None, sub_group_size=2_000_000):
+def build(name, comm, cfg, seed, lr, micro, count_ddp=False, meta_init=False, nvme_dir=None, sub_group_size=2_000_000,
+          sized_to_model=False):
     """meta_init: the sharded peers build the way their docs say for large models (FSDP2 on the meta
     device, DeepSpeed ZeRO-3 under deepspeed.zero.Init); minizero's ZeRO-3 engine candidates always
-    build under minizero.zero.Init."""
+    build under minizero.zero.Init. sized_to_model: DeepSpeed ZeRO-3's buffers sized from the model's width
+    (_deepspeed_stage3_sizes), as `bench scale` runs it; the step-time bench keeps DeepSpeed's defaults."""
     if name in OFFLOAD:
         return _engine(name, comm, cfg, seed, lr, micro, nvme_dir, sub_group_size)
     if meta_init and name == "torch-fsdp2":
@@ -361,10 +373,10 @@ def build(name, comm, cfg, seed, lr, micro, count_ddp=False, meta_init=False, nv
         return _torch(name, model, comm, lr, count_ddp)
     if meta_init and name.startswith("deepspeed-z3"):
         _deepspeed.seed, _deepspeed.cfg = seed, cfg
-        return _deepspeed(name, None, comm, lr, micro, nvme_dir)
+        return _deepspeed(name, None, comm, lr, micro, nvme_dir, sized_to_model)
     model = build_model("tiny-gpt", seed=seed, **cfg)
     if name in MINIZERO:
         return _minizero(name, model, comm, lr)
     if name in TORCH:
         return _torch(name, model, comm, lr, count_ddp)
-    return _deepspeed(name, model, comm, lr, micro, nvme_dir)
+    return _deepspeed(name, model, comm, lr, micro, nvme_dir, sized_to_model)

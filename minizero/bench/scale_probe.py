@@ -45,7 +45,7 @@ CANDIDATES = {  # scale name -> (bench candidate, build as its docs say for larg
     "deepspeed-z3": ("deepspeed-z3", False), "deepspeed-z3-init": ("deepspeed-z3", True),
     "deepspeed-z3-offload": ("deepspeed-z3-offload", True), "deepspeed-z3-nvme": ("deepspeed-z3-nvme", True)}
 DISK = ("minizero-zero3-nvme", "minizero-zero3-nvme-params", "deepspeed-z3-nvme")
-DISK_PARAMS = ("minizero-zero3-nvme-params", "deepspeed-z3-nvme")
+DISK_PARAMS = ("minizero-zero3-nvme-params",)
 ESTIMATE = {"torch-ddp": 0, "torch-fsdp2": 3, "deepspeed-z3": 3, "deepspeed-z3-init": 3,
             "deepspeed-z3-offload": 3, "deepspeed-z3-nvme": 3}  # ZeRO stage for memory.estimate; minizero-* by name below
 
@@ -153,7 +153,7 @@ def probe_worker(comm, candidate, size, steps=3, micro=1, lr=None, folder=None, 
     name, meta = CANDIDATES[candidate]
     rss0, _ = _status_kb("VmRSS") * 1024, _reset_hwm()
     t0 = time.perf_counter()
-    c = build(name, comm, cfg, seed, lr, micro, count_ddp=True, meta_init=meta, nvme_dir=mine)
+    c = build(name, comm, cfg, seed, lr, micro, count_ddp=True, meta_init=meta, nvme_dir=mine, sized_to_model=True)
     build_s, rows, ledger = time.perf_counter() - t0, [], None
     engine = getattr(c.ledger, "__self__", None)
     traffic = getattr(getattr(engine, "offload", None), "traffic", None)
