@@ -66,7 +66,7 @@ def fit(rows) -> dict | None:
     (b: bytes per parameter at that N); with one Ψ only (a ranks sweep) on (Ψ/N, 1). The same fit of the
     ledger and of memory.estimate at the same points."""
     import numpy as np
-    rows = [r for r in rows if r["outcome"] == "ok"]
+    rows = [r for r in rows if r["outcome"] == "ok" and "source" not in r]  # (rows rebuilt from a log: no ledger)
     if len({(r["psi"], r["ranks"]) for r in rows}) < 3:
         return None
     several_n, several_psi = len({r["ranks"] for r in rows}) > 1, len({r["psi"] for r in rows}) > 1
@@ -76,9 +76,17 @@ def fit(rows) -> dict | None:
     def coef(y):
         a, b, c = np.linalg.lstsq(design, np.array(y, dtype=float), rcond=None)[0].tolist()
         return {"a": a, "b": b, "c": c}
-    return {"rss": coef([max(r["rss_peak"]) for r in rows]), "ledger": coef([max(r["ledger"]) for r in rows]),
+    return {"rss": coef([max(r["rss_peak"]) for r in rows]), "ledger": coef([_ledger_in_ram(r) for r in rows]),
             "estimate": coef([r["estimate"] for r in rows]), "points": len(rows),
             "ranks": sorted({r["ranks"] for r in rows})}
+
+
+def _ledger_in_ram(row) -> float:
+    """The ledger's bytes outside files (device + host) on the rank holding most: what RSS and
+    memory.estimate are compared with; the disk tiers' files are not RAM."""
+    if "per_rank" not in row:  # (a row rebuilt from a log: its ledger was not kept)
+        return max(row["ledger"])
+    return max(r["ledger"]["total"] - r["ledger"]["by_location"].get("disk", 0) for r in row["per_rank"])
 
 
 def analyse(results: dict, cal: dict | None) -> dict:
@@ -137,9 +145,10 @@ def plot(results: dict, path: str):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     for i, (name, res) in enumerate(results["candidates"].items()):
-        sweeps = (sorted((r for r in res["probes"] if r["outcome"] == "ok"), key=lambda r: r["psi"]),
-                  sorted((r for r in results["ranks_sweep"].get(name, []) if r["outcome"] == "ok"),
-                         key=lambda r: r["ranks"]))
+        swept = [r for r in results["ranks_sweep"].get(name, []) if r["outcome"] == "ok"]
+        by_psi = {r["psi"]: r for r in swept if r["ranks"] == results["ranks"]}  # the sweep's N: a small Ψ point
+        by_psi.update({r["psi"]: r for r in res["probes"] if r["outcome"] == "ok"})
+        sweeps = (sorted(by_psi.values(), key=lambda r: r["psi"]), sorted(swept, key=lambda r: r["ranks"]))
         for col, (rows, x) in enumerate(zip(sweeps, ("psi", "ranks"))):
             if rows:
                 style = {"marker": "o", "ms": 3, "label": name, "color": f"C{i}",
@@ -151,6 +160,7 @@ def plot(results: dict, path: str):
         axes[row][0].set(xscale="log", yscale="log", xlabel=f"parameters Ψ ({results['ranks']} ranks)", ylabel=what)
         axes[row][1].set(xscale="log", yscale="log", xlabel=f"ranks N (Ψ = {size:.0f}M)", ylabel=what)
         axes[row][1].set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        axes[row][1].set_xticks([], minor=True)
     for ax in axes[0]:
         if ax.lines:
             ax.legend(fontsize=7)
