@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 import time
 
 from minizero.bench.scale_probe import (
@@ -209,6 +211,9 @@ def main(argv=None) -> int:
             plot(results, args.plot)
         return 0
     t0 = time.time()
+    # a `kill` of this command (SIGTERM) unwinds like Ctrl-C, so that run_probe's cleanup kills the probe's job
+    # and removes its folder: left to the default handler it would leave a job running that nobody watches
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from minizero.bench import calibrate
     cal = None if args.no_calibrate else calibrate.calibrate(args.folder, nprocs=args.ranks)
     if cal:
@@ -274,7 +279,6 @@ def prebuild_deepspeed_ops(candidates, timeout=1200) -> dict:
     lock behind (every later build then waits on it forever: seen here), and where the compiler (1.5 GB) would
     count in the probe's memory, tagged through its environment. {candidate: why it cannot run}."""
     import subprocess
-    import sys
     why, built = {}, {}
     for name in [c for c in candidates if c.startswith("deepspeed")]:
         for what, code in [_SHM, *DEEPSPEED_OPS.get(name, [])]:
