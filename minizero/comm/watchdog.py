@@ -101,9 +101,17 @@ def _ours() -> bool:
 
 
 def _remove_directory():
-    """Remove the job directory job_directory() made (its atexit never runs after os._exit or an abort)."""
+    """Remove the job directory job_directory() made (its atexit never runs after os._exit or an abort).
+    Renamed first, atomically, then removed: rmtree unlinks the claim files (watchdog.fired, failed) before
+    the directory itself, and a rank whose watchdog fired in between claimed the name again in the half-
+    removed directory and printed the job's message a second time (seen once in a CI run at 4 ranks)."""
     if _ours():
-        shutil.rmtree(heartbeat.directory, ignore_errors=True)
+        going = f"{heartbeat.directory}.removed-{os.getpid()}"
+        try:
+            os.rename(heartbeat.directory, going)
+        except OSError:  # another rank is removing it, or it is gone
+            return
+        shutil.rmtree(going, ignore_errors=True)
 
 
 def _failed() -> bool:
