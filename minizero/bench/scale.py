@@ -86,8 +86,6 @@ def fit(rows) -> dict | None:
 def _ledger_in_ram(row) -> float:
     """The ledger's bytes outside files (device + host) on the rank holding most: what RSS and
     memory.estimate are compared with; the disk tiers' files are not RAM."""
-    if "per_rank" not in row:  # (a row rebuilt from a log: its ledger was not kept)
-        return max(row["ledger"])
     return max(r["ledger"]["total"] - r["ledger"]["by_location"].get("disk", 0) for r in row["per_rank"])
 
 

@@ -45,7 +45,6 @@ CANDIDATES = {  # scale name -> (bench candidate, build as its docs say for larg
     "deepspeed-z3": ("deepspeed-z3", False), "deepspeed-z3-init": ("deepspeed-z3", True),
     "deepspeed-z3-offload": ("deepspeed-z3-offload", True), "deepspeed-z3-nvme": ("deepspeed-z3-nvme", True)}
 DISK = ("minizero-zero3-nvme", "minizero-zero3-nvme-params", "deepspeed-z3-nvme")
-DISK_PARAMS = ("minizero-zero3-nvme-params",)
 ESTIMATE = {"torch-ddp": 0, "torch-fsdp2": 3, "deepspeed-z3": 3, "deepspeed-z3-init": 3,
             "deepspeed-z3-offload": 3, "deepspeed-z3-nvme": 3}  # ZeRO stage for memory.estimate; minizero-* by name below
 
@@ -69,7 +68,7 @@ def estimated_bytes(candidate: str, psi: int, ranks: int) -> float:
     stage = 3 if candidate.startswith("minizero") else ESTIMATE[candidate]
     e = memory.Estimate(memory.estimate_by_location(psi, ranks, stage, 4, 4, 8, "nvme" if candidate in DISK else
                                                     "cpu" if "offload" in candidate else "none",
-                                                    "nvme" if candidate in DISK_PARAMS else "none"))
+                                                    "nvme" if candidate.endswith("nvme-params") else "none"))
     return e.device + e.host
 
 
