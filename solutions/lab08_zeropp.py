@@ -304,7 +304,9 @@ Cross-node bytes per node per step (ring model, comm/stats.py) with nodes of k r
       + qgZ       (N-1)/N (M + M) + (nodes-1)/nodes 0.25M                             2.25M
       all three   (N-1)/N 0.5M + (nodes-1)/nodes 0.25M                                0.75M
 plus 4 bytes per quantization block, and each unit's padding to a multiple of N (lesson 08
-measures it). Persistent parameters stay whole and are all-reduced unquantized, as in FSDP.
+measures it). Persistent parameters stay whole and are all-reduced unquantized, as in FSDP: + 2(N-1)/N P
+per rank for P persistent elements, and a unit with no sharded part (every parameter under the
+persistence threshold, e.g. a unit of norms and biases) gathers nothing and keeps no secondary partition.
 
 Nodes are the Mesh's (node_size consecutive ranks), and ZeroPP shards over all of mesh.world
 (a Mesh with pp = tp = 1). node_size = 1 is legal, but then no rank has a node-mate to share a
@@ -330,9 +332,12 @@ class ZeroPPWarning(UserWarning):
 
 
 def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantized_weights: bool, hpz: bool,
-                   quantized_gradients: bool, weight_block_numel: int = 2048, grad_block_numel: int = 512) -> dict:
+                   quantized_gradients: bool, weight_block_numel: int = 2048, grad_block_numel: int = 512,
+                   persistent_numel: int = 0) -> dict:
     """What one rank sends per forward + backward, ring model (comm/stats.py), from the units' gathered
-    sizes alone (`padded`: each unit's N*s elements): {collective: {link: bytes}} with collective in
+    sizes alone (`padded`: each unit's N*s elements; 0 for a unit whose every parameter is persistent) and
+    the persistent elements (`persistent_numel`, all units: never gathered, their gradients all-reduced
+    unquantized, 2(N-1)/N of them per rank): {collective: {link: bytes}} with collective in
     forward_all_gather / backward_all_gather / gradients and link
       "ring":   a collective over all N ranks; on a ring of several nodes one rank per node sends across
       "node":   inside this rank's node (hpZ's backward gather, qgZ's first all-to-all)
@@ -358,6 +363,7 @@ def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantize
             out["gradients"]["across"] += (nodes - 1) * wire(shard)        # hop 2: rows for other nodes
         else:
             out["gradients"]["ring"] += (world - 1) / world * gathered * elem_bytes
+    out["gradients"]["ring"] += 2 * (world - 1) / world * persistent_numel * elem_bytes
     return out
 
 
@@ -413,6 +419,8 @@ class ZeroPP(FSDP):
             self._filled[unit] = unit.shard._version
 
     def _gather_shards(self, unit, buf, src):
+        if not unit.gathered_numel:  # every parameter of the unit is persistent: nothing to gather or keep
+            return super()._gather_shards(unit, buf, src)
         if self._filled.get(unit) == unit.shard._version:
             # hpZ: the weights have not changed since this forward gathered them: stay in the node
             memory.transient.alloc(f"{self._tag}/{unit.name}", buf)
@@ -423,7 +431,7 @@ class ZeroPP(FSDP):
             #   sends (k-1)/k·Ψu·b. Asynchronous like FSDP's own gather: its handle goes to unit.work.
             unit.work = self.mesh.node.all_gather(buf[:unit.gathered_numel], self.secondary[unit], async_op=True)
             return
-        if self.quantized_weights and unit.gathered_numel:
+        if self.quantized_weights:
             memory.transient.alloc(f"{self._tag}/{unit.name}", buf)
             work = self.quantizer.quantized_all_gather(self.comm, buf[:unit.gathered_numel], unit.shard.detach(),
                                                        self.weight_block_numel, async_op=True)

@@ -85,6 +85,25 @@ def test_cross_node_bytes_equal_the_ring_formula_for_every_variant(res):
                 assert node[coll] == pytest.approx([intra, cross], abs=1e-6), (name, coll)
 
 
+def test_persistent_parameters_and_a_unit_with_nothing_sharded_keep_the_formula_exact(res):
+    """A threshold that keeps the root unit whole (nothing of it gathered or kept by hpZ) and part of each
+    block: every variant trains, and its bytes are the formula's with 2(N-1)/N of the persistent elements
+    all-reduced per rank."""
+    t, N, k, padded = _per_node(res, "traffic_persistent")
+    persistent = t[0]["persistent"]
+    assert 0 in padded and any(padded), padded   # a unit with no sharded part, and units with one
+    assert persistent > 0
+    for name in VARIANTS:
+        nodes = measured_per_node(t, name, k)
+        want = formula(name, padded, N, k, elem_bytes=2, persistent_numel=persistent)
+        without = formula(name, padded, N, k, elem_bytes=2)
+        assert want["gradients"] != without["gradients"]  # the persistent all-reduce is in the formula
+        for node in nodes:
+            for coll, (intra, cross) in want.items():
+                assert node[coll] == pytest.approx([intra, cross], abs=1e-6), (name, coll)
+        assert all(r["variants"][name]["loss"] == r["variants"][name]["loss"] for r in t)  # finite: not NaN
+
+
 def test_fp16_table_reproduces_3M_to_075M_up_to_scales_and_padding(res):
     """Normalized like the paper (per collective, dropping the ring's (n-1)/n): 3M -> 0.75M."""
     t, N, k, padded = _per_node(res)

@@ -20,6 +20,7 @@ from minizero.zero.zeropp import ZeroPP
 
 torch.set_num_threads(1)
 GPT = experiment.LESSON_GPT
+PERSISTENCE_THRESHOLD = 2100
 
 
 def stats_split(comm):
@@ -170,6 +171,10 @@ def main(comm, ckpt_dir, steps=30):
     out = {"stats": stats_split(comm)}
     out["traffic"] = experiment.traffic(comm, 2, "fp16", model_kwargs=GPT, steps=1)
     out["traffic_fp32"] = experiment.traffic(comm, 2, "fp32", model_kwargs=GPT, variants=("ZeRO-3", "+hpZ"), steps=1)
+    # tensors under 2100 elements kept whole: the root unit (embeddings, head, final norm) entirely, and each
+    # block's norms, biases and 1024-element projection; its other weights sharded
+    out["traffic_persistent"] = experiment.traffic(comm, 2, "fp16", model_kwargs=GPT, steps=1,
+                                                   persistence_threshold=PERSISTENCE_THRESHOLD)
     mesh = Mesh(comm, node_size=2)
     out["against_fsdp"] = against_fsdp(comm, mesh)
     out["qwz"] = qwz_forward_by_hand(comm, mesh)

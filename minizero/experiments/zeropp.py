@@ -34,15 +34,17 @@ LESSON_GPT = dict(n_layer=2, n_embd=32, n_head=4, block_size=16)  # vocab 64: a 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def build(variant, model, mesh, dtype="fp32", wrap=None, **zeropp_kw):
-    """`variant`'s wrapper around `model`; every parameter sharded (persistence threshold 0)."""
+def build(variant, model, mesh, dtype="fp32", wrap=None, persistence_threshold=0, **zeropp_kw):
+    """`variant`'s wrapper around `model`; every parameter sharded unless persistence_threshold > 0."""
     compute = DTYPES[dtype]
     flags = VARIANTS[variant]
     # No per-forward buffer broadcast (torch DDP's broadcast_buffers, FSDP's default): these models' buffers
     # never change, and bytes outside the ZeRO-3 / ZeRO++ formulas would blur the comparison with them.
     if flags is None:
-        return FSDP(model, mesh.world, compute_dtype=compute, wrap=wrap, broadcast_buffers=False)
-    return ZeroPP(model, mesh, compute_dtype=compute, wrap=wrap, broadcast_buffers=False, **flags, **zeropp_kw)
+        return FSDP(model, mesh.world, compute_dtype=compute, wrap=wrap, broadcast_buffers=False,
+                    persistence_threshold=persistence_threshold)
+    return ZeroPP(model, mesh, compute_dtype=compute, wrap=wrap, broadcast_buffers=False,
+                  persistence_threshold=persistence_threshold, **flags, **zeropp_kw)
 
 
 def one_unit(name, module):
@@ -58,7 +60,7 @@ def _split(comm):
 
 # ----------------------------------------------------------------------------- bytes per step
 def traffic(comm, node_size=2, dtype="fp16", model="tiny-gpt", model_kwargs=None, steps=2, micro=2,
-            weight_block_numel=2048, grad_block_numel=512, variants=tuple(VARIANTS), wrap=None):
+            weight_block_numel=2048, grad_block_numel=512, variants=tuple(VARIANTS), wrap=None, persistence_threshold=0):
     """For each variant: this rank's bytes of the last of `steps` steps, {"forward"|"backward":
     {op: [intra, cross]}}, its ledger after backward, the units' padded sizes, the loss."""
     torch.set_num_threads(1)
@@ -67,7 +69,8 @@ def traffic(comm, node_size=2, dtype="fp16", model="tiny-gpt", model_kwargs=None
            "block_numel": {"weights": weight_block_numel, "gradients": grad_block_numel}}  # elements per fp32 scale
     for name in variants:
         net = build_model(model, seed=0, **(model_kwargs or {}))
-        w = build(name, net, mesh, dtype, wrap, weight_block_numel=weight_block_numel, grad_block_numel=grad_block_numel)
+        w = build(name, net, mesh, dtype, wrap, persistence_threshold, weight_block_numel=weight_block_numel,
+                  grad_block_numel=grad_block_numel)
         opt = torch.optim.SGD(w.parameters(), lr=0.05)
         for batch in global_batches(net, steps, micro * comm.size):
             x, y = shard(batch, comm.rank, comm.size)
@@ -84,10 +87,11 @@ def traffic(comm, node_size=2, dtype="fp16", model="tiny-gpt", model_kwargs=None
                                  "error": w.quantization_error() if isinstance(w, ZeroPP) else {}}
         out["padded"] = [u.gathered_numel for u in w.units]  # elements gathered per unit (Ψ + padding)
         out["psi"] = sum(u.layout.numel for u in w.units)
+        out["persistent"] = sum(u.persistent_numel for u in w.units)  # kept whole, gradients all-reduced
     return out
 
 
-def formula(variant, padded, N, k, elem_bytes, weight_block_numel=2048, grad_block_numel=512):
+def formula(variant, padded, N, k, elem_bytes, weight_block_numel=2048, grad_block_numel=512, persistent_numel=0):
     """Per-node bytes per step under the ring model, {collective: [intra, cross]}, collective in
     forward_all_gather / backward_all_gather / gradients; `padded` = each unit's N*s elements.
     Derived from the algorithms (zeropp.bytes_per_rank, the planner's source too), not from comm.stats:
@@ -95,7 +99,7 @@ def formula(variant, padded, N, k, elem_bytes, weight_block_numel=2048, grad_blo
     rank's share of each ring collective crosses to the next node."""
     flags = VARIANTS[variant] or dict(quantized_weights=False, hpz=False, quantized_gradients=False)
     rank = bytes_per_rank(padded, N, k, elem_bytes, weight_block_numel=weight_block_numel,
-                          grad_block_numel=grad_block_numel, **flags)
+                          grad_block_numel=grad_block_numel, persistent_numel=persistent_numel, **flags)
     cross_ring = N // k > 1
     return {c: [k * b["ring"] - (b["ring"] if cross_ring else 0.0) + k * b["node"],
                 (b["ring"] if cross_ring else 0.0) + k * b["across"]] for c, b in rank.items()}
