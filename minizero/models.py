@@ -345,6 +345,9 @@ class EdgeCaseModel(nn.Module):
 
 MODELS = {
     "tiny-gpt": lambda seed=0, **cfg: TinyGPT(GPTConfig(**cfg), seed=seed),
+    # every block's MLP a mixture of 4 experts, top-2, shared out over 2 ranks (DeepSpeed-MoE's ep_size)
+    "tiny-gpt-moe": lambda seed=0, **cfg: TinyGPT(GPTConfig(**{"num_experts": 4, "moe_ep_size": 2, "moe_top_k": 2,
+                                                              **cfg}), seed=seed),
     "mlp": MLP,
     "edge": EdgeCaseModel,
 }

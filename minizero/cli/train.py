@@ -1,4 +1,4 @@
-"""`mpirun -n 4 python -m minizero train --config cfg.json [--model tiny-gpt] [--steps N] [--out DIR]`
+"""`mpirun -n 4 python -m minizero train --config cfg.json [more.json ...] [--model tiny-gpt] [--steps N] [--out DIR]`
 
 Trains a model with the engine and a DeepSpeed config, the loop a DeepSpeed user writes:
 
@@ -17,7 +17,9 @@ and measures as it goes. In DIR (default runs/train):
                     the batches of step s are a pure function of the seed and s); no checkpoint is
                     an error, unless --resume-if-exists (then it starts from step 0)
 and prints a progress bar (rank 0) and a final summary table (memory of every rank).
-The config's "seed" seeds the model's init and the data.
+The config's "seed" seeds the model's init and the data; its "model" names the model (--model overrides
+it) and "zero_init": true builds it under minizero.zero.Init (minizero extras, see runtime/config.py).
+Several configs train one after the other in the same processes (one launch), each in DIR/<config name>.
 
 Bad input is said once and changes nothing: every check that needs no other rank runs first, on
 every rank alike (preflight), and rank 0 reports it; a rank that fails later prints one message for
@@ -55,15 +57,41 @@ def batches(name, model, seed):
     return SyntheticTokens(vocab, block, seed=seed).batch
 
 
-def train(comm, config, model_name="tiny-gpt", steps=50, out="runs/train", save_every=0, resume=False,
+def build(model_name, cfg):
+    """The model a config asks for: `model_name` (or the config's "model"), seeded by its "seed", built under
+    zero.Init when it says "zero_init": true (each rank then materializes only its shards)."""
+    name = model_name or cfg["model"]
+    if not cfg["zero_init"]:
+        return build_model(name, seed=cfg["seed"])
+    from minizero.zero.init import Init
+    with Init():
+        return build_model(name, seed=cfg["seed"])
+
+
+def notes(engine) -> list[str]:
+    """What the summary must say when a setting did nothing at this model size."""
+    units = getattr(engine.wrapped, "units", None)
+    if engine.stage != 3 or not units or any(unit.gathered_numel for unit in units):
+        return []
+    zero = engine.config["zero_optimization"]
+    largest = max(n for unit in units for n in unit.sizes)
+    extra = (" ZeRO++ (qwZ, hpZ, qgZ) acts on sharded parameters only, so it did nothing either."
+             if getattr(engine.wrapped, "quantized_weights", None) is not None else "")
+    return [f"nothing is sharded: every tensor is below stage3_param_persistence_threshold = "
+            f"{int(zero['stage3_param_persistence_threshold']):,} elements (the largest has {largest:,}), so every rank "
+            f"holds the whole model and all-reduces its gradients, as DDP does. Set the threshold below {largest:,} "
+            f"(or train a larger model) to shard.{extra}"]
+
+
+def train(comm, config, model_name=None, steps=50, out="runs/train", save_every=0, resume=False,
           progress=True):
     """Runs on every rank. Returns the per-step log records (rank 0's view) and this rank's ledger."""
     from minizero.runtime.engine import build_engine
-    with open(config) as f:
-        seed = json.load(f).get("seed", 0)
-    model = build_model(model_name, seed=seed)
+    cfg = load_config(config, comm.size)  # a path, or the config preflight checked (its warnings said once)
+    seed = cfg["seed"]
+    model = build(model_name, cfg)
     n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 moves them into flat shards
-    engine = build_engine(model, config, comm)  # a bad config raises here, before any collective
+    engine = build_engine(model, cfg, comm)  # a bad config raises here, before any collective
     batch_of = batches(model_name, model, seed)
     micro, acc = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     rank, size = comm.rank, comm.size
@@ -130,7 +158,7 @@ def train(comm, config, model_name="tiny-gpt", steps=50, out="runs/train", save_
         log.close()
     return {"records": records, "ledger": engine.memory().as_dict(), "rank": rank, "n_params": n_params,
             "stage": engine.stage, "layout": describe(engine), "dtype": str(engine.dtype).replace("torch.", ""), "world": size,
-            "batch": (micro, acc, engine.train_batch_size()), "skipped": engine.skipped_steps}
+            "batch": (micro, acc, engine.train_batch_size()), "skipped": engine.skipped_steps, "notes": notes(engine)}
 
 
 def describe(engine) -> str:
@@ -162,6 +190,8 @@ def summary(result, ledgers, out=sys.stdout):
         cat = led["by_category"]
         print(f"{r:>4} | " + " | ".join(f"{cat[c] / 1e6:>14.3f}" for c in cats) +
               f" | {led['total'] / 1e6:>8.3f} | {led['transient_peak'] / 1e6:>9.3f}", file=out)
+    for note in result.get("notes", []):
+        print(f"note: {note}", file=out)
     if recs and "offload_bytes" in recs[-1]:
         loc, moved = recs[-1]["memory_by_location"], recs[-1]["offload_bytes"]
         print("offload (rank 0, last step): held " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in loc.items())
@@ -200,31 +230,52 @@ USER_ERRORS = (ConfigError, CheckpointError, UsageError, MinLossScaleError, Valu
 def preflight(args, world_size: int):
     """Every check that needs no other rank, made alike by every rank before any collective, so a bad
     input fails once, at once: the arguments, the config (JSON, keys, types, values, what the engine
-    can do), --resume's checkpoint, the output directory."""
+    can do), --resume's checkpoint, the output directory. The checked configs go to args.checked."""
+    args.checked = {}
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
     if args.save_every < 0:
         raise UsageError(f"--save-every must be 0 (never) or a number of steps, got {args.save_every}")
-    if not os.path.isfile(args.config):
-        raise UsageError(f"config file {args.config!r} not found (see configs/ for examples)")
-    cfg = load_config(args.config, world_size)
-    resolve(cfg, world_size, build_model(args.model, seed=cfg["seed"]))  # every rule build_engine() applies
-    latest = os.path.join(args.out, "checkpoints", "latest")
-    if args.resume and not args.resume_if_exists and not os.path.exists(latest):
-        raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist). Check --out, or pass "
-                         "--resume-if-exists to start from step 0 when there is none")
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out {args.out!r}: cannot create it ({e.strerror})") from None
+    for config, out in runs(args):
+        if not os.path.isfile(config):
+            raise UsageError(f"config file {config!r} not found (see configs/ for examples)")
+        try:
+            cfg = args.checked[config] = load_config(config, world_size)
+            resolve(cfg, world_size, build(args.model, cfg))  # every rule build_engine() applies
+        except ConfigError as e:  # with several configs, say which one
+            if len(args.config) == 1 or str(e).startswith(config):
+                raise
+            raise ConfigError(f"{config}: {e}") from None
+        latest = os.path.join(out, "checkpoints", "latest")
+        if args.resume and not args.resume_if_exists and not os.path.exists(latest):
+            raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist). Check --out, or "
+                             "pass --resume-if-exists to start from step 0 when there is none")
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--out {out!r}: cannot create it ({e.strerror})") from None
+
+
+def runs(args) -> list[tuple[str, str]]:
+    """(config, output folder) for each config: one config writes to --out, several to --out/<config name>."""
+    if len(args.config) == 1:
+        return [(args.config[0], args.out)]
+    stems = [os.path.splitext(os.path.basename(c))[0] for c in args.config]
+    if len(set(stems)) < len(stems):
+        raise UsageError("--config: two configs have the same file name; each one's output goes to --out/<name>, "
+                         "so give them different names")
+    return [(c, os.path.join(args.out, stem)) for c, stem in zip(args.config, stems)]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="minizero train", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="a DeepSpeed JSON config (see configs/)")
-    ap.add_argument("--model", default="tiny-gpt", choices=sorted(MODELS))
+    ap.add_argument("--config", required=True, nargs="+",
+                    help="a DeepSpeed JSON config (see configs/); several train one after the other in one launch")
+    ap.add_argument("--model", default=None, choices=sorted(MODELS), help="the model (default: the config's "
+                    "\"model\", else tiny-gpt)")
     ap.add_argument("--steps", type=int, default=50, help="optimizer steps in all (a resumed run counts from 0)")
-    ap.add_argument("--out", default="runs/train", help="log, plot and checkpoints go here")
+    ap.add_argument("--out", default="runs/train", help="log, plot and checkpoints go here (several configs: "
+                    "OUT/<config name>)")
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest (an error if none)")
     ap.add_argument("--resume-if-exists", action="store_true",
@@ -248,8 +299,18 @@ def main(argv=None) -> int:
     if comm.size == 1:
         print("minizero train: running on 1 rank; for N ranks start it with `mpirun -n N python -m minizero train "
               "...` (or `torchrun --nproc_per_node N -m minizero train ...`)", file=sys.stderr)
+    todo = runs(args)
+    for i, (config, out) in enumerate(todo):
+        if comm.rank == 0 and len(todo) > 1:
+            print(f"\n=== config {i + 1}/{len(todo)}: {config}", flush=True)
+        run_one(comm, args, config, out)
+    return 0
+
+
+def run_one(comm, args, config, out):
+    """Train one config on every rank; rank 0 prints its summary and draws its loss curve."""
     try:
-        result = train(comm, args.config, args.model, args.steps, args.out, args.save_every, args.resume,
+        result = train(comm, args.checked.get(config, config), args.model, args.steps, out, args.save_every, args.resume,
                        not args.no_progress)
         ledgers = comm.allgather_object(result["ledger"])
     except USER_ERRORS as e:  # one message for the job, from the first rank that failed, then the job ends
@@ -258,11 +319,10 @@ def main(argv=None) -> int:
         watchdog.end_job(comm, f"minizero train: rank {comm.rank} failed:\n{traceback.format_exc()}", 1)
     if comm.rank == 0:
         summary(result, ledgers)
-        log = os.path.join(args.out, "train_log.jsonl")
+        log = os.path.join(out, "train_log.jsonl")
         with open(log) as f:  # the whole run, also the part before a --resume
             records = [json.loads(line) for line in f if line.strip()]
         if records:
-            plot(records, os.path.join(args.out, "loss.png"), f"minizero train: {os.path.basename(args.config)}, "
+            plot(records, os.path.join(out, "loss.png"), f"minizero train: {os.path.basename(config)}, "
                  f"{result['layout']}, {result['dtype']}, {result['world']} ranks")
-            print(f"wrote {log} and {os.path.join(args.out, 'loss.png')}")
-    return 0
+            print(f"wrote {log} and {os.path.join(out, 'loss.png')}")

@@ -20,6 +20,8 @@ import json
 import os
 import warnings
 
+from minizero.comm.launcher import launched_rank
+from minizero.models import MODELS
 from minizero.pipeline.schedules import SCHEDULES
 
 # Every key minizero implements, with its default. Nested dicts are sections.
@@ -33,6 +35,8 @@ SCHEMA = {
     "steps_per_print": 10,
     "wall_clock_breakdown": False,            # per-step forward/backward/step times in the log
     "seed": 0,                                # minizero extra: model init and data order
+    "model": "tiny-gpt",                      # minizero extra: what `minizero train` builds (--model overrides it)
+    "zero_init": False,                       # minizero extra: `minizero train` builds it under zero.Init (stage 3)
     "optimizer": {
         "type": REQUIRED,                     # Adam, AdamW or SGD
         "params": {},
@@ -272,6 +276,13 @@ class ConfigWarning(UserWarning):
     pass
 
 
+def warn(message: str, stacklevel: int = 3):
+    """A warning about the job's one config: rank 0 says it (every rank reads the same file), as DeepSpeed's
+    logger does, instead of once per rank."""
+    if launched_rank() == 0:
+        warnings.warn(message, ConfigWarning, stacklevel=stacklevel)
+
+
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
@@ -316,8 +327,7 @@ def _check_keys(given: dict, schema: dict, where: str, out: dict):
             if _kind(path, default) in ("int", "int?") and isinstance(value, float):
                 value = int(value)  # DeepSpeed's 5e8: an integer written as a JSON float
             if path in NO_EFFECT and value != default:
-                warnings.warn(f"'{path}': {value!r} has no effect in minizero: {NO_EFFECT[path]}.",
-                              ConfigWarning, stacklevel=2)
+                warn(f"'{path}': {value!r} has no effect in minizero: {NO_EFFECT[path]}.")
             out[key] = copy.deepcopy(value)
 
 
@@ -487,6 +497,11 @@ def load_config(config, world_size: int = 1) -> dict:
     zero = cfg["zero_optimization"]
     if zero["stage"] not in (0, 1, 2, 3):
         raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {zero['stage']!r}")
+    if cfg["model"] not in MODELS:
+        raise ConfigError(f"model {cfg['model']!r} is not one of {', '.join(sorted(MODELS))}")
+    if cfg["zero_init"] and zero["stage"] != 3:
+        raise ConfigError(f"zero_init: true builds the model under zero.Init, which needs ZeRO stage 3, got stage "
+                          f"{zero['stage']}")
     if zero["overlap_comm"] is None:
         zero["overlap_comm"] = zero["stage"] == 3
     if cfg["fp16"]["enabled"] and cfg["bf16"]["enabled"]:
@@ -548,7 +563,7 @@ def _check_offload(zero: dict):
             raise ConfigError(f"{where}.dpu_warmup_steps (the delayed parameter update) needs device 'cpu', "
                               f"got {opt['device']!r}")
     if zero["sub_group_size"] != SCHEMA["zero_optimization"]["sub_group_size"] and opt["device"] != "nvme":
-        warnings.warn(f"'zero_optimization.sub_group_size': {zero['sub_group_size']!r} has an effect only with "
-                      "offload_optimizer.device 'nvme' (the disk tier's piece); elsewhere minizero steps each rank's "
-                      "shard as one group", ConfigWarning, stacklevel=3)
+        warn(f"'zero_optimization.sub_group_size': {zero['sub_group_size']!r} has an effect only with "
+             "offload_optimizer.device 'nvme' (the disk tier's piece); elsewhere minizero steps each rank's "
+             "shard as one group", stacklevel=4)
 

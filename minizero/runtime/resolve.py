@@ -306,6 +306,10 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
         zero_init = built_with_init(model)
         if zero_init is not None and zero["stage"] != 3:
             raise ConfigError(f"a model built under zero.Init needs ZeRO stage 3, got stage {zero['stage']}")
+        if cfg["zero_init"] and zero_init is None:
+            raise ConfigError("zero_init: true, but the model was built without zero.Init: build it inside "
+                              "`with minizero.zero.Init(): model = ...` (python -m minizero train does), or remove "
+                              "the key")
     dtype = torch.float16 if cfg["fp16"]["enabled"] else torch.bfloat16 if cfg["bf16"]["enabled"] else torch.float32
     return Plan(cfg, world_size, world_size // (pipe["stages"] * tp * cp), pipe["stages"], tp, zero["stage"], dtype,
                 cls, kw, groups, zero_init, offload, cp, ep)
