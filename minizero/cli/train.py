@@ -81,7 +81,7 @@ def train(comm, config, model_name="tiny-gpt", steps=50, out="runs/train", save_
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=steps, initial=engine.global_steps, desc=f"{describe(engine)} on {size} ranks",
+        bar = tqdm(total=steps, initial=engine.global_steps, desc=f"{describe(engine)} on {size} rank{'s' * (size != 1)}",
                    file=sys.stdout, mininterval=0.2)
     records = []
     while engine.global_steps < steps:
@@ -147,7 +147,8 @@ def summary(result, ledgers, out=sys.stdout):
     micro, acc, total = result["batch"]
     dp = total // (micro * acc)
     print(f"\nminizero train: {result['n_params']:,} parameters, {result['layout']}, {result['dtype']}, "
-          f"{result['world']} ranks, {micro} x {acc} accumulation x {dp} {'ranks' if dp == result['world'] else 'data-parallel ranks'} = {total} per step",
+          f"{result['world']} rank{'s' * (result['world'] != 1)}, {micro} x {acc} accumulation x {dp} "
+          f"{('rank' if dp == 1 else 'ranks') if dp == result['world'] else 'data-parallel ranks'} = {total} per step",
           file=out)
     if recs:
         times = [r["step_time_s"] for r in recs]
@@ -263,6 +264,6 @@ def main(argv=None) -> int:
             records = [json.loads(line) for line in f if line.strip()]
         if records:
             plot(records, os.path.join(args.out, "loss.png"), f"minizero train: {os.path.basename(args.config)}, "
-                 f"{result['layout']}, {result['dtype']}, {result['world']} ranks")
+                 f"{result['layout']}, {result['dtype']}, {result['world']} rank{'s' * (result['world'] != 1)}")
             print(f"wrote {log} and {os.path.join(args.out, 'loss.png')}")
     return 0
