@@ -220,8 +220,8 @@ def stage_docs(dest: Path) -> list[str]:
     for path in sorted((ROOT / "docs").glob("*.md")):
         if path.name == "design.md":  # included, so that its links stay docs/'s
             (dest / "design.md").write_text("```{include} ../../docs/design.md\n```\n")
-        else:
-            shutil.copy(path, dest / path.name)
+        else:  # docs/X.md links ../lessons/..., which at the site's root is lessons/...
+            (dest / path.name).write_text(path.read_text().replace("](../lessons/", "](lessons/"))
             pages.append(path.stem)
     for image in (ROOT / "docs").glob("*.png"):
         shutil.copy(image, dest / image.name)
