@@ -74,11 +74,12 @@ def max_ranks() -> int:
 
 
 def run(target: str, nprocs: int = 2, args: dict | None = None, timeout: float = 120,
-        backend: str | None = None, env: dict | None = None, stream: bool = False) -> list:
+        backend: str | None = None, env: dict | None = None, stream=False) -> list:
     """Run `target` ("pkg.module:function" or "path/to/file.py:function") on `nprocs` ranks.
 
     The function is called as fn(comm, **args) on every rank. Returns the per-rank results.
-    `stream=True` echoes the ranks' output live (progress bars); it is captured either way."""
+    `stream=True` echoes the ranks' output live to stdout (progress bars), `stream=sys.stderr` to that file
+    (a report on stdout stays clean); it is captured either way."""
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
     if nprocs > max_ranks():
@@ -167,8 +168,9 @@ def _pump(stream, chunks, echo):
         if len(chunks) > 4000:
             del chunks[:2000]
         if echo:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            out = echo if hasattr(echo, "write") else sys.stdout
+            out.write(text)
+            out.flush()
     stream.close()
 
 

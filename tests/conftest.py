@@ -9,11 +9,6 @@ os.chdir(ROOT)  # launch targets like "tests/comm_workers.py:fn" are relative to
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def pytest_addoption(parser):
-    parser.addoption("--impl", default="solutions",
-                     help="which lab files the lab checks grade: 'solutions' (default), 'labs', or a folder")
-
-
 @pytest.fixture(scope="session")
 def impl(request):
     return request.config.getoption("--impl")

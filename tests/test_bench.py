@@ -28,11 +28,11 @@ def bench(tmp_path_factory):
                           capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [p.name for p in tmp.iterdir() if p.name.startswith("minizero-bench")] == [], "bench left its folders"
-    return proc.stdout, json.loads((d / "b.json").read_text()), d / "b.png"
+    return proc.stdout, json.loads((d / "b.json").read_text()), d / "b.png", proc.stderr
 
 
 def test_table_json_and_plot(bench):
-    out, s, png = bench
+    out, s, png, _ = bench
     for name in CANDIDATES:
         assert f"\n{name:<31}|" in out
     assert "target: minizero DDP within 5% of torch DDP: paired step-time ratio" in out
@@ -48,8 +48,18 @@ def test_table_json_and_plot(bench):
     assert s["targets"][0]["what"].startswith("minizero DDP") and s["targets"][0]["ratio"] > 0
 
 
+def test_progress_goes_to_stderr_and_the_report_to_stdout(bench):
+    """The ranks say each candidate and each few rounds as they go, on stderr: the report on stdout, which the
+    site keeps, has none of it."""
+    out, _, _, err = bench
+    for i, name in enumerate(CANDIDATES, 1):
+        assert f"bench: memory and bytes {i}/3: {name}" in err, err[-2000:]
+    assert "bench: time, interleaved: round 1/4" in err and "round 4/4" in err, err[-2000:]
+    assert "memory and bytes" not in out and "interleaved: round" not in out
+
+
 def test_bytes_sent_counted_where_sent_equal_the_ring_formula(bench):
-    _, s, _ = bench
+    _, s, _, _ = bench
     n, psi = s["N"], s["psi"]
     ring = 2 * (n - 1) / n * psi * 4  # fp32 gradients, all-reduced once
     c = s["candidates"]
@@ -65,7 +75,7 @@ def test_bytes_sent_counted_where_sent_equal_the_ring_formula(bench):
 
 
 def test_ledger_and_losses(bench):
-    _, s, _ = bench
+    _, s, _, _ = bench
     psi, c = s["psi"], s["candidates"]
     for ledger in c["minizero-ddp"]["ledger"]:  # gradients live in the buckets (p.grad is a view)
         assert ledger["by_category"]["parameters"] == 4 * psi and ledger["by_category"]["gradients"] == 4 * psi

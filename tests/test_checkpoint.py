@@ -170,6 +170,16 @@ def test_consolidate_reports_a_bad_directory(tmp_path, capsys):
     assert "no checkpoint in" in capsys.readouterr().err and not (tmp_path / "x.pt").exists()
 
 
+def test_consolidate_of_a_train_run_folder_names_its_checkpoints_folder(tmp_path, capsys):
+    """`minizero train --out RUN` saves into RUN/checkpoints: given RUN, the message says where to look."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("global_step3")
+    assert cli(["consolidate", str(run), str(tmp_path / "x.pt")]) == 1
+    err = capsys.readouterr().err
+    assert f"its checkpoints are in {run / 'checkpoints'}" in err and not (tmp_path / "x.pt").exists()
+
+
 @pytest.mark.parametrize("case", ["0/fp32->0", "1/fp32->1", "2/fp32->2", "3/fp32->3", "2/fp16->2",
                                   "1/fp32->3", "3/fp32->0", "1 rank"])
 def test_reshard_to_another_world_size_and_stage(saved, resharded, case):

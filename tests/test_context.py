@@ -127,14 +127,14 @@ def test_cp_inside_dp_x_cp_x_tp_on_8_ranks():
                 assert sum(m["sent"][phase].values()) == pytest.approx(m["formula"][phase], rel=1e-12), (method, phase)
 
 
-PEER_ERRORS = {  # what README.md quotes: torch's context_parallel on CPU/gloo, torch 2.13
+PEER_ERRORS = {  # what docs/context-experts.md quotes: torch's context_parallel on CPU/gloo, torch 2.13
     "FLASH_ATTENTION": "does not have a sharding strategy registered",
     "MATH": "got mixed torch.Tensor and DTensor"}
 
 
 def test_torch_backend_and_torch_context_parallel_peer():
     """One 2-rank job on torch.distributed (gloo): both methods equal one process there too; torch's
-    own context_parallel either fails with the error README.md quotes, or (a torch that runs it on
+    own context_parallel either fails with the error docs/context-experts.md quotes, or (a torch that runs it on
     CPU) equals one process within the same tolerance as ours."""
     runs = launch.run("tests/context_workers.py:run_torch", nprocs=2, backend="torch", timeout=300)
     for rank, r in enumerate(runs):

@@ -141,7 +141,8 @@ def test_train_on_one_rank_says_how_to_run_more_and_resume_if_exists_starts_fres
     assert proc.returncode == 0, proc.stderr[-3000:]
     note = [line for line in proc.stderr.splitlines() if "running on 1 rank" in line]
     assert len(note) == 1 and "mpirun -n N python -m minizero train" in note[0]
-    assert "1 ranks" in proc.stdout and (tmp_path / "run" / "train_log.jsonl").exists()
+    assert "1 rank, " in proc.stdout and "1 ranks" not in proc.stdout, proc.stdout  # one rank, said in the singular
+    assert (tmp_path / "run" / "train_log.jsonl").exists()
 
 
 def test_a_failure_after_start_is_one_message_and_a_non_zero_exit(config, tmp_path):

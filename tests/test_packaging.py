@@ -28,3 +28,22 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     assert re.search(r"^make test$", ci, re.M)
     assert "make demo" in readme and "make test" in readme
+
+
+def test_the_readme_is_a_front_page_and_its_links_resolve():
+    """The README stays short (the reference lives in docs/), every relative link in it and in the docs/ pages
+    names a file that exists, and none of them speaks of the project's own history."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken, internal = [], []
+    for page in pages:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if not re.match(r"^[a-z]+:", target) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+        if page.name != "design.md":
+            internal += [f"{page.relative_to(ROOT)}: {m}" for m in
+                         re.findall(r"\bissue \d+|seed article|this session|other helpers", text, re.I)]
+    assert not broken, broken
+    assert not internal, internal

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from minizero.bench.scale import grow, search
-from minizero.bench.scale_probe import count, gpt
+from minizero.bench.scale import grow, plot, search
+from minizero.bench.scale_probe import CANDIDATES, count, gpt
 
 
 def test_size_rule_and_search_without_jobs():
@@ -48,6 +48,30 @@ def test_quick_search_finds_a_larger_model_for_zero3_than_ddp(quick):
     for r in (p for c in res["candidates"].values() for p in c["probes"] if p["outcome"] == "ok"):
         assert r["losses"][-1] < r["losses"][0] and len(r["rss_peak"]) == 2
         assert r["step_s"] >= r["comm_s"] > 0
+
+
+def test_quick_report_and_plot_show_only_what_was_measured(quick, tmp_path):
+    """--quick calibrates nothing and sweeps no ranks: its report says so instead of printing nan, its plot has
+    no empty panel, and both give the same memory cap."""
+    out, res = quick
+    assert "nan" not in out and "bound and MFU: not computed" in out
+    drawn = plot(res, str(tmp_path / "s.png"))
+    assert len(drawn["panels"]) == 2 and all(len(p["series"]) == 2 for p in drawn["panels"]), drawn
+    cap = f"memory cap {res['cap_bytes'] / 1e9:.1f} GB"
+    assert cap in out and cap in drawn["title"], (out.splitlines()[0], drawn["title"])
+
+
+def test_every_candidate_has_its_own_style_in_the_plot(tmp_path):
+    """All of bench scale's candidates on one plot: no two series share colour, marker and line style."""
+    probe = lambda s: {"size": s, "psi": count(s), "ranks": 4, "outcome": "ok", "step_s": 1.0 + s, "rss_peak": [2 ** 30]}
+    results = {"ranks": 4, "cap_bytes": 12e9, "sweep_psi": count(4),
+               "candidates": {name: {"probes": [probe(3), probe(5)]} for name in CANDIDATES},
+               "ranks_sweep": {name: [{**probe(4), "ranks": n} for n in (1, 2, 4)] for name in CANDIDATES}}
+    drawn = plot(results, str(tmp_path / "s.png"))
+    assert len(drawn["panels"]) == 4
+    for panel in drawn["panels"]:
+        styles = [(str(c), m, ls) for _, c, m, ls in panel["series"]]
+        assert len(panel["series"]) == len(CANDIDATES) and len(set(styles)) == len(styles), styles
 
 
 def test_quick_bytes_per_parameter_against_the_estimator(quick):

@@ -221,6 +221,7 @@ def test_the_site_has_every_section_and_screenshots(visited):
     from minizero.autograde import LABS
     expected = {"index.html", "design.html", "bench.html", "api/index.html", "labs/index.html"}
     expected |= {f"labs/{lab.filename[:-3]}.html" for lab in LABS.values()}
+    expected |= {f"{page.stem}.html" for page in (ROOT / "docs").glob("*.md")}  # the guide: every docs/ page
     assert expected <= names, sorted(expected - names)
     start = visited["pages"]["index.html"]["text"]
     assert "make demo" in start and "make test" in start and "Course map" in start

@@ -3,7 +3,9 @@
     python -m docs.site.build [--out site]
 
 Stages build/site-src/ and runs sphinx-build on it with docs/site/conf.py:
-  * index.md: docs/site/index.md, which includes the README's opening and course map (one source);
+  * index.md: the README (one source; its links into docs/ made site-relative), then docs/site/index.md;
+  * one page per docs/*.md (engine, offload, ..., syllabus; docs/design.md is included as design.md) and
+    the images they show, at the site's root, so the pages link to each other as they do in docs/;
   * lessons/*.ipynb: every lessons/*.ipynb as it ran on this machine: the copy tests/test_lessons.py
     left in build/lessons/ when it is current, else executed here (docs/site/notebooks.py); a line
     at the top says when, on how many cores, with or without a GPU, at what load;
@@ -32,6 +34,9 @@ from docs.site.notebooks import ROOT, execute, executed_copy, machine
 HERE = Path(__file__).resolve().parent
 STAGE = ROOT / "build" / "site-src"
 BENCH = ROOT / "build" / "bench"
+# The guide's pages in the site's navigation, in reading order (a docs/*.md not named here comes after them).
+GUIDE_ORDER = ["engine", "offload", "zeropp", "pipeline", "tensor", "context-experts", "planner", "benchmark",
+               "scale", "dropin", "nodes", "api", "instructors", "grading", "website", "syllabus"]
 
 
 def run_stamp(run: dict) -> str:
@@ -199,20 +204,41 @@ def stage_bench(dest: Path, bench_args=()) -> None:
     shutil.copy(BENCH / "bench.png", dest / "bench.png")
     run = json.loads((BENCH / "run.json").read_text())
     (dest / "bench.md").write_text("\n".join([
-        "# Benchmark: minizero vs torch DDP, FSDP2 and DeepSpeed", "", run_stamp(run), "",
-        (f"`{run['command']} --json bench.json --plot bench.png`: how it measures is in the README's Benchmark "
-        "section and `minizero/bench/bench.py`'s docstring. DeepSpeed takes part only where it is installed "
+        "# Benchmark run: minizero vs torch DDP, FSDP2 and DeepSpeed", "", run_stamp(run), "",
+        (f"`{run['command']} --json bench.json --plot bench.png`: how it measures is in the [Benchmark](benchmark.md) "
+        "page and `minizero/bench/bench.py`'s docstring. DeepSpeed takes part only where it is installed "
         "(`pip install -e \".[peers]\"`)."), "",
         "![step time per candidate and paired ratio to torch DDP](bench.png)", "", "The bench's own report:", "",
         "```text", report.read_text().rstrip(), "```", ""]))
+
+
+def stage_docs(dest: Path) -> list[str]:
+    """The README as the start page, then every docs/*.md topic page beside it; returns the topic pages."""
+    readme = (ROOT / "README.md").read_text()
+    readme = re.sub(r"\]\(docs/([^)]+)\)", r"](\1)", readme)  # docs/engine.md -> engine.md: the pages sit at the root
+    pages = []
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        if path.name == "design.md":  # included, so that its links stay docs/'s
+            (dest / "design.md").write_text("```{include} ../../docs/design.md\n```\n")
+        else:  # docs/X.md links ../lessons/..., which at the site's root is lessons/...
+            (dest / path.name).write_text(path.read_text().replace("](../lessons/", "](lessons/"))
+            pages.append(path.stem)
+    for image in (ROOT / "docs").glob("*.png"):
+        shutil.copy(image, dest / image.name)
+    pages.sort(key=lambda name: (GUIDE_ORDER.index(name) if name in GUIDE_ORDER else len(GUIDE_ORDER), name))
+    toctree = ["```{toctree}", ":hidden:", "", "lessons/index", "labs/index", "syllabus", "```", "",
+               "```{toctree}", ":hidden:", ":caption: Guide", "", *[p for p in pages if p != "syllabus"], "```", "",
+               "```{toctree}", ":hidden:", ":caption: Reference", "", "api/index", "design", "bench", "```", ""]
+    (dest / "index.md").write_text(readme.rstrip() + "\n\n" + (HERE / "index.md").read_text().rstrip() + "\n\n"
+                                   + "\n".join(toctree))
+    return pages
 
 
 def build(out: Path, bench_args=()) -> dict:
     t0 = time.time()
     shutil.rmtree(STAGE, ignore_errors=True)
     STAGE.mkdir(parents=True)
-    shutil.copy(HERE / "index.md", STAGE / "index.md")
-    (STAGE / "design.md").write_text("```{include} ../../docs/design.md\n```\n")
+    guide = stage_docs(STAGE)
     print("lessons:", flush=True)
     lessons = stage_lessons(STAGE / "lessons")
     labs = stage_labs(STAGE / "labs", lessons)
@@ -224,7 +250,7 @@ def build(out: Path, bench_args=()) -> dict:
     subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "auto", "-c", str(HERE),
                     "-d", str(ROOT / "build" / "site-doctrees"), str(STAGE), str(out)], cwd=ROOT, check=True)
     pages = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.html"))
-    summary = {"lessons": len(lessons), "labs": labs, "api_modules": modules, "html_pages": len(pages),
+    summary = {"lessons": len(lessons), "labs": labs, "guide_pages": len(guide), "api_modules": modules, "html_pages": len(pages),
                "stage_s": round(staged, 1), "total_s": round(time.time() - t0, 1)}
     print(f"site: {out}/index.html, {len(pages)} pages ({len(lessons)} lessons, {labs} labs, {modules} API modules); "
           f"staged in {staged:.0f} s, built in {time.time() - t0:.0f} s")

@@ -280,7 +280,7 @@ def lab_main(number: int, namespace: dict):
         if comm.size == lab.nprocs:  # at the lab's own size a ValueError is the code's: its traceback below
             watchdog.end_job(comm, f"lab {number}: rank {comm.rank} failed:\n{traceback.format_exc()}", 1)
         # another world size that the demo's layout refuses (lab 10's vocabulary of 64 over 3 ranks): the input
-        watchdog.end_job(comm, f"lab {number} on {comm.size} ranks: {e}. The demo runs on {lab.nprocs}: "
+        watchdog.end_job(comm, f"lab {number} on {comm.size} rank{'s' * (comm.size != 1)}: {e}. The demo runs on {lab.nprocs}: "
                                f"`mpirun -n {lab.nprocs} python {where}`", 2)
     except Exception:  # noqa: BLE001  the student's bug: one traceback, from the rank that failed first
         watchdog.end_job(comm, f"lab {number}: rank {comm.rank} failed:\n{traceback.format_exc()}", 1)

@@ -152,7 +152,8 @@ def _measure(comm, nvme_dir, candidates, steps, warmup, micro, lr, seed, memory_
                                                                       micro * comm.size)]
     del model
     # phase 1: memory and bytes, one candidate at a time
-    for name in candidates:
+    for i, name in enumerate(candidates, 1):
+        _progress(comm, f"memory and bytes {i}/{len(candidates)}: {name}")
         _release()
         rss0, hwm_ok = _status_kb("VmRSS") * 1024, _reset_hwm()
         memory.transient.reset()
@@ -188,6 +189,8 @@ def _measure(comm, nvme_dir, candidates, steps, warmup, micro, lr, seed, memory_
     times = {name: [] for name in candidates}
     losses = {name: [] for name in candidates}
     for k, (x, y) in enumerate(batches[:warmup + steps]):
+        if k % 5 == 0 or k == warmup + steps - 1:
+            _progress(comm, f"time, interleaved: round {k + 1}/{warmup + steps} ({warmup} warm-up)")
         for name in round_order(candidates, k):
             t, loss = step(comm, built[name], x, y)
             if k >= warmup:
@@ -198,6 +201,12 @@ def _measure(comm, nvme_dir, candidates, steps, warmup, micro, lr, seed, memory_
         built[name].close()
     out["load_average"]["end"] = os.getloadavg()
     return out
+
+
+def _progress(comm, what: str) -> None:
+    """One line from rank 0 as the job goes (`bench` streams the ranks' output to stderr)."""
+    if comm.rank == 0:
+        print(f"  bench: {what}", flush=True)
 
 
 # ----------------------------------------------------------------------------- report
@@ -477,9 +486,12 @@ def main(argv=None) -> int:
                 json.dump({**result, "load_before": load_before, "per_candidate": runs}, f, indent=1)
         print(f"({time.time() - t0:.0f} s)")
         return 0
+    print(f"bench: {len(args.candidates)} candidates on {args.nprocs} ranks: memory and bytes one at a time, then "
+          f"{args.warmup + args.steps} interleaved rounds (progress on stderr; the report follows on stdout)",
+          file=sys.stderr, flush=True)
     per_rank = launch.run("minizero.bench.bench:worker", nprocs=args.nprocs, timeout=args.timeout, backend=args.backend,
                           args={"candidates": args.candidates, "steps": args.steps, "warmup": args.warmup,
-                                "micro": args.micro, "model_kwargs": model_for(args.params)})
+                                "micro": args.micro, "model_kwargs": model_for(args.params)}, stream=sys.stderr)
     summary = summarize(per_rank)
     summary["load_average"]["before_launch"] = load_before
     return finish(args, summary, per_rank, report, plot, t0)

@@ -205,6 +205,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from minizero import launch
     t0 = time.time()
+    print(f"bench pipeline: {len(args.schedules)} schedules, minizero's and torch's, on {args.nprocs} ranks: "
+          f"{args.warmup + args.steps} interleaved steps each, then the bubble on the emulated device (one job; "
+          "the report follows when it ends)", file=sys.stderr, flush=True)
     per_rank = launch.run("minizero.bench.pipeline:worker", nprocs=args.nprocs, timeout=args.timeout,
                           args={"schedules": args.schedules, "m": args.microbatches, "micro": args.micro,
                                 "steps": args.steps, "warmup": args.warmup})

@@ -125,7 +125,7 @@ def report(results: dict) -> str:
         nxt = f"{res['next_size'] / 1e6:.0f}M: " if res["next_size"] else ""
         out.append(f"{name:<27}| {r['psi'] / 1e6:7.0f}M | {max(r['rss_peak']) / mib:17.0f} | "
                    f"{r['disk_bytes'] / 1e9:7.2f} | {r['step_s']:7.2f} | {r['compute_s']:6.2f}/{r['comm_s']:5.2f}/"
-                   f"{r['disk_s']:5.2f} | {r.get('fraction', float('nan')):5.2f} | {r.get('mfu', float('nan')):5.3f} | "
+                   f"{r['disk_s']:5.2f} | {_or_dash(r.get('fraction'), '5.2f')} | {_or_dash(r.get('mfu'), '5.3f')} | "
                    f"{nxt}{res['stopped_by'][:110]}")
     for name, res in results["candidates"].items():
         f = res.get("fit")
@@ -136,38 +136,58 @@ def report(results: dict) -> str:
                        f"N = {', '.join(map(str, f['ranks']))}{': one N, so all of it in the Ψ term' if len(f['ranks']) == 1 else ''})")
     for why in results.get("skipped", {}).items():
         out.append(f"{why[0]:<27} skipped: {why[1]}")
+    if not results.get("calibration"):
+        out.append("bound and MFU: not computed (no calibration of this machine's limits: --no-calibrate or --quick)")
     return "\n".join(out)
 
 
-def plot(results: dict, path: str):
+def _or_dash(value, spec: str) -> str:
+    """A figure, or a dash of the same width where it was not measured (no calibration)."""
+    return format(value, spec) if value is not None else f"{'-':>{int(spec.split('.')[0])}}"
+
+
+def plot(results: dict, path: str) -> dict:
+    """Step time and peak RSS against Ψ (and against N where a ranks sweep ran: a run without one, such as
+    --quick, draws the Ψ column only). Each candidate gets its own colour and marker, minizero's solid and the
+    peers' dashed. Returns the title and what each panel shows: {"title", "panels": [{"xlabel", "ylabel",
+    "series": [(label, colour, marker, line style)]}]}."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    swept_any = any(r["outcome"] == "ok" for rows in results["ranks_sweep"].values() for r in rows)
+    fig, axes = plt.subplots(2, 2 if swept_any else 1, figsize=(12 if swept_any else 7, 8.5), squeeze=False)
+    tab20 = plt.get_cmap("tab20").colors
+    colors = tab20[0::2] + tab20[1::2]  # 10 strong colours, then their light shades: 20 before one repeats
     for i, (name, res) in enumerate(results["candidates"].items()):
         swept = [r for r in results["ranks_sweep"].get(name, []) if r["outcome"] == "ok"]
         by_psi = {r["psi"]: r for r in swept if r["ranks"] == results["ranks"]}  # the sweep's N: a small Ψ point
         by_psi.update({r["psi"]: r for r in res["probes"] if r["outcome"] == "ok"})
         sweeps = (sorted(by_psi.values(), key=lambda r: r["psi"]), sorted(swept, key=lambda r: r["ranks"]))
         for col, (rows, x) in enumerate(zip(sweeps, ("psi", "ranks"))):
-            if rows:
-                style = {"marker": "o", "ms": 3, "label": name, "color": f"C{i}",
+            if rows and col < axes.shape[1]:
+                style = {"marker": "os^"[i // 10 % 3], "ms": 3, "label": name, "color": colors[i % 20],
                          "ls": "-" if name.startswith("minizero") else "--"}
                 axes[0][col].plot([r[x] for r in rows], [r["step_s"] for r in rows], **style)
                 axes[1][col].plot([r[x] for r in rows], [max(r["rss_peak"]) / 2 ** 20 for r in rows], **style)
     size = results.get("sweep_psi", 0) / 1e6
     for row, what in enumerate(("step time, s (slowest rank, step 3)", "peak RSS per rank, MiB (max rank)")):
         axes[row][0].set(xscale="log", yscale="log", xlabel=f"parameters Ψ ({results['ranks']} ranks)", ylabel=what)
-        axes[row][1].set(xscale="log", yscale="log", xlabel=f"ranks N (Ψ = {size:.0f}M)", ylabel=what)
-        axes[row][1].set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
-        axes[row][1].set_xticks([], minor=True)
+        if swept_any:
+            axes[row][1].set(xscale="log", yscale="log", xlabel=f"ranks N (Ψ = {size:.0f}M)", ylabel=what)
+            axes[row][1].set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+            axes[row][1].set_xticks([], minor=True)
     for ax in axes[0]:
         if ax.lines:
             ax.legend(fontsize=7)
-    fig.suptitle(f"bench scale: cost curves, cap {results['cap_bytes'] / 1e9:.0f} GB, {os.cpu_count()} cores")
+    title = f"bench scale: cost curves, memory cap {results['cap_bytes'] / 1e9:.1f} GB, {os.cpu_count()} cores"
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+    panels = [{"xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(),
+               "series": [(line.get_label(), line.get_color(), line.get_marker(), line.get_linestyle())
+                          for line in ax.lines]} for ax in axes.flat]
     plt.close(fig)
+    return {"title": title, "panels": panels}
 
 
 def main(argv=None) -> int:

@@ -218,6 +218,9 @@ def main(args) -> int:
     from minizero import launch
     t0 = time.time()
     sizes = [t for t in (2, 4, 8) if t <= args.nprocs and args.nprocs % t == 0]
+    print(f"bench --tp: minizero TP and DTensor TP at t = {', '.join(map(str, sizes))} on {args.nprocs} ranks, "
+          f"{args.warmup + args.steps} interleaved steps each (one job; the report follows when it ends)",
+          file=sys.stderr, flush=True)
     per_rank = launch.run("minizero.bench.tensor_parallel:worker", nprocs=args.nprocs, timeout=args.timeout,
                           backend=args.backend or "torch",
                           args={"sizes": sizes, "steps": args.steps, "warmup": args.warmup, "batch": args.micro,

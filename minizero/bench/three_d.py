@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 from minizero.bench.common import finish, paired_ratio
@@ -77,6 +78,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from minizero import launch
     t0 = time.time()
+    print(f"bench 3d: dp 8 and dp 2 x pp 2 x tp 2 on 8 ranks, {args.steps + 1} interleaved steps each (one job; the "
+          "report follows when it ends)", file=sys.stderr, flush=True)
     per_rank = launch.run("minizero.experiments.three_d:run", nprocs=8, timeout=args.timeout,
                           args={"layouts": LAYOUTS, "model_cfg": BENCH_GPT, "global_batch": 8 * args.micro,
                                 "micro": args.micro, "steps": args.steps})

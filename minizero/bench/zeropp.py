@@ -16,6 +16,7 @@ import cProfile
 import os
 import pstats
 import statistics
+import sys
 import time
 
 import torch
@@ -110,6 +111,9 @@ def quantize_cost(psi, n=4, k=2, weight_block_numel=2048, grad_block_numel=512, 
 def main(steps=20, convergence_steps=300, timeout=900):
     from minizero import launch
     t0 = time.time()
+    print(f"bench --zeropp: ZeRO-3 and ZeRO++ on 4 ranks as 2 nodes, {steps} interleaved steps each, then a profile"
+          + (f", then {convergence_steps} steps of every variant for convergence" if convergence_steps > 0 else "")
+          + " (the report follows each part)", file=sys.stderr, flush=True)
     per_rank = launch.run("minizero.bench.zeropp:worker", nprocs=4, args={"steps": steps}, timeout=timeout)
     slowest = {n: [max(ts) for ts in zip(*(r["times"][n] for r in per_rank))] for n in PAIR}
     ratio, (lo, hi) = paired_ratio(slowest[PAIR[1]], slowest[PAIR[0]])

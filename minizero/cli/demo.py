@@ -97,7 +97,7 @@ def _run_strategy(comm, strategy, steps, global_batch, lr, seed, progress):
     bar = None
     if progress and comm.rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=steps, desc=f"{strategy:>5} on {comm.size} ranks", file=sys.stdout, mininterval=0.2)
+        bar = tqdm(total=steps, desc=f"{strategy:>5} on {comm.size} rank{'s' * (comm.size != 1)}", file=sys.stdout, mininterval=0.2)
     for s in range(steps):
         x, y = (t.to(comm.device) for t in shard(data.batch(s, global_batch), comm.rank, comm.size))
         memory.transient.reset()
@@ -159,7 +159,7 @@ def report(results, out=sys.stdout):
     """One row per strategy and rank: measured next to formula."""
     n = len(results)
     first = results[0]["runs"][0]
-    print(f"\n{n} ranks, TinyGPT with {first['psi']:,} parameters, fp32 Adam. MB per rank: measured by "
+    print(f"\n{n} rank{'s' * (n != 1)}, TinyGPT with {first['psi']:,} parameters, fp32 Adam. MB per rank: measured by "
           f"the ledger, (formula) from the estimator; bytes sent per step, (formula) from the ring model.", file=out)
     head = (f"{'strategy':>8} {'rank':>4} | {'final loss':>10} | {'params':>7} {'(formula)':>9} | {'grads':>7} "
             f"{'(formula)':>9} | {'optim':>7} {'(formula)':>9} | {'total':>7} | {'sent/step':>9} {'(formula)':>9} | {'step ms':>7}")
@@ -207,7 +207,7 @@ def plot(results, path):
     for j, r in enumerate(runs):
         est = sum(r["estimate"].values()) / 1e6
         b.hlines(est, j - 0.4, j + 0.4, color="k", lw=2, label="formula" if j == 0 else None)
-    b.set(ylabel="MB per rank (rank 0)", title=f"model-state memory on {len(results)} ranks")
+    b.set(ylabel="MB per rank (rank 0)", title=f"model-state memory on {len(results)} rank{'s' * (len(results) != 1)}")
     b.legend(fontsize=8)
     c.bar(names, [r["sent_per_step"] / 1e6 for r in runs], color="tab:purple", label="measured")
     for j, r in enumerate(runs):

@@ -109,7 +109,7 @@ def train(comm, config, model_name=None, steps=50, out="runs/train", save_every=
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=steps, initial=engine.global_steps, desc=f"{describe(engine)} on {size} ranks",
+        bar = tqdm(total=steps, initial=engine.global_steps, desc=f"{describe(engine)} on {size} rank{'s' * (size != 1)}",
                    file=sys.stdout, mininterval=0.2)
     records = []
     while engine.global_steps < steps:
@@ -175,7 +175,8 @@ def summary(result, ledgers, out=sys.stdout):
     micro, acc, total = result["batch"]
     dp = total // (micro * acc)
     print(f"\nminizero train: {result['n_params']:,} parameters, {result['layout']}, {result['dtype']}, "
-          f"{result['world']} ranks, {micro} x {acc} accumulation x {dp} {'ranks' if dp == result['world'] else 'data-parallel ranks'} = {total} per step",
+          f"{result['world']} rank{'s' * (result['world'] != 1)}, {micro} x {acc} accumulation x {dp} "
+          f"{('rank' if dp == 1 else 'ranks') if dp == result['world'] else 'data-parallel ranks'} = {total} per step",
           file=out)
     if recs:
         times = [r["step_time_s"] for r in recs]
@@ -324,5 +325,5 @@ def run_one(comm, args, config, out):
             records = [json.loads(line) for line in f if line.strip()]
         if records:
             plot(records, os.path.join(out, "loss.png"), f"minizero train: {os.path.basename(config)}, "
-                 f"{result['layout']}, {result['dtype']}, {result['world']} ranks")
+                 f"{result['layout']}, {result['dtype']}, {result['world']} rank{'s' * (result['world'] != 1)}")
             print(f"wrote {log} and {os.path.join(out, 'loss.png')}")

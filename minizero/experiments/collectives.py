@@ -150,7 +150,7 @@ def bandwidth_table(result, op="all_reduce", sizes=None) -> str:
       busbw = bytes a rank sent / t (from comm.stats; 2(N-1)/N * S for all-reduce): what the
               links carried, comparable across N and ops and with a ping-pong's bandwidth."""
     lib = "MPI" if result["backend"] == "mpi" else "NCCL" if result.get("device") == "cuda" else "gloo"
-    lines = [f"{op} on {result['N']} ranks, {lib}",
+    lines = [f"{op} on {result['N']} rank{'s' * (result['N'] != 1)}, {lib}",
              f"{'size':>9} {'median us':>10} {'best us':>9} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for r in result["rows"]:
         if r["op"] == op and (sizes is None or r["size"] in sizes):

@@ -236,8 +236,11 @@ def _read(load_dir, tag=None):
     if tag is None:
         latest = os.path.join(load_dir, "latest")
         if not os.path.isfile(latest):
-            raise CheckpointError(f"no checkpoint in {load_dir}: there is no 'latest' file (pass tag=... to pick "
-                                  "one, or check the directory)")
+            inner = os.path.join(load_dir, "checkpoints")  # a train run's folder: its checkpoints are one level down
+            hint = (f"; this looks like a `minizero train` run folder: its checkpoints are in {inner}"
+                    if os.path.isfile(os.path.join(inner, "latest")) else
+                    " (pass tag=... to pick one, or check the directory)")
+            raise CheckpointError(f"no checkpoint in {load_dir}: there is no 'latest' file{hint}")
         with open(latest) as f:
             tag = f.read().strip()
     path = os.path.join(load_dir, str(tag))
@@ -303,7 +306,7 @@ def _check_model(e, meta, path, inventories):
     layout, saved = e.checkpoint_layout(), meta["layout"]
     for axis, word in (("tp", "tensor-parallel"), ("pp", "pipeline")):
         if layout[axis] != saved[axis]:
-            raise CheckpointError(f"{path} was saved with {saved[axis]} {word} ranks ({axis}), this job has "
+            raise CheckpointError(f"{path} was saved with {saved[axis]} {word} rank{'s' * (saved[axis] != 1)} ({axis}), this job has "
                                   f"{layout[axis]}: a checkpoint reshards over data-parallel ranks only. Consolidate it "
                                   "(python -m minizero consolidate) and load the state dict into the model instead")
     keys = {k: s for k, s in _union(inventories, "keys")}

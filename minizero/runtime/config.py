@@ -466,7 +466,7 @@ def load_config(config, world_size: int = 1) -> dict:
     """A dict or a JSON path -> a complete, validated config (see module docstring)."""
     if isinstance(config, CheckedConfig):
         if config.world_size != world_size:
-            raise ConfigError(f"this config was checked for {config.world_size} ranks, not {world_size}: "
+            raise ConfigError(f"this config was checked for {config.world_size} rank{'s' * (config.world_size != 1)}, not {world_size}: "
                               "load the JSON again for this world size")
         return config
     if isinstance(config, (str, os.PathLike)):
