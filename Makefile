@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED = 1
 # mpirun and friends live in the venv's bin/ (the mpich wheel).
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: setup demo test grade labs lint site site-test clean
+.PHONY: setup demo test grade labs lint site site-test clean browser
 
 setup: $(STAMP)
 
@@ -29,9 +29,19 @@ $(SITE_STAMP): $(STAMP)
 demo: setup
 	$(PY) -m minizero demo
 
+# Chromium, an OS package, for the browser test: installed when missing and we are root (as in CI; about
+# 2 min with apt-get update); elsewhere tests/test_site.py is skipped and says how to install it.
+browser:
+	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing chromium (apt-get) for tests/test_site.py"; \
+	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+	    || echo "could not install chromium: tests/test_site.py will be skipped"; \
+	fi
+
 # tests/test_site.py builds the site from the lessons tests/test_lessons.py just executed and opens it in
 # headless Chromium (skipped, with the reason, where no Chromium is installed).
-test: setup $(SITE_STAMP)
+test: setup $(SITE_STAMP) browser
 	$(PY) -m pytest -q --durations=15
 
 grade: setup
@@ -45,7 +55,9 @@ site: $(SITE_STAMP)
 	$(PY) -m docs.site.build
 
 # Every page of site/ in headless Chromium: console errors, images, links, measured numbers, search.
-site-test: site
+# It rebuilds site/ only when a source changed after the last build.
+site-test: $(SITE_STAMP)
+	$(PY) -m docs.site.build --if-stale
 	MINIZERO_SITE=site $(PY) -m pytest -q tests/test_site.py
 
 lint: setup

@@ -192,10 +192,12 @@ def stage_bench(dest: Path, bench_args=()) -> None:
         print("  running `python -m minizero bench` into build/bench/ (kept for later builds)", flush=True)
         BENCH.mkdir(parents=True, exist_ok=True)
         started, before, t0 = datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), time.time()
+        # its progress (stderr) shows as it runs; its report (stdout) goes to the page
         proc = subprocess.run([sys.executable, "-m", "minizero", "bench", *bench_args, "--json", str(BENCH / "bench.json"),
-                               "--plot", str(BENCH / "bench.png")], cwd=ROOT, capture_output=True, text=True, check=False)
+                               "--plot", str(BENCH / "bench.png")], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              check=False)
         if proc.returncode:
-            raise SystemExit(f"python -m minizero bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise SystemExit(f"python -m minizero bench failed:\n{proc.stdout[-3000:]}")
         (BENCH / "run.json").write_text(json.dumps(
             {"started_utc": started.strftime("%Y-%m-%d %H:%M UTC"), "seconds": round(time.time() - t0, 1),
              "load_before": [round(x, 2) for x in before], "load_after": [round(x, 2) for x in os.getloadavg()],
@@ -234,6 +236,23 @@ def stage_docs(dest: Path) -> list[str]:
     return pages
 
 
+# What a build reads: a site newer than all of it is up to date (`make site-test` reuses it).
+SOURCES = ["lessons", "build/lessons", "build/bench", "labs", "minizero", "docs", "README.md", "configs"]
+
+
+def stale(out: Path) -> str | None:
+    """Why `out` must be built again (the first source newer than it), or None when it is up to date."""
+    index = out / "index.html"
+    if not index.exists():
+        return f"{index} does not exist"
+    built = index.stat().st_mtime
+    for name in SOURCES:
+        for path in [ROOT / name] if (ROOT / name).is_file() else sorted((ROOT / name).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.stat().st_mtime > built:
+                return f"{path.relative_to(ROOT)} changed after the last build"
+    return None
+
+
 def build(out: Path, bench_args=()) -> dict:
     t0 = time.time()
     shutil.rmtree(STAGE, ignore_errors=True)
@@ -261,8 +280,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m docs.site.build", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "site"), help="where the HTML goes (default: site/)")
     ap.add_argument("--bench-args", default="", help="extra arguments of `python -m minizero bench` when it runs")
+    ap.add_argument("--if-stale", action="store_true", help="build only when a source changed after the last build")
     args = ap.parse_args(argv)
-    build(Path(args.out).resolve(), args.bench_args.split())
+    out = Path(args.out).resolve()
+    if args.if_stale:
+        why = stale(out)
+        if why is None:
+            print(f"site: {out}/index.html is up to date (no source changed since it was built)")
+            return 0
+        print(f"site: building, {why}", flush=True)
+    build(out, args.bench_args.split())
     return 0
 
 

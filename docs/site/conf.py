@@ -34,6 +34,7 @@ html_copy_source = False
 html_show_sourcelink = False
 html_static_path = ["static", str(MATHJAX)]  # the second becomes _static/mathjax/
 html_css_files = ["minizero.css"]
+html_js_files = ["minizero.js"]  # click a figure for its full size
 suppress_warnings = ["myst.header"]
 
 
