@@ -317,7 +317,9 @@ def describe_data_parallel(f: dict) -> str:
               "two timings came from different moments of a shared machine).")
     d, p = f["ddp_step2"], f["dp_step2"]
     s += f" Overall DDP's step was {ms(d)} at N=2 against {ms(p)} for 2 replicas: "
-    if d < p:
+    if abs(d / p - 1) <= 0.05:
+        s += "about the same (within 5%)."
+    elif d < p:
         s += "DDP was faster."
     else:
         why = []
