@@ -24,6 +24,7 @@ gradients equal a plain run's exactly (tests/test_activation_checkpointing.py ch
 """
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 
 import torch
@@ -42,6 +43,7 @@ class CheckpointedForward:
         self.original = module.forward      # its own bound forward, put back by uncheckpoint_blocks
         self.recomputing = False            # True while backward re-runs this block
         self.recomputes = 0                 # how many times backward re-ran it (a test reads it)
+        self.recompute_s = 0.0              # seconds spent re-running it (lesson 11 times the recompute)
 
     def __call__(self, *args, **kwargs):
         if self.recomputing:
@@ -68,8 +70,11 @@ class _Recomputing:
 
     def __enter__(self):
         self.forward.recomputing = True
+        self._t0 = time.perf_counter()
 
     def __exit__(self, *exc):
+        # also reached when torch stops the recompute early, once it has every tensor backward needs
+        self.forward.recompute_s += time.perf_counter() - self._t0
         self.forward.recomputing = False
 
 

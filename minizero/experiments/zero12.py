@@ -221,3 +221,12 @@ def lesson_zero2(comm):
     out["buckets"] = bucket_sweep(comm)
     out["accumulation"] = accumulation(comm)
     return out
+
+
+def describe_saving(formula: float, measured: float) -> str:
+    """The ZeRO-1 saving at N = 4, formula against the TinyGPT run (lesson 04, section 7)."""
+    if f"{formula:.2f}" == f"{measured:.2f}":
+        return (f"(measured on TinyGPT: {measured:.2f}×, the same to two decimals: the padding and the step counters the "
+                "formula leaves out are too few bytes to show)")
+    return (f"(measured on TinyGPT: {measured:.2f}×, {'below' if measured < formula else 'above'} the formula by "
+            f"{abs(measured - formula):.2f}: the padding and the step counters the formula leaves out)")

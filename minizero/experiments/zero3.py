@@ -102,3 +102,48 @@ def lesson_sweep(comm, steps=2):
     out["loops"] = loops.all_strategies(comm, ("ddp", "zero3"))  # the loops a student writes, N=4
     out["timing"].append(("loops", time.perf_counter() - t_start))
     return out
+
+
+def describe_scaling(states: list, gathered: list, acts: list, z3_total: list, ddp_total: list, Ns: list,
+                     projected64: float) -> str:
+    """What shrinks with N under ZeRO-3 and what does not (lesson 06, section 3); MB per rank, index i <-> Ns[i]."""
+    i4 = Ns.index(4)
+    claimed = ddp_total[0] / 64  # "ZeRO-3 divides DDP's memory by N"
+    s = (f"At N=4 the model states are {states[0] / states[i4]:.2f}× smaller than at N=1. Everything a rank holds is "
+         f"{ddp_total[i4] / z3_total[i4]:.2f}× less than under DDP. The gathered peak ({gathered[i4]:.3f} MB: the root plus "
+         f"three blocks' worth, see section 5) and the activations ({acts[i4]:.3f} MB) ")
+    flat = abs(gathered[i4] + acts[i4] - gathered[0] - acts[0]) <= 0.05 * (gathered[0] + acts[0])
+    s += ("do not shrink with N. " if flat else
+          f"changed with N (from {gathered[0] + acts[0]:.3f} MB at N=1), though nothing in them is sharded. ")
+    s += (f"Extrapolated to 64 ranks, the total would be {projected64:.3f} MB; the claim that ZeRO-3 divides DDP's memory "
+          f"by N would make it {claimed:.3f} MB ({ddp_total[0]:.3f} MB ÷ 64). ")
+    s += ("So **the saving is ∝ N for model states only**, and the total levels off at gathered peak + activations. "
+          if projected64 > 2 * claimed else "Here the extrapolation comes close to the claim. ")
+    s += ("The 40 GB → 5 GB table (8× on 4 GPUs) cannot be right either: 4 ranks can divide the model states by at most 4. ")
+    r1 = ddp_total[0] / z3_total[0]
+    s += (f"And at N=1 ZeRO-3 holds *more* than DDP (DDP's total is {r1:.2f}× ZeRO-3's): a gathered unit is a second copy of weights "
+          "the only rank already has." if r1 < 1 else
+          f"At N=1 ZeRO-3 holds no more than DDP ({r1:.2f}×).")
+    return s
+
+
+def describe_persistence(p0: dict, p65: dict, pall: dict, MB: float) -> str:
+    """The persistence threshold's trade (lesson 06, section 6): p* = one threshold's result
+    ({"whole", "calls", "sent": {op: bytes}, "ledger"})."""
+    saved = sum(p0["sent"].values()) - sum(p65["sent"].values())
+    s = f"Keeping the {p65['whole']:,} smallest elements whole "
+    s += (f"saves {saved:.0f} bytes per step: a persistent element is all-reduced (2 transfers) instead of gathered twice "
+          "and reduce-scattered (3). " if saved > 0 else
+          f"saves nothing here ({-saved:.0f} bytes more per step). ")
+    if p65["calls"] > p0["calls"]:
+        s += (f"But it raises the collective count from {p0['calls']} to {p65['calls']}, because in a *flat-parameter* "
+              "design the small tensors already travelled inside their unit's one all-gather. ")
+    else:
+        s += f"The collective count went from {p0['calls']} to {p65['calls']}. "
+    s += ("DeepSpeed fetches each sub-module's parameters with one coalesced all-gather "
+          "(`partitioned_param_coordinator.py`, `fetch_sub_module`), so a model of many small modules pays many small, "
+          "latency-bound collectives, and its threshold removes those. ")
+    s += (f"With every parameter persistent it is DDP again: {pall['sent'].get('all_reduce', 0):.0f} bytes, "
+          + ("all-reduce only" if set(k for k, v in pall["sent"].items() if v) <= {"all_reduce"} else "mostly all-reduce")
+          + f", and {sum(pall['ledger'].values()) / MB:.3f} MB per rank.")
+    return s
