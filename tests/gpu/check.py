@@ -10,7 +10,8 @@ Two launches, so the ranks start once per world size:
   * the multi-rank parts (ring all-reduce, DDP, loss scaling, ZeRO-1/2/3, offload, ZeRO++, 1F1B, TP, ring
     attention, MoE) on --nprocs ranks over the mpi backend. On one GPU every rank computes on it and the
     collectives stage through the host (comm/backends.py): NCCL refuses two ranks on one device, and gloo
-    has no CUDA reduce-scatter, all-to-all or send/recv;
+    has no CUDA reduce-scatter, all-to-all or send/recv. On CPU they stage too (MINIZERO_MPI_STAGE=1), so
+    the suite's run takes the GPU run's path;
   * the world-of-one parts (torch.distributed: NCCL on CUDA, gloo on CPU; fp16/bf16 matmuls; ZeRO-Offload's
     bytes each way; the quantizer) on one rank.
 Bounded: each part has a timeout (a hung part is a failed row, and the parts after it run in a new launch),
@@ -61,7 +62,7 @@ def _failed(name: str, why: str) -> list[dict]:
     return [{"check": f"{name}: (the part)", "expected": "completes", "measured": why, "pass": False}]
 
 
-def run_group(names, nprocs, backend, quick, deadline, timeouts) -> dict:
+def run_group(names, nprocs, backend, quick, deadline, timeouts, env=None) -> dict:
     """{part: {"rows": [...], "seconds": s}} for every name, in as few launches as the parts allow."""
     from minizero import launch
     results, pending = {}, list(names)
@@ -74,7 +75,7 @@ def run_group(names, nprocs, backend, quick, deadline, timeouts) -> dict:
         with tempfile.TemporaryDirectory(prefix="minizero-gpu-") as out_dir:
             error = None
             try:
-                launch.run(TARGET, nprocs=nprocs, backend=backend, timeout=min(left, STARTUP_S + sum(
+                launch.run(TARGET, nprocs=nprocs, backend=backend, env=env, timeout=min(left, STARTUP_S + sum(
                     timeouts[n] for n in pending)), args={"names": pending, "quick": quick, "out_dir": out_dir,
                                                           "timeouts": {n: timeouts[n] for n in pending}})
             except launch.LaunchError as e:
@@ -120,7 +121,7 @@ def markdown(info, rows, parts, args, seconds) -> str:
              + (f" ({info.get('device_memory_GiB')} GiB, driver {info['driver']}, CUDA {info['cuda']})"
                 if info["cuda_available"] else " (no CUDA device: these are CPU figures)")
              + f", torch {info['torch']}, Python {info['python']}; {args.nprocs} ranks for the multi-rank parts over "
-             f"the mpi backend{' (collectives staged through the host: NCCL refuses two ranks on one GPU)' if info['cuda_available'] else ''}, "
+             f"the mpi backend, collectives staged through the host (NCCL refuses two ranks on one GPU), "
              f"one rank over torch.distributed ({'NCCL' if info['cuda_available'] else 'gloo'}) for the world-of-one parts; "
              f"{'--quick sizes; ' if args.quick else ''}{seconds:.0f} s in all. "
              f"**{len(rows) - failed} of {len(rows)} rows pass.**", "",
@@ -165,7 +166,9 @@ def main(argv=None) -> int:
     world = [n for n in names if n not in ONE]
     one = [n for n in names if n in ONE]
     if world:  # leaves the world-of-one parts (NCCL, tensor cores) their share of the budget
-        parts.update(run_group(world, args.nprocs, "mpi", args.quick, deadline - (ONE_RESERVE_S if one else 0), timeouts))
+        # MINIZERO_MPI_STAGE: on CPU too, every collective takes the host-staging path CUDA tensors take
+        parts.update(run_group(world, args.nprocs, "mpi", args.quick, deadline - (ONE_RESERVE_S if one else 0), timeouts,
+                               env={"MINIZERO_MPI_STAGE": "1"}))
     if one:
         parts.update(run_group(one, 1, "torch", args.quick, deadline, timeouts))
     rows = [r for n in names for r in parts[n]["rows"]]

@@ -16,6 +16,7 @@ its ground truth, on `comm.device` (its GPU, or the CPU), reusing the code that 
 On CUDA every memory row also reads torch.cuda.max_memory_allocated of each rank (its own process)."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -247,7 +248,6 @@ def offload(comm, quick):
     rows = [loss_row(comm, "offload (ZeRO-2 + cpu)", losses, plain, 1e-5, against="ZeRO-2 without offload"),
             memory_row(comm, "offload (ZeRO-2 + cpu)", ledger, planned_memory(shape, comm.size, zero=2,
                                                                                offload=True).stages[0], shape)]
-    engine.strategy.offload_traffic()  # (a read: the counters run on)
     traffic = engine.offload_traffic()
     shard = sum(m.numel() for m in engine.offload.masters)
     per_rank = comm.allgather_object((traffic.get("to_host", 0), traffic.get("to_device", 0), shard))
@@ -384,9 +384,12 @@ def offload_one(comm, quick):
                "fp16": {"enabled": True, "initial_scale_power": 8},
                "zero_optimization": {"stage": 2, **({"offload_optimizer": {"device": "cpu", "pin_memory": _cuda(comm)}}
                                                     if off else {})}}
-        if _cuda(comm):
+        base = 0
+        if _cuda(comm):  # the plain run's engine gone first, and its bytes not counted in this run's peak
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(comm.device)
+            base = torch.cuda.memory_allocated(comm.device)
         model = TinyGPT(GPTConfig(**shape), seed=0)
         psi = sum(p.numel() for p in model.parameters())
         engine = initialize(model=model, config=cfg, comm=comm).engine
@@ -397,7 +400,7 @@ def offload_one(comm, quick):
             engine.step()
             losses.append(loss.item())
         out[off] = {"losses": losses, "ledger": engine.memory(), "traffic": engine.offload_traffic(),
-                    "peak": _peak(comm), "psi": psi, "skipped": engine.skipped_steps}
+                    "peak": _peak(comm) - base if _cuda(comm) else None, "psi": psi, "skipped": engine.skipped_steps}
         del engine
     plain, off = out[False], out[True]
     est = memory.estimate(plain["psi"], 1, 2, k=12, param_bytes=2, grad_bytes=2, offload_optimizer=True)
@@ -497,6 +500,7 @@ def run_parts(comm, names, quick, out_dir, timeouts):
         timer.daemon = True
         timer.start()
         if _cuda(comm):
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(comm.device)
         memory.transient.reset()
