@@ -157,6 +157,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     info = cuda_info()
+    if not info["cuda_available"] and not args.quick:  # a GPU's sizes on 2 cores: fp16 matmuls alone take minutes
+        print("no CUDA device: running the --quick sizes on the CPU", file=sys.stderr)
+        args.quick = True
     out = args.out or os.path.join(ROOT, "docs" if info["cuda_available"] else "build", "gpu.md")
     info["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     timeouts = {n: HANG_TIMEOUT_S if n == "selftest_hang" else TIMEOUT_S["quick" if args.quick else "full"] for n in names}

@@ -265,8 +265,10 @@ def zeropp(comm, quick):
     cfg = _config(3)
     cfg["zero_optimization"].update(zero_quantized_weights=True, zero_hpz_partition_size=2)
     losses, ledger, _, _ = engine_run(comm, cfg, shape, steps)
-    # qwZ rounds each gathered weight to within scale/2 (1/254 of its block's max): losses stay within ~1e-3
-    return [loss_row(comm, "ZeRO++ (qwZ + hpZ)", losses, z3, 2e-3, against="ZeRO-3"),
+    # qwZ rounds each gathered weight by up to scale/2 (1/254 of its block's largest): measured 0.01% of the loss
+    # (TinyGPT 32 wide, 3 steps) to 0.13% (256 wide, 5 steps); stale or misplaced weights move it by far more
+    tol = 5e-3 * max(z3)
+    return [loss_row(comm, "ZeRO++ (qwZ + hpZ)", losses, z3, tol, against="ZeRO-3 (0.5% of the loss)"),
             memory_row(comm, "ZeRO++ (qwZ + hpZ)", ledger, planned_memory(shape, comm.size, zero=3, qwz=True, hpz=True,
                                                                            node_size=2).stages[0], shape)]
 
@@ -376,6 +378,7 @@ def offload_one(comm, quick):
     """ZeRO-Offload at a world of one (the paper's single-GPU case), fp16 ZeRO-2: the same losses as without;
     the ledger by location against the estimator; the bytes moved each way, 2 B/element (16-bit)."""
     from minizero import initialize, memory
+    from minizero.experiments.mixed_precision import loss_tolerance
     shape, steps = gpt(quick), steps_of(quick)
     out = {}
     for off in (False, True):
@@ -406,9 +409,12 @@ def offload_one(comm, quick):
     est = memory.estimate(plain["psi"], 1, 2, k=12, param_bytes=2, grad_bytes=2, offload_optimizer=True)
     led = off["ledger"].by_location
     slack = 64 * 4  # Adam's step counters and the like
-    rows = [row("offload at a world of one (fp16 ZeRO-2): losses = without offload", "max |diff| <= 1e-3",
-                f"{_gap(plain['losses'], off['losses']):.1e} ({off['skipped']} skipped)",
-                _gap(plain["losses"], off["losses"]) <= 1e-3),
+    # both keep fp32 masters; the device path unscales the fp16 gradients where the host path has them in fp32
+    # (Adam then moves a gradient flushed to 0 in one and not the other): a few fp16 roundoffs of the loss
+    # (measured 1.3 u, TinyGPT 256 wide, 5 steps, CPU)
+    gap, tol = _gap(plain["losses"], off["losses"]), 4 * loss_tolerance("fp16", max(plain["losses"]))
+    rows = [row("offload at a world of one (fp16 ZeRO-2): losses = without offload",
+                f"max |diff| <= 4 fp16 u x loss = {tol:.1e}", f"{gap:.1e} ({off['skipped']} skipped)", gap <= tol),
             row("offload at a world of one: device / host bytes = estimator",
                 f"device {_mb(est.device)}, host {_mb(est.host)} (+{slack} B)",
                 f"device {_mb(led['device'])}, host {_mb(led['host'])}",
