@@ -16,6 +16,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PATH=$bin:$PATH PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
-export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+# MPI moves host buffers only (the mpi backend stages CUDA tensors): keep MPICH off the GPU
+export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 MPIR_CVAR_ENABLE_GPU=0
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" || exit 4
+timeout 60 mpiexec -n 2 python3 -c "from mpi4py import MPI; c = MPI.COMM_WORLD; assert c.allreduce(1) == 2" \
+  || { echo "mpiexec/mpi4py do not work here: carry the wheels (see the top of this file)"; exit 5; }
 # the check stops launching at 480 s; 560 s leaves room for the last part to end and the report to be written
 timeout 560 python3 tests/gpu/check.py --out "$out/gpu.md" --json "$out/gpu.json"  # what `make test-gpu PY=python3` runs
