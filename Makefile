@@ -60,6 +60,13 @@ site-test: $(SITE_STAMP)
 	$(PY) -m docs.site.build --if-stale
 	MINIZERO_SITE=site $(PY) -m pytest -q tests/test_site.py
 
+# Every lab's mechanism against DDP or one process, and its memory, on this machine's GPU: one table, and
+# docs/gpu.md (tests/gpu/check.py; at most 8 minutes). No `setup` first: a lent GPU machine has no network,
+# so PY may name a Python that already has a CUDA torch, mpi4py and mpich. ARGS=--quick: the CPU smoke run.
+.PHONY: test-gpu
+test-gpu:
+	$(PY) tests/gpu/check.py $(ARGS)
+
 lint: setup
 	$(PY) -m minizero.cli.labgen --check
 

@@ -87,6 +87,17 @@ def every_collective(comm, sizes=(1, 7, 10, 4099)):
             "expected_sent": expected_sent, "backend": comm.backend}
 
 
+def every_collective_staged(comm):
+    """every_collective through an MPIBackend that stages every tensor through a host copy (the path CUDA
+    tensors take when several ranks share one GPU): a missing copy back leaves outputs unwritten."""
+    from mpi4py import MPI
+
+    from minizero.comm.backends import MPIBackend
+    from minizero.comm.communicator import Communicator
+    staged = Communicator("mpi", MPIBackend(MPI.COMM_WORLD.Dup(), stage_all=True), comm.device, name="staged")
+    return every_collective(staged)
+
+
 def subgroups(comm):
     """split into even/odd ranks and new_group of the first two; stats roll up to the world."""
     sub = comm.split(comm.rank % 2)

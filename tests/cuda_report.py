@@ -1,14 +1,10 @@
-"""CUDA figures for one lent GPU (not a pytest module: `python tests/cuda_report.py [--quick]`).
+"""The largest TinyGPT that trains under a capped GPU memory, with and without ZeRO-Offload, on one GPU
+(the "10x bigger model on one GPU" claim, in miniature; not a pytest module: `python tests/cuda_report.py`).
 
-What a single GPU can show, each against a ground truth measured in the same run:
-  1. ZeRO++'s quantizer (minizero/zero/quantize.py) on CUDA tensors: the error bound
-     |x - dq(q(x))| <= scale/2 per block at odd sizes, codes equal to the CPU's, and throughput.
-  2. ZeRO-Offload on one GPU, world of one (the paper's single-GPU case): losses with and without
-     offload_optimizer cpu, torch.cuda.max_memory_allocated against the ledger's device bytes, the
-     bytes copied device <-> host, and the largest TinyGPT that trains under a capped GPU memory
-     with and without offload (the "10x bigger model on one GPU" claim, in miniature).
-Tensor parallelism needs t >= 2 ranks; NCCL refuses two ranks on one GPU, so it is not here.
-Prints one JSON object per part; on CPU (--quick) it runs the same code small, as a smoke test.
+A study, minutes long, so not part of the bounded check: `make test-gpu` (tests/gpu/check.py) checks the
+quantizer and the offload at a world of one (losses, ledger by location, bytes each way, CUDA peak) with
+every other mechanism. Each attempt runs in a child process whose CUDA memory is capped
+(set_per_process_memory_fraction): doubling the layers, then bisection. Prints one JSON object.
 """
 import json
 import os
@@ -21,53 +17,6 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from minizero.zero.quantize import dequantize_blockwise, quantize_blockwise  # noqa: E402
-
-
-def quantizer(device, quick):
-    out = {"device": str(device), "bound": [], "throughput": []}
-    gen = torch.Generator().manual_seed(0)
-    for bits in (8, 4):
-        for block in (1, 3, 64, 2048):
-            for n in (1, 7, 511, 1000, 4097):
-                x = torch.randn(3, n, generator=gen) * torch.tensor([[1e-3], [1.0], [50.0]])
-                x[1, n // 2] = 400.0
-                codes, scales = quantize_blockwise(x.to(device), block, bits)
-                back = dequantize_blockwise(codes, scales, block)
-                per = scales.repeat_interleave(block, dim=1)[:, :n]
-                excess = ((x.to(device) - back).abs() - per / 2 - x.to(device).abs() * 2 ** -22).max().item()
-                cpu_codes, _ = quantize_blockwise(x, block, bits)
-                out["bound"].append({"bits": bits, "block": block, "n": n, "excess": excess,
-                                     "codes_differ": int((codes.cpu() != cpu_codes).sum())})
-    numel = (1 << 20) if quick else (1 << 26)
-    x = torch.randn(numel, device=device)
-    for bits in (8, 4):
-        for block in (512, 2048):
-            def q():
-                return quantize_blockwise(x, block, bits)
-            codes, scales = q()
-
-            def dq():
-                return dequantize_blockwise(codes, scales, block)
-            for name, fn in (("quantize", q), ("dequantize", dq)):
-                for _ in range(3):
-                    fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                reps = 5 if quick else 20
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                sec = (time.perf_counter() - t0) / reps
-                out["throughput"].append({"op": name, "bits": bits, "block": block, "numel": numel,
-                                          "ms": sec * 1e3, "fp32_GB_per_s": numel * 4 / sec / 1e9})
-    worst = max(r["excess"] for r in out["bound"])
-    out["bound_holds"] = worst <= 0
-    out["worst_excess"] = worst
-    out["codes_differ_total"] = sum(r["codes_differ"] for r in out["bound"])
-    return out
 
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "steps_per_print": 1000,
@@ -169,35 +118,19 @@ def largest(n_embd, offload, cap, hi):
             "step_s": tried[good]["step_s"], "tried": {k: v["ok"] for k, v in sorted(tried.items())}}
 
 
-def offload_report(quick):
-    layers, width, steps = (2, 64, 3) if quick else (4, 512, 5)
-    plain = train(layers, width, offload=False, steps=steps)
-    off = train(layers, width, offload=True, steps=steps)
-    out = {"same_model": {"psi": plain["psi"], "losses_plain": plain["losses"], "losses_offload": off["losses"],
-                          "max_loss_diff": max(abs(a - b) for a, b in zip(plain["losses"], off["losses"])),
-                          "plain": {k: plain[k] for k in ("ledger_by_location", "cuda_init_peak", "cuda_max_allocated",
-                                                          "cuda_after_steps", "step_s")},
-                          "offload": {k: off[k] for k in ("ledger_by_location", "ledger_by_category", "cuda_init_peak",
-                                                          "cuda_max_allocated", "cuda_after_steps", "traffic",
-                                                          "step_s")}}}
-    if torch.cuda.is_available() and not quick:
-        cap, width = 2.0, 1024
-        out["largest_under_cap"] = {"cap_GiB": cap, "n_embd": width,
-                                    "plain": largest(width, False, cap, hi=64),
-                                    "offload": largest(width, True, cap, hi=128)}
-    return out
-
-
 def main():
     if sys.argv[1:2] == ["child"]:
         return _child(sys.argv[2:])
-    quick = "--quick" in sys.argv
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
-    print(json.dumps({"env": env}))
-    print(json.dumps({"quantizer": quantizer(device, quick)}))
-    print(json.dumps({"offload": offload_report(quick)}))
+    if not torch.cuda.is_available():
+        print("the largest-model study needs a CUDA GPU (its cap is torch.cuda's per-process memory fraction); "
+              "`make test-gpu ARGS=--quick` is the CPU smoke run of the checks", file=sys.stderr)
+        return 2
+    cap, width = 2.0, 1024
+    print(json.dumps({"env": {"torch": torch.__version__, "device": torch.cuda.get_device_name(0)},
+                      "largest_under_cap": {"cap_GiB": cap, "n_embd": width,
+                                            "plain": largest(width, False, cap, hi=64),
+                                            "offload": largest(width, True, cap, hi=128)}}))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,6 +21,16 @@ def test_every_collective_both_backends_agree(n):
     assert per_backend["mpi"] == per_backend["torch"], "stats differ between backends"
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_every_collective_staged_through_the_host(n):
+    """The mpi backend's host staging (CUDA tensors of ranks sharing one GPU), forced on CPU tensors."""
+    plain = launch.run(W + "every_collective", nprocs=n, backend="mpi", timeout=120)
+    staged = launch.run(W + "every_collective_staged", nprocs=n, backend="mpi", timeout=120)
+    for r, out in enumerate(staged):
+        assert out["bad"] == [], f"staged rank {r} at N={n}: {out['bad']}"
+        assert out["stats"] == plain[r]["stats"]
+
+
 def test_ring_formula_values():
     S = 1_000_000
     assert ring_bytes_sent("all_reduce", S, 4) == 1_500_000

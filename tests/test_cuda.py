@@ -1,5 +1,6 @@
-"""GPU checks: run where CUDA is present (one rank per GPU, NCCL). On CPU they are skipped with
-the reason; the CPU suite proves the same claims with the ledger."""
+"""GPU checks in the suite where 2 CUDA GPUs are present (one rank per GPU, NCCL). On CPU they are skipped
+with the reason; the CPU suite proves the same claims with the ledger. On ONE GPU, `make test-gpu`
+(tests/gpu/check.py) checks every mechanism with several ranks sharing it."""
 import pytest
 import torch
 

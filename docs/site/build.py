@@ -12,7 +12,7 @@ Stages build/site-src/ and runs sphinx-build on it with docs/site/conf.py:
   * labs/*.md: one page per lab from its registry entry (minizero.autograde), its TODOs and their
     hints (labs/labNN_*.py), its checks, and its stretch tasks (docs/site/stretch.md);
   * api/*.md: automodule of every minizero module, grouped by subpackage;
-  * design.md (docs/design.md) and bench.md: `python -m minizero bench`'s plot and table, run once
+  * design.md (docs/design.md), gpu.md (docs/gpu.md: `make test-gpu`'s report) and bench.md: `python -m minizero bench`'s plot and table, run once
     into build/bench/ (kept there; delete the folder to measure again).
 Every link is relative, MathJax is served from the site itself: the site works from file://."""
 import argparse

@@ -22,7 +22,7 @@ def _compare(group, ring, timed):
     worst = []
     for n in SIZES:
         for dtype in (torch.float32, torch.float64):
-            mine, ref = _data(group.rank, n, dtype), _data(group.rank, n, dtype)
+            mine, ref = (_data(group.rank, n, dtype).to(group.device) for _ in range(2))
             timed.records.clear()
             out = ring(timed, mine)
             if timed.in_flight():  # a handle never waited: its buffer may still be in use

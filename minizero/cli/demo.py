@@ -18,6 +18,7 @@ is called with 4-byte parameters and gradients and K = 8 (Adam's m and v).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 
@@ -87,6 +88,7 @@ STRATEGIES = {"ddp": _ddp, "zero1": _zero1, "zero2": _zero2, "zero3": _zero3}
 
 def _run_strategy(comm, strategy, steps, global_batch, lr, seed, progress):
     if comm.device.type == "cuda":  # each strategy's own high-water mark, not the previous one's
+        gc.collect()  # the previous strategy's wrapper, hooks and buffers (reference cycles) freed first
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(comm.device)
     model = TinyGPT(GPTConfig(**DEMO_CONFIG), seed=seed).to(comm.device)

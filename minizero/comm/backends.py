@@ -178,14 +178,39 @@ def mpi_module():
 class MPIBackend:
     """mpi4py on numpy views of CPU tensors (zero-copy). MPI has no fp16/bf16 arithmetic,
     so reductions of 16-bit tensors go through an fp32 scratch copy (counted bytes stay
-    those of the 16-bit payload: the accounting is the model's, not this emulation's)."""
+    those of the 16-bit payload: the accounting is the model's, not this emulation's).
 
-    def __init__(self, mpi_comm):
+    CUDA tensors are staged through the host: copied to a CPU buffer, moved by MPI, copied back
+    when the op completes. That is how several ranks share ONE GPU (NCCL refuses two ranks on one
+    device, and gloo has no CUDA reduce-scatter, all-to-all or send/recv): the GPU check runs its
+    multi-rank parts this way. `stage_all` stages CPU tensors too, so the CPU suite runs that path."""
+
+    def __init__(self, mpi_comm, stage_all: bool = False):
         self.MPI = mpi_module()
         self.mpi_comm = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
+        self.stage_all = stage_all
         self._ops = {"sum": self.MPI.SUM, "avg": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}
+
+    def _staged(self, t) -> bool:
+        return self.stage_all or t.device.type != "cpu"
+
+    def _host(self, t, read=True):
+        """The CPU tensor MPI works on for `t`: t itself, or (staged) a host copy of it (read=True) or
+        an empty host buffer of its shape (read=False: an output the op overwrites)."""
+        t = t.detach()
+        if not self._staged(t):
+            return t
+        return t.to("cpu", copy=True) if read else torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+    @staticmethod
+    def _back(t, host):
+        """on_done of an op that writes `t`: copy the host buffer back into it when it was staged."""
+        def done():
+            if host.data_ptr() != t.data_ptr():
+                t.detach().copy_(host)
+        return done
 
     @staticmethod
     def _view(t):
@@ -198,16 +223,16 @@ class MPIBackend:
         return t.numpy()
 
     def _reduction(self, tensors, start, op):
-        """Run a reduction; for 16-bit floats reduce an fp32 copy and write it back."""
+        """Run a reduction; for 16-bit floats (and staged tensors) reduce a host fp32 copy and write it back."""
         half = tensors[0].dtype in (torch.bfloat16, torch.float16)
-        work = [t.detach().float() for t in tensors] if half else [t.detach() for t in tensors]
+        work = [self._host(t).float() if half else self._host(t) for t in tensors]
         req = start(*[w.numpy() for w in work], self._ops[op])
 
         def done():
             out = work[0]
             if op == "avg":
                 out.div_(self.size)
-            if half:
+            if half or self._staged(tensors[0]):
                 tensors[0].detach().copy_(out)
         return Work(req.Wait, "reduction", done)
 
@@ -221,26 +246,34 @@ class MPIBackend:
         if self.rank == dst:
             return self._reduction([t], lambda b, mop: self.mpi_comm.Ireduce(self.MPI.IN_PLACE, b, mop, root=dst), op)
         # non-roots only send; their tensor is left as it was
-        half = t.dtype in (torch.bfloat16, torch.float16)
-        buf = t.detach().float().numpy() if half else t.detach().numpy()
-        return Work(self.mpi_comm.Ireduce(buf, None, self._ops[op], root=dst).Wait, "reduce")
+        buf = self._host(t)
+        if t.dtype in (torch.bfloat16, torch.float16):
+            buf = buf.float()
+        return Work(self.mpi_comm.Ireduce(buf.numpy(), None, self._ops[op], root=dst).Wait, "reduce")
 
     def all_gather(self, out, inp):
-        return Work(self.mpi_comm.Iallgather(self._view(inp), self._view(out)).Wait, "all_gather")
+        h_out = self._host(out, read=False)
+        req = self.mpi_comm.Iallgather(self._view(self._host(inp)), self._view(h_out))
+        return Work(req.Wait, "all_gather", self._back(out, h_out))
 
     def broadcast(self, t, src):
-        return Work(self.mpi_comm.Ibcast(self._view(t), root=src).Wait, "broadcast")
+        h = self._host(t)
+        return Work(self.mpi_comm.Ibcast(self._view(h), root=src).Wait, "broadcast", self._back(t, h))
 
     def all_to_all(self, out, inp):
-        return Work(self.mpi_comm.Ialltoall(self._view(inp), self._view(out)).Wait, "all_to_all")
+        h_out = self._host(out, read=False)
+        req = self.mpi_comm.Ialltoall(self._view(self._host(inp)), self._view(h_out))
+        return Work(req.Wait, "all_to_all", self._back(out, h_out))
 
     def isend(self, t, dst, tag):
-        req = self.mpi_comm.Isend(self._view(t), dest=dst, tag=tag)
-        return Work(req.Wait, "send", poll=req.Test)
+        h = self._host(t)
+        req = self.mpi_comm.Isend(self._view(h), dest=dst, tag=tag)
+        return Work(req.Wait, "send", on_done=lambda h=h: None, poll=req.Test)  # the handle keeps a staged copy alive
 
     def irecv(self, t, src, tag):
-        req = self.mpi_comm.Irecv(self._view(t), source=src, tag=tag)
-        return Work(req.Wait, "recv", poll=req.Test)
+        h = self._host(t, read=False)
+        req = self.mpi_comm.Irecv(self._view(h), source=src, tag=tag)
+        return Work(req.Wait, "recv", self._back(t, h), poll=req.Test)
 
     def barrier(self):
         self.mpi_comm.Barrier()
@@ -253,7 +286,7 @@ class MPIBackend:
         return self.mpi_comm.allgather(obj)
 
     def split(self, color, key):
-        return MPIBackend(self.mpi_comm.Split(color, key))
+        return MPIBackend(self.mpi_comm.Split(color, key), self.stage_all)
 
 
 

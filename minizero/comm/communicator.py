@@ -7,7 +7,8 @@ send/recv, barrier), `async_op=True` handles so communication can overlap comput
 
 Backends (comm/backends.py), chosen in ONE place, `select_backend_and_device`, from the launcher
 that started the process (comm/launcher.py):
-  * "mpi"   : mpi4py on CPU tensors (the default on CPU under mpirun);
+  * "mpi"   : mpi4py on CPU tensors (the default on CPU under mpirun); CUDA tensors are staged through
+              the host, so several ranks can share one GPU (MINIZERO_BACKEND=mpi; NCCL refuses that);
   * "torch" : torch.distributed, NCCL on CUDA and gloo on CPU.
 
 Accounting (comm/stats.py): every call adds to `comm.stats` the bytes THIS rank sends under
@@ -306,7 +307,12 @@ def init(backend: str | None = None, debug: bool | None = None) -> Communicator:
         return _WORLD
     backend, device = select_backend_and_device(backend)
     if backend == "mpi":
-        impl = MPIBackend(mpi_module().COMM_WORLD)
+        # MINIZERO_MPI_STAGE=1: stage CPU tensors through a host copy too, as CUDA tensors always are (several
+        # ranks on one GPU): the GPU check's --quick run takes that path on CPU
+        stage = os.environ.get("MINIZERO_MPI_STAGE", "0")
+        if stage not in ("0", "1"):
+            raise ValueError(f"MINIZERO_MPI_STAGE={stage!r}: use 1 (stage every tensor through the host) or 0")
+        impl = MPIBackend(mpi_module().COMM_WORLD, stage_all=stage == "1")
     else:
         import torch.distributed as dist
         if not dist.is_initialized():  # we start it, so we end it: gloo aborts a process left with it

@@ -22,7 +22,8 @@ def train(comm=None, dtype="fp16", steps=20, lr=3e-3, batch_size=8, seed=0, fp16
     ranks it is data parallel: each rank takes its shard of the batch and the 16-bit gradients are
     averaged. Returns per-step losses (this rank's), scales, skips, the ledger before the last step."""
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    model = TinyGPT(seed=seed).to(DTYPES[dtype])
+    device = comm.device if comm is not None else torch.device("cpu")  # a GPU: the fp16 matmuls of tensor cores
+    model = TinyGPT(seed=seed).to(device, DTYPES[dtype])
     if dtype == "fp32":
         opt = torch.optim.Adam(model.parameters(), lr=lr)
     else:
@@ -32,7 +33,7 @@ def train(comm=None, dtype="fp16", steps=20, lr=3e-3, batch_size=8, seed=0, fp16
     memory.transient.reset()
     out = {"loss": [], "scale": [], "skipped": [], "num_params": model.num_params()}
     for step in range(steps):
-        x, y = data_mod.shard(data.batch(step, batch_size), rank, size)
+        x, y = (t.to(device) for t in data_mod.shard(data.batch(step, batch_size), rank, size))
         loss = fp32_loss(model, x, y)
         scale = opt.loss_scaler.loss_scale if getattr(opt, "loss_scaler", None) is not None else 1.0
         opt.backward(loss) if dtype != "fp32" else loss.backward()
