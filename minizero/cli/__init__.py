@@ -31,5 +31,7 @@ def main(argv=None) -> int:
             return 2
         print(msg)
         return 0
+    from minizero import env
+    env.check_or_exit(f"minizero {argv[0]}")  # a bad MINIZERO_* variable: one line, exit 2, before anything starts
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return module.main(argv[1:]) or 0

@@ -41,10 +41,11 @@ import tempfile
 import threading
 import time
 
+from minizero import env as mz_env
 from minizero.comm.backends import RankLost, describe_ranks, heartbeat, reaper_running
 from minizero.comm.launcher import launcher
 
-DEFAULT_S = 300.0
+DEFAULT_S = mz_env.VARIABLES["MINIZERO_WATCHDOG_S"].default
 TIMEOUT_CODE = 124  # `timeout`'s exit code: the job ran out of time
 
 
@@ -97,7 +98,7 @@ def _mark(name: str):
 
 def _ours() -> bool:
     """The job directory is the one job_directory() made, not launch.run's (MINIZERO_HEARTBEAT_DIR)."""
-    return bool(heartbeat.directory) and "MINIZERO_HEARTBEAT_DIR" not in os.environ
+    return bool(heartbeat.directory) and not mz_env.is_set("MINIZERO_HEARTBEAT_DIR")
 
 
 def _remove_directory():
@@ -254,5 +255,5 @@ def start(comm, seconds: float | None = None) -> Watchdog | None:
     """Watch this rank's collectives (all ranks call it). seconds: None -> MINIZERO_WATCHDOG_S or
     300; 0 -> no watchdog (the job directory for end_job is set up either way)."""
     job_directory(comm)
-    seconds = float(os.environ.get("MINIZERO_WATCHDOG_S", DEFAULT_S)) if seconds is None else float(seconds)
+    seconds = mz_env.get("MINIZERO_WATCHDOG_S") if seconds is None else float(seconds)
     return Watchdog(comm, seconds) if seconds > 0 else None
