@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -55,9 +56,22 @@ def batches(name, model, seed):
     return SyntheticTokens(vocab, block, seed=seed).batch
 
 
+class NonFiniteLoss(ValueError):
+    """The global-batch loss is nan or inf at a step that was applied (fp32, bf16: nothing skips it)."""
+
+
+def nonfinite_message(step: int, loss: float, lr: float, dtype) -> str:
+    return (f"step {step}: the global-batch loss is {loss} and the step was applied: in {str(dtype).replace('torch.', '')} "
+            "no loss scaler skips a step (fp16's does, as DeepSpeed's), so the weights are no longer finite and every "
+            f"later step would be {loss} too. Likely causes: a learning rate far too large (lr was {lr:g}), no "
+            "gradient_clipping, or inputs out of range")
+
+
 def train(comm, config, model_name="tiny-gpt", steps=50, out="runs/train", save_every=0, resume=False,
-          progress=True):
-    """Runs on every rank. Returns the per-step log records (rank 0's view) and this rank's ledger."""
+          progress=True, on_nonfinite="stop"):
+    """Runs on every rank. Returns the per-step log records (rank 0's view) and this rank's ledger.
+    on_nonfinite: a nan/inf loss at an applied step is reported at that step; "stop" then ends the run (its
+    step is logged), "continue" goes on (said once)."""
     from minizero.runtime.engine import build_engine
     with open(config) as f:
         seed = json.load(f).get("seed", 0)
@@ -114,6 +128,17 @@ def train(comm, config, model_name="tiny-gpt", steps=50, out="runs/train", save_
         if engine.config["wall_clock_breakdown"]:
             rec["timings"] = dict(engine.timings)
         records.append(rec)
+        # every rank holds the same global-batch mean: they all decide alike, with no collective
+        bad = not math.isfinite(rec["loss"]) and not rec["skipped"]
+        if bad and on_nonfinite == "stop":
+            if rank == 0:
+                log.write(json.dumps(rec) + "\n")
+                log.close()
+            raise NonFiniteLoss(nonfinite_message(rec["step"], rec["loss"], lr, engine.dtype) + ". The run stops here "
+                                f"(its log ends with this step); --on-nonfinite continue would go on")
+        if bad and rank == 0 and not any(not math.isfinite(r["loss"]) and not r["skipped"] for r in records[:-1]):
+            print(f"\nminizero train: warning: {nonfinite_message(rec['step'], rec['loss'], lr, engine.dtype)}. "
+                  "Going on (--on-nonfinite continue)", file=sys.stderr, flush=True)
         if save_every and engine.global_steps % save_every == 0:
             engine.save_checkpoint(ckpt)
         if rank == 0:
@@ -168,20 +193,30 @@ def summary(result, ledgers, out=sys.stdout):
               + "; moved " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in moved.items()), file=out)
 
 
+MAX_DRAWN_LR = 1e30  # a larger lr is named in the legend, not drawn
+
+
 def plot(records, path, title="minizero train"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in records]
-    ax.plot(steps, [r["loss"] for r in records], label="global-batch loss")
+    ax.plot(steps, [r["loss"] for r in records], marker=".", label="global-batch loss")  # matplotlib leaves nan/inf out
+    bad = [r["step"] for r in records if not math.isfinite(r["loss"]) and not r["skipped"]]
+    if bad:
+        ax.axvline(bad[0], color="r", ls="--", label=f"loss not finite from step {bad[0]}")
     skipped = [r for r in records if r["skipped"]]
     if skipped:
         ax.scatter([r["step"] for r in skipped], [r["loss"] for r in skipped], color="r", zorder=3,
                    label="skipped (fp16 overflow)")
     ax.set(xlabel="optimizer step", ylabel="loss", title=title)
     lr = ax.twinx()
-    lr.plot(steps, [r["lr"] for r in records], color="gray", ls=":", label="learning rate (right)")
+    lrs = [r["lr"] for r in records]
+    if max(lrs) <= MAX_DRAWN_LR:
+        lr.plot(steps, lrs, color="gray", ls=":", label="learning rate (right)")
+    else:  # an absurd lr (1e308): matplotlib's axis margins and ticks overflow
+        lr.plot([], [], color="gray", ls=":", label=f"learning rate: up to {max(lrs):.3g}, not drawn")
     lr.set_ylabel("learning rate")
     handles = ax.get_legend_handles_labels()[0] + lr.get_legend_handles_labels()[0]
     ax.legend(handles=handles, loc="upper right")
@@ -230,6 +265,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resume-if-exists", action="store_true",
                     help="continue from OUT/checkpoints/latest if there is one, else start from step 0")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--on-nonfinite", choices=("stop", "continue"), default="stop",
+                    help="a nan/inf loss at an applied step (fp32, bf16) is reported at that step; then stop (the "
+                         "default, exit 2) or continue. fp16's loss scaler skips such steps itself")
     args = ap.parse_args(argv)
     args.resume = args.resume or args.resume_if_exists
     rank = comm_mod.launched_rank()
@@ -250,7 +288,7 @@ def main(argv=None) -> int:
               "...` (or `torchrun --nproc_per_node N -m minizero train ...`)", file=sys.stderr)
     try:
         result = train(comm, args.config, args.model, args.steps, args.out, args.save_every, args.resume,
-                       not args.no_progress)
+                       not args.no_progress, args.on_nonfinite)
         ledgers = comm.allgather_object(result["ledger"])
     except USER_ERRORS as e:  # one message for the job, from the first rank that failed, then the job ends
         watchdog.end_job(comm, f"minizero train: rank {comm.rank}: {type(e).__name__}: {e}", 2)

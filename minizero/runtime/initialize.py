@@ -47,6 +47,10 @@ class Initialized(NamedTuple):
         raise AttributeError(f"minizero.initialize() returns DeepSpeed's 4-tuple, not the engine (no attribute "
                              f"{name!r}): write `engine, optimizer, _, _ = minizero.initialize(...)`")
 
+    def __call__(self, *args, **kwargs):  # `engine = minizero.initialize(...)`, then engine(x, y)
+        raise TypeError("minizero.initialize() returns DeepSpeed's 4-tuple, not the engine (the tuple cannot be "
+                        "called): write `engine, optimizer, _, _ = minizero.initialize(...)`, then engine(x, y)")
+
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
@@ -76,6 +80,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if model_parameters is None:  # the groups and their own hyperparameters (nanoGPT's decay / no-decay)
             model_parameters = [{k: v for k, v in group.items() if k == "params" or k in accepted}
                                 for group in optimizer.param_groups]
+            _check_optimizer_covers(model, optimizer)
     if lr_scheduler is not None and (isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
                                      or not callable(lr_scheduler)):
         raise ConfigError("lr_scheduler= must be a callable (optimizer -> scheduler), e.g. "
@@ -87,6 +92,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         engine.lr_scheduler = lr_scheduler(engine.optimizer)
     loader = None if training_data is None else _loader(engine, training_data, collate_fn)
     return Initialized(engine, engine.optimizer, loader, engine.lr_scheduler)
+
+
+def _check_optimizer_covers(model, optimizer):
+    """optimizer= was built on model= (its groups are the engine's): said in its own words, not model_parameters'."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    grouped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if grouped != trainable:
+        raise ConfigError(f"optimizer= was not built on model='s parameters: its param groups hold "
+                          f"{len(grouped - trainable)} tensors that are not trainable parameters of the model and miss "
+                          f"{len(trainable - grouped)} that are. Build it on this model, e.g. "
+                          "torch.optim.AdamW(model.parameters(), lr=...) (every trainable parameter in one group)")
 
 
 def _config(args, config, config_params):
