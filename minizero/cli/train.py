@@ -277,6 +277,11 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"minizero train: {e}", file=sys.stderr)
         return 2
+    if rank == 0:  # a save killed midway left its .TAG.tmp-* directory: never a checkpoint, so it goes, said once
+        from minizero.runtime.checkpoint import remove_interrupted_saves
+        for path in remove_interrupted_saves(os.path.join(args.out, "checkpoints")):
+            print(f"minizero train: removed {path}, left by a save that was interrupted (never a checkpoint: "
+                  "`latest` names the last complete one)", file=sys.stderr)
     try:
         comm = comm_mod.init()
     except RuntimeError as e:  # a rendezvous that did not complete: each rank that waited says so

@@ -22,8 +22,9 @@ What each argument means here (deepspeed.initialize's, checked against deepspeed
 minizero's own keywords: comm= (a Communicator) and mesh= (a comm.Mesh whose nodes ZeRO++ uses).
 
 The return value is DeepSpeed's tuple (engine, optimizer, training_dataloader, lr_scheduler); the last two
-are None when nothing was asked for. `engine = minizero.initialize(...)` is a mistake DeepSpeed users do not
-make but others do: the tuple's attribute errors say which line to write.
+are None when nothing was asked for. In a job of several ranks it also starts the collective watchdog and the
+job's reaper (comm/watchdog.py), as `minizero train` does. `engine = minizero.initialize(...)` is a mistake
+DeepSpeed users do not make but others do: the tuple's attribute errors (and calling it) say which line to write.
 """
 from __future__ import annotations
 
@@ -90,8 +91,20 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                           client_scheduler=lr_scheduler is not None)
     if lr_scheduler is not None:
         engine.lr_scheduler = lr_scheduler(engine.optimizer)
+    _watch()
     loader = None if training_data is None else _loader(engine, training_data, collate_fn)
     return Initialized(engine, engine.optimizer, loader, engine.lr_scheduler)
+
+
+def _watch():
+    """A job of several ranks started by hand (mpirun or torchrun running the user's script) gets what `minizero
+    train` has (comm/watchdog.py): the watchdog names a rank stuck in a collective, and the reaper a rank killed
+    without a word (kill -9, the OOM killer) and removes the job directory. Once per process; all ranks call it."""
+    from minizero import comm as comm_mod
+    from minizero.comm import watchdog
+    world = comm_mod.get()
+    if world.size > 1:
+        watchdog.start(world)
 
 
 def _check_optimizer_covers(model, optimizer):
