@@ -6,6 +6,7 @@
   plain     the same in a plain script (no watchdog.start: no job directory, no reaper)
   engine    the same in a user's script whose entry point is minizero.initialize (it starts them)
   reaper    rank 0 kills its own reaper (the job's helper process), then the job ends normally
+  ok        no fault: every rank says it was never stopped
 """
 import os
 import signal
@@ -31,7 +32,7 @@ t = torch.ones(10)
 comm.all_reduce(t)  # every rank is past start-up
 if mode == "fail_all":
     watchdog.end_job(comm, f"fault_script: rank {comm.rank}: the input is bad", 2)
-if comm.rank == 1 and mode != "reaper":
+if comm.rank == 1 and mode not in ("reaper", "ok"):
     os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
 comm.all_reduce(t)
 print(f"fault_script: rank {comm.rank} was never stopped", flush=True)

@@ -4,6 +4,7 @@
     train        cli/train.py        train with a DeepSpeed JSON config under mpirun
     plan         cli/plan.py         the memory estimator (ZeRO paper Table 1, any model size)
     consolidate  cli/consolidate.py  a sharded checkpoint -> one fp32 state dict
+    torchrun     cli/torchrun.py     torchrun that says what its rendezvous waits for and leaves no folder
     bench        bench/bench.py      step time, memory and bytes vs torch and DeepSpeed
     grade        autograde/          grade the labs, Gradescope results.json
 `python -m minizero.cli.labgen` (make labs) generates labs/ and solutions/.
@@ -17,6 +18,7 @@ COMMANDS = {
     "plan": ("minizero.cli.plan", "model-state memory per GPU for DDP and ZeRO-1/2/3 (estimator)"),
     "grade": ("minizero.autograde", "grade the labs; writes a Gradescope results.json"),
     "train": ("minizero.cli.train", "under mpirun: train with a DeepSpeed JSON config; log, plot, checkpoints"),
+    "torchrun": ("minizero.cli.torchrun", "torchrun, saying what a multi-node rendezvous waits for; no folder left"),
     "consolidate": ("minizero.cli.consolidate", "a sharded checkpoint -> one fp32 state dict (zero_to_fp32)"),
 }
 
