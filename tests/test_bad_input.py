@@ -246,3 +246,8 @@ def test_a_timeout_with_every_rank_in_its_own_code_is_not_called_a_deadlock(tmp_
     waiting = likely_cause(str(launch.LaunchTimeout(90, describe_ranks(str(tmp_path), 3))))
     assert looping.startswith("no rank was waiting in a collective") and "endless loop" in looping, looping
     assert waiting.startswith("a deadlock"), waiting
+
+
+def test_every_variable_is_documented():
+    page = open(os.path.join(ROOT, "docs", "environment.md")).read()
+    assert [name for name in env.VARIABLES if f"| `{name}` |" not in page] == []
