@@ -231,7 +231,8 @@ def main(argv=None) -> int:
     labs = args.lab or sorted(LABS)
     for n in labs:
         if n not in LABS:
-            ap.error(f"--lab {n}: unknown lab {n}; the labs are: " + ", ".join(f"{k} ({lab.title})" for k, lab in LABS.items()))
+            ap.error(f"--lab {n}: unknown lab {n}; the labs are: "
+                     + ", ".join(f"{k} ({lab.title})" for k, lab in LABS.items()))
     if args.impl not in ("labs", "solutions") and not os.path.isdir(args.impl):
         ap.error(f"--impl {args.impl}: no such folder (give 'labs', 'solutions' or a folder with labNN_*.py files)")
     checks.output_file(ap, "--json", args.json)  # before grading: a result that cannot be written is lost

@@ -436,7 +436,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="with --tp: GPTConfig fields as JSON, replacing BENCH_TP_GPT's")
     ap.add_argument("--trace", default=None, metavar="DIR", help="instead: a torch.profiler Chrome trace per "
                     "candidate and rank, DIR/<candidate>-rank<k>.json, minizero's work labelled (minizero/bench/trace.py)")
-    ap.add_argument("--trace-steps", type=checks.whole(1), default=2, help="with --trace: steps traced (after --warmup)")
+    ap.add_argument("--trace-steps", type=checks.whole(1), default=2,
+                    help="with --trace: steps traced (after --warmup)")
     args = ap.parse_args(argv)
     checks.output_file(ap, "--json", args.json)
     checks.output_file(ap, "--plot", args.plot)

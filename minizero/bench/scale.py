@@ -176,14 +176,16 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
                     choices=list(CANDIDATES), metavar="NAME", help=f"any of: {' '.join(CANDIDATES)}")
     ap.add_argument("--ranks", type=checks.whole(1, max_ranks()), default=4, help="ranks per probe job")
-    ap.add_argument("--cap-gb", type=checks.number(0, open_low=True), default=12.0, help="memory cap of a probe job (RssAnon+RssShmem)")
+    ap.add_argument("--cap-gb", type=checks.number(0, open_low=True), default=12.0,
+                    help="memory cap of a probe job (RssAnon+RssShmem)")
     ap.add_argument("--cap-above-first-gb", type=checks.number(0), default=None,
                     help="instead: the first probe's job peak plus this many GB (what the ranks hold at start-up "
                          "differs between machines)")
     ap.add_argument("--timeout", type=checks.number(0, open_low=True), default=900, help="seconds per probe")
     ap.add_argument("--start", type=checks.whole(1), default=3, help="first size knob s (Ψ ~ 49152 s^3; 3: 1.3M)")
     ap.add_argument("--stop", type=checks.whole(1), default=54, help="largest s tried (54: 7.7B)")
-    ap.add_argument("--resolution", type=checks.number(1, open_low=True), default=1.5, help="bisect until first fail / last pass < this")
+    ap.add_argument("--resolution", type=checks.number(1, open_low=True), default=1.5,
+                    help="bisect until first fail / last pass < this")
     ap.add_argument("--sweep-size", type=checks.whole(0), default=8, help="s of the ranks sweep (8: 25M); 0: no sweep")
     ap.add_argument("--sweep-ranks", type=checks.whole(1, max_ranks()), nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--folder", default=None, help="where disk probes write (default: the temp folder)")

@@ -306,7 +306,10 @@ def init(backend: str | None = None, debug: bool | None = None) -> Communicator:
         return _WORLD
     # a bad MINIZERO_* variable: one line (launched rank 0's) and exit 2 on every rank of a job, before any rank
     # meets another; a single process gets the EnvError itself
-    mz_env.check_or_exit() if launched_world_size() > 1 else mz_env.check()
+    if launched_world_size() > 1:
+        mz_env.check_or_exit()
+    else:
+        mz_env.check()
     backend, device = select_backend_and_device(backend)
     if backend == "mpi":
         impl = MPIBackend(mpi_module().COMM_WORLD)
