@@ -70,7 +70,8 @@ def find_mpirun() -> str:
 def max_ranks() -> int:
     """Oversubscribing 2 cores with more than 8 ranks makes runs slow and flaky; raise the
     cap with MINIZERO_MAX_RANKS when you have the cores."""
-    return int(os.environ.get("MINIZERO_MAX_RANKS", "8"))
+    from minizero import env as mz_env
+    return mz_env.get("MINIZERO_MAX_RANKS")
 
 
 def run(target: str, nprocs: int = 2, args: dict | None = None, timeout: float = 120,
@@ -92,6 +93,8 @@ def run(target: str, nprocs: int = 2, args: dict | None = None, timeout: float =
         if not os.path.exists(path):
             raise FileNotFoundError(f"target file {path} does not exist")
         target = os.path.abspath(path) + ":" + target.rpartition(":")[2]
+    from minizero import env as mz_env  # the ranks' MINIZERO_* variables, checked once here, not by every rank
+    mz_env.check({**os.environ, **({"MINIZERO_BACKEND": backend} if backend else {}), **(env or {})})
     mpirun = find_mpirun()
     job_id = uuid.uuid4().hex[:12]
     with tempfile.TemporaryDirectory(prefix="minizero-") as tmp:

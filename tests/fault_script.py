@@ -4,6 +4,9 @@
   stop      rank 1 stops itself (SIGSTOP) before a collective: the others block until the watchdog ends the job
   kill      rank 1 is killed (SIGKILL, as by the OOM killer) before a collective the others wait in
   plain     the same in a plain script (no watchdog.start: no job directory, no reaper)
+  engine    the same in a user's script whose entry point is minizero.initialize (it starts them)
+  reaper    rank 0 kills its own reaper (the job's helper process), then the job ends normally
+  ok        no fault: every rank says it was never stopped
 """
 import os
 import signal
@@ -16,13 +19,20 @@ from minizero.comm import watchdog
 
 mode = sys.argv[1]
 comm = comm_mod.init()
-if mode != "plain":
+if mode == "engine":
+    import minizero
+    engine, *_ = minizero.initialize(model=torch.nn.Linear(4, 4), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+elif mode != "plain":
     watchdog.start(comm)  # MINIZERO_WATCHDOG_S from the test
+if mode == "reaper" and comm.rank == 0:
+    watchdog._reaper.kill()
+    watchdog._reaper.wait()
 t = torch.ones(10)
 comm.all_reduce(t)  # every rank is past start-up
 if mode == "fail_all":
     watchdog.end_job(comm, f"fault_script: rank {comm.rank}: the input is bad", 2)
-if comm.rank == 1:
+if comm.rank == 1 and mode not in ("reaper", "ok"):
     os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
 comm.all_reduce(t)
 print(f"fault_script: rank {comm.rank} was never stopped", flush=True)

@@ -80,6 +80,25 @@ def test_a_killed_rank_is_named_and_leaves_no_job_directory(tmp_path):
     assert left == [] and pids == [], (left, pids)
 
 
+def test_a_killed_rank_in_a_script_started_by_initialize_is_named(tmp_path):
+    """A user's own script (its entry point minizero.initialize, not `minizero train`), rank 1 SIGKILLed: only
+    MPICH's banner was printed (no watchdog or reaper ran there). initialize now starts them."""
+    code, text, left, pids = _job(_mpirun(2, "tests/fault_script.py", "engine"), tmp_path)
+    assert code == 9, text[-3000:]
+    said = [line for line in text.splitlines() if "ended without a Python traceback" in line]
+    assert len(said) == 1 and said[0].startswith("minizero: rank 1 (pid "), text[-3000:]
+    assert [x for x in left if x.startswith("minizero")] == [] and pids == [], (left, pids)  # (torch's own
+    # torchinductor_* cache is torch's)
+
+
+def test_a_killed_reaper_leaves_no_job_directory(tmp_path):
+    """The reaper (the job's helper process) killed: the job ends normally and rank 0 removes the job directory
+    the reaper would have (it stayed behind)."""
+    code, text, left, pids = _job(_mpirun(2, "tests/fault_script.py", "reaper"), tmp_path)
+    assert code == 0 and text.count("was never stopped") == 2, text[-3000:]
+    assert left == [] and pids == [], (left, pids)
+
+
 @pytest.mark.parametrize("mode", ["kill", "plain"])
 def test_a_killed_rank_under_torchrun_is_one_line_not_the_survivors_traceback(mode, tmp_path):
     """torchrun, rank 1 SIGKILLed mid-job: the survivor's gloo error ('Connection reset by peer') was a raw

@@ -14,7 +14,6 @@ crash or a deadlock becomes a failed check with a clear message, never a hung gr
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -223,14 +222,20 @@ def _result(tests: list) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="minizero grade", description="Grade labs; writes a Gradescope results.json.")
-    ap.add_argument("--lab", type=int, action="append", help="lab number (repeatable); default: all")
+    from minizero.cli import checks
+    ap = checks.Parser(prog="minizero grade", description="Grade labs; writes a Gradescope results.json.")
+    ap.add_argument("--lab", type=int, action="append", metavar="N", help="lab number (repeatable); default: all")
     ap.add_argument("--impl", default="labs", help="'labs' (default), 'solutions', or a folder with labNN_*.py files")
     ap.add_argument("--json", metavar="FILE", help="write Gradescope results.json here")
     args = ap.parse_args(argv)
     labs = args.lab or sorted(LABS)
     for n in labs:
-        get_lab(n)
+        if n not in LABS:
+            ap.error(f"--lab {n}: unknown lab {n}; the labs are: "
+                     + ", ".join(f"{k} ({lab.title})" for k, lab in LABS.items()))
+    if args.impl not in ("labs", "solutions") and not os.path.isdir(args.impl):
+        ap.error(f"--impl {args.impl}: no such folder (give 'labs', 'solutions' or a folder with labNN_*.py files)")
+    checks.output_file(ap, "--json", args.json)  # before grading: a result that cannot be written is lost
     tests: list = []
     try:
         grade(labs, args.impl, tests=tests)

@@ -52,6 +52,10 @@ HINTS = [
      "a rank crashed in native code. Most often a buffer was freed, reused or read while a "
      "nonblocking collective still used it: wait() on every handle before you read, overwrite or "
      "drop its buffer."),
+    (r"(?s)timed out after [\d.]+s: (?!.*\brank \d+ in )",  # no rank was blocked in a collective
+     "no rank was waiting in a collective when time ran out: every rank was running its own code. An endless "
+     "loop (a `while` whose condition never becomes false, an index that never advances) or code far too slow "
+     "for the check's time limit; not a collective deadlock."),
     (r"timed out after",
      "a deadlock: the ranks wait in different collectives, or one rank never calls the collective "
      "the others wait in (the list above says where each rank was). Every rank must issue the same "

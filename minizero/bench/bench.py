@@ -29,7 +29,6 @@ Two phases, both inside one launch:
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import gc
@@ -45,6 +44,8 @@ import torch
 
 from minizero import memory
 from minizero.bench.common import barrier, finish, paired_ratio, step
+from minizero.cli import checks
+from minizero.launch import max_ranks
 from minizero.bench.candidates import (BENCH_GPT, CANDIDATES, DEEPSPEED, DEFAULT, REFERENCE, TARGETS, TORCH_STATS,
                                        build, count_torch_collectives, start_deepspeed)
 from minizero.data import shard
@@ -408,19 +409,20 @@ def main(argv=None) -> int:
     if argv[:1] == ["scale"]:  # `python -m minizero bench scale`: the largest model per strategy, cost curves
         from minizero.bench.scale import main as scale_main
         return scale_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="minizero bench", description=__doc__.splitlines()[0],
+    ap = checks.Parser(prog="minizero bench", description=__doc__.splitlines()[0],
                                  epilog="`python -m minizero bench pipeline --help`: the pipeline schedules vs torch's; "
                                         "`python -m minizero bench 3d --help`: 3D vs pure DP on 8 ranks; "
                                         "`python -m minizero bench scale --help`: the largest model per strategy")
-    ap.add_argument("--nprocs", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=30, help="timed steps per candidate (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--micro", type=int, default=4, help="sequences per rank per step")
+    ap.add_argument("--nprocs", type=checks.whole(1, max_ranks()), default=4,
+                    help="ranks (at most MINIZERO_MAX_RANKS, default 8)")
+    ap.add_argument("--steps", type=checks.whole(1), default=30, help="timed steps per candidate (after --warmup)")
+    ap.add_argument("--warmup", type=checks.whole(0), default=3)
+    ap.add_argument("--micro", type=checks.whole(1), default=4, help="sequences per rank per step")
     ap.add_argument("--candidates", nargs="+", default=list(DEFAULT), choices=CANDIDATES, metavar="NAME",
                     help=f"any of: {' '.join(CANDIDATES)} (default: {' '.join(DEFAULT)})")
-    ap.add_argument("--params", type=float, default=None,
+    ap.add_argument("--params", type=checks.number(0, open_low=True), default=None,
                     help="model size (e.g. 1e8): TinyGPT at width 768 with that many parameters (default: 3.2M)")
-    ap.add_argument("--sub-group-size", type=float, default=2e6,
+    ap.add_argument("--sub-group-size", type=checks.number(1), default=2e6,
                     help="elements per sub-group for the disk-offload candidates (DeepSpeed's sub_group_size)")
     ap.add_argument("--cpu-adam", action="store_true",
                     help="only time the CPU optimizer step: torch fused/foreach/for-loop AdamW vs DeepSpeedCPUAdam")
@@ -433,10 +435,10 @@ def main(argv=None) -> int:
                     help="minizero's communicator (default mpi on CPU; torch = gloo, like the torch candidates)")
     ap.add_argument("--json", default=None, help="write the summary (and every rank's raw numbers) here")
     ap.add_argument("--plot", default=None, help="write a PNG: step time bars and ratio to torch DDP")
-    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--timeout", type=checks.number(0, open_low=True), default=900, help="seconds per job")
     ap.add_argument("--zeropp", action="store_true", help="instead: ZeRO++ vs ZeRO-3 at 4 ranks as 2 nodes, where the "
                     "time goes, and the 300-step convergence check (minizero/bench/zeropp.py)")
-    ap.add_argument("--convergence-steps", type=int, default=300,
+    ap.add_argument("--convergence-steps", type=checks.whole(0), default=300,
                     help="with --zeropp: steps of the convergence check (0: timing and profile only)")
     ap.add_argument("--tp", action="store_true", help="tensor parallelism instead: minizero TP vs torch DTensor TP "
                     "at every t in (2, 4, 8) dividing --nprocs (minizero/bench/tensor_parallel.py; --candidates unused, "
@@ -444,8 +446,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="with --tp: GPTConfig fields as JSON, replacing BENCH_TP_GPT's")
     ap.add_argument("--trace", default=None, metavar="DIR", help="instead: a torch.profiler Chrome trace per "
                     "candidate and rank, DIR/<candidate>-rank<k>.json, minizero's work labelled (minizero/bench/trace.py)")
-    ap.add_argument("--trace-steps", type=int, default=2, help="with --trace: steps traced (after --warmup)")
+    ap.add_argument("--trace-steps", type=checks.whole(1), default=2,
+                    help="with --trace: steps traced (after --warmup)")
     args = ap.parse_args(argv)
+    checks.output_file(ap, "--json", args.json)
+    checks.output_file(ap, "--plot", args.plot)
+    checks.output_folder(ap, "--trace", args.trace)  # last: it makes the folder
     if args.zeropp:
         from minizero.bench import zeropp
         return zeropp.main(steps=args.steps, convergence_steps=args.convergence_steps, timeout=args.timeout)

@@ -11,13 +11,14 @@ and calibrate.py's limits turn each step into a fraction of max(compute, communi
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import sys
 import time
 
+from minizero.cli import checks
+from minizero.launch import max_ranks
 from minizero.bench.scale_probe import (
     CANDIDATES,
     count,
@@ -191,22 +192,24 @@ def plot(results: dict, path: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="minizero bench scale", description=__doc__.splitlines()[0])
+    ap = checks.Parser(prog="minizero bench scale", description=__doc__.splitlines()[0])
     ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
                     choices=list(CANDIDATES), metavar="NAME", help=f"any of: {' '.join(CANDIDATES)}")
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--cap-gb", type=float, default=12.0, help="memory cap of a probe job (RssAnon+RssShmem)")
-    ap.add_argument("--cap-above-first-gb", type=float, default=None,
+    ap.add_argument("--ranks", type=checks.whole(1, max_ranks()), default=4, help="ranks per probe job")
+    ap.add_argument("--cap-gb", type=checks.number(0, open_low=True), default=12.0,
+                    help="memory cap of a probe job (RssAnon+RssShmem)")
+    ap.add_argument("--cap-above-first-gb", type=checks.number(0), default=None,
                     help="instead: the first probe's job peak plus this many GB (what the ranks hold at start-up "
                          "differs between machines)")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per probe")
-    ap.add_argument("--start", type=int, default=3, help="first size knob s (Ψ ~ 49152 s^3; 3: 1.3M)")
-    ap.add_argument("--stop", type=int, default=54, help="largest s tried (54: 7.7B)")
-    ap.add_argument("--resolution", type=float, default=1.5, help="bisect until first fail / last pass < this")
-    ap.add_argument("--sweep-size", type=int, default=8, help="s of the ranks sweep (8: 25M); 0: no sweep")
-    ap.add_argument("--sweep-ranks", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--timeout", type=checks.number(0, open_low=True), default=900, help="seconds per probe")
+    ap.add_argument("--start", type=checks.whole(1), default=3, help="first size knob s (Ψ ~ 49152 s^3; 3: 1.3M)")
+    ap.add_argument("--stop", type=checks.whole(1), default=54, help="largest s tried (54: 7.7B)")
+    ap.add_argument("--resolution", type=checks.number(1, open_low=True), default=1.5,
+                    help="bisect until first fail / last pass < this")
+    ap.add_argument("--sweep-size", type=checks.whole(0), default=8, help="s of the ranks sweep (8: 25M); 0: no sweep")
+    ap.add_argument("--sweep-ranks", type=checks.whole(1, max_ranks()), nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--folder", default=None, help="where disk probes write (default: the temp folder)")
-    ap.add_argument("--disk-reserve-gb", type=float, default=10.0, help="free space a disk probe must leave")
+    ap.add_argument("--disk-reserve-gb", type=checks.number(0), default=10.0, help="free space a disk probe must leave")
     ap.add_argument("--no-calibrate", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
@@ -215,12 +218,21 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the suite's version: torch-ddp and minizero-zero3-init on 2 "
                     "ranks, s 4 and 6, cap 0.2 GB above the first probe, no sweep, no calibration")
     args = ap.parse_args(argv)
+    if args.stop < args.start:
+        ap.error(f"--stop {args.stop} is below --start {args.start}: the search goes from --start up to --stop")
+    if args.folder is not None and not os.path.isdir(args.folder):
+        ap.error(f"--folder {args.folder}: no such folder (disk probes write there)")
+    checks.output_file(ap, "--json", args.json)
+    checks.output_file(ap, "--plot", args.plot)
     if args.quick:
         args.candidates, args.ranks, args.start, args.stop, args.resolution = \
             ["torch-ddp", "minizero-zero3-init"], 2, 4, 6, float("inf")
         args.cap_above_first_gb, args.sweep_size, args.no_calibrate = args.cap_above_first_gb or 0.2, 0, True  # DDP needs ~0.3 GB more at s 6, ZeRO-3 ~0.1
     if args.from_json:
-        results = merge(args.from_json)
+        try:
+            results = merge(args.from_json)
+        except RunFileError as e:
+            ap.error(f"--from-json {e}")
         analyse(results, results["calibration"])
         print(report(results))
         if args.json:
@@ -314,12 +326,33 @@ def prebuild_deepspeed_ops(candidates, timeout=1200) -> dict:
     return why
 
 
+class RunFileError(ValueError):
+    """A --from-json file that is not a run's JSON; the message names it."""
+
+
+RUN_KEYS = ("candidates", "ranks_sweep", "cap_bytes", "timeout", "ranks")  # what merge and report read
+
+
+def _read_run(path) -> dict:
+    """One run's JSON (what --json wrote), or RunFileError saying what is wrong with the file."""
+    try:
+        with open(path) as f:
+            res = json.load(f)
+    except OSError as e:
+        raise RunFileError(f"{path}: cannot read it ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunFileError(f"{path}: not valid JSON ({e})") from None
+    missing = [k for k in RUN_KEYS if k not in res] if isinstance(res, dict) else list(RUN_KEYS)
+    if missing or not isinstance(res["candidates"], dict):
+        raise RunFileError(f"{path}: not the JSON of a `bench scale --json` run (no {', '.join(missing or ['candidates'])})")
+    return res
+
+
 def merge(paths) -> dict:
     """Several runs' JSON as one: later files win per candidate; cap and calibration from the last."""
     merged = None
     for path in paths:
-        with open(path) as f:
-            res = json.load(f)
+        res = _read_run(path)
         if merged is None:
             merged = res
         else:

@@ -4,6 +4,7 @@
     train        cli/train.py        train with a DeepSpeed JSON config under mpirun
     plan         cli/plan.py         the memory estimator (ZeRO paper Table 1, any model size)
     consolidate  cli/consolidate.py  a sharded checkpoint -> one fp32 state dict
+    torchrun     cli/torchrun.py     torchrun that says what its rendezvous waits for and leaves no folder
     bench        bench/bench.py      step time, memory and bytes vs torch and DeepSpeed
     grade        autograde/          grade the labs, Gradescope results.json
 `python -m minizero.cli.labgen` (make labs) generates labs/ and solutions/.
@@ -17,6 +18,7 @@ COMMANDS = {
     "plan": ("minizero.cli.plan", "model-state memory per GPU for DDP and ZeRO-1/2/3 (estimator)"),
     "grade": ("minizero.autograde", "grade the labs; writes a Gradescope results.json"),
     "train": ("minizero.cli.train", "under mpirun: train with a DeepSpeed JSON config; log, plot, checkpoints"),
+    "torchrun": ("minizero.cli.torchrun", "torchrun, saying what a multi-node rendezvous waits for; no folder left"),
     "consolidate": ("minizero.cli.consolidate", "a sharded checkpoint -> one fp32 state dict (zero_to_fp32)"),
 }
 
@@ -31,5 +33,7 @@ def main(argv=None) -> int:
             return 2
         print(msg)
         return 0
+    from minizero import env
+    env.check_or_exit(f"minizero {argv[0]}")  # a bad MINIZERO_* variable: one line, exit 2, before anything starts
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return module.main(argv[1:]) or 0

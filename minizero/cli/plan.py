@@ -121,6 +121,14 @@ def print_stages(p, times=None) -> None:
         print("  estimated step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
 
 
+def _layout_flags(args) -> list[str]:
+    """The flags that fix a layout (what --fit searches over), as given."""
+    given = [f"--{n}" for n in ("tp", "pp", "cp", "ep") if getattr(args, n) != 1]
+    given += [f"--{n.replace('_', '-')}" for n in ("dp", "zero", "schedule") if getattr(args, n) is not None]
+    given += [f"--{n}" for n in ("offload", "sp", "checkpointing", "qwz", "hpz", "qgz", "ulysses") if getattr(args, n)]
+    return given + (["--micro-batches"] if args.micro_batches != 1 else [])
+
+
 def _planner(args, parser) -> int:
     if args.layers is not None:
         missing = [f"--{n}" for n in ("hidden", "heads", "seq", "vocab") if getattr(args, n) is None]
@@ -142,6 +150,10 @@ def _planner(args, parser) -> int:
     hw = replace(HARDWARE[args.hardware], **{k: v for k, v in (("flops", args.flops), ("mfu", args.mfu),
                  ("intra_bw", args.intra_bw), ("inter_bw", args.inter_bw)) if v is not None})
     world = args.gpus or 1
+    fixed = _layout_flags(args)
+    if args.fit is not None and fixed:
+        parser.error(f"--fit searches every layout itself; it cannot take {' '.join(fixed)} (it would ignore them). "
+                     "Leave them out, or plan that one layout without --fit")
     if args.fit is not None and world > MAX_FIT_GPUS:
         parser.error(f"argument --gpus: got {world} with --fit, allowed: a whole number in [1, {MAX_FIT_GPUS}] (--fit plans "
                      "every layout and would take minutes; plan one layout with --tp --pp --zero instead)")
@@ -162,7 +174,7 @@ def _planner(args, parser) -> int:
             raise PlanError(f"dp {args.dp} x pp {args.pp}{cp} x tp {args.tp} = {args.dp * args.pp * args.cp * args.tp} "
                             f"is not the world size {world} (--gpus)")
         p = plan(shape, Strategy(world, args.node_size, args.tp, args.pp, args.sp, args.zero or 0, args.offload,
-                                 args.micro_batch, args.micro_batches, args.schedule, args.checkpointing,
+                                 args.micro_batch, args.micro_batches, args.schedule or "1f1b", args.checkpointing,
                                  args.precision, args.optimizer, qwz=args.qwz, hpz=args.hpz, qgz=args.qgz,
                                  cp=args.cp, ulysses=args.ulysses, ep=args.ep))
     except PlanError as e:
@@ -211,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     strat.add_argument("--qgz", action="store_true", help="ZeRO++ int4 hierarchical gradient all-to-all (--zero 3)")
     strat.add_argument("--micro-batch", type=count, default=1, help="sequences per rank per micro-batch")
     strat.add_argument("--micro-batches", type=count, default=1, help="accumulation = pipeline micro-batches")
-    strat.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    strat.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None, help="pipeline schedule (default 1f1b)")
     strat.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="bf16")
     strat.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     search = parser.add_argument_group("--fit: which layouts fit, fastest first")

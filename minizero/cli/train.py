@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -83,16 +84,29 @@ def notes(engine) -> list[str]:
             f"(or train a larger model) to shard.{extra}"]
 
 
+class NonFiniteLoss(ValueError):
+    """The global-batch loss is nan or inf at a step that was applied (fp32, bf16: nothing skips it)."""
+
+
+def nonfinite_message(step: int, loss: float, lr: float, dtype) -> str:
+    return (f"step {step}: the global-batch loss is {loss} and the step was applied: in {str(dtype).replace('torch.', '')} "
+            "no loss scaler skips a step (fp16's does, as DeepSpeed's), so the weights are no longer finite and every "
+            f"later step would be {loss} too. Likely causes: a learning rate far too large (lr was {lr:g}), no "
+            "gradient_clipping, or inputs out of range")
+
+
 def train(comm, config, model_name=None, steps=50, out="runs/train", save_every=0, resume=False,
-          progress=True):
-    """Runs on every rank. Returns the per-step log records (rank 0's view) and this rank's ledger."""
+          progress=True, on_nonfinite="stop"):
+    """Runs on every rank. Returns the per-step log records (rank 0's view) and this rank's ledger.
+    on_nonfinite: a nan/inf loss at an applied step is reported at that step; "stop" then ends the run (its
+    step is logged), "continue" goes on (said once)."""
     from minizero.runtime.engine import build_engine
     cfg = load_config(config, comm.size)  # a path, or the config preflight checked (its warnings said once)
     seed = cfg["seed"]
     model = build(model_name, cfg)
     n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 moves them into flat shards
     engine = build_engine(model, cfg, comm)  # a bad config raises here, before any collective
-    batch_of = batches(model_name, model, seed)
+    batch_of = batches(model_name or cfg["model"], model, seed)
     micro, acc = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     rank, size = comm.rank, comm.size
     ckpt = os.path.join(out, "checkpoints")
@@ -142,6 +156,17 @@ def train(comm, config, model_name=None, steps=50, out="runs/train", save_every=
         if engine.config["wall_clock_breakdown"]:
             rec["timings"] = dict(engine.timings)
         records.append(rec)
+        # every rank holds the same global-batch mean: they all decide alike, with no collective
+        bad = not math.isfinite(rec["loss"]) and not rec["skipped"]
+        if bad and on_nonfinite == "stop":
+            if rank == 0:
+                log.write(json.dumps(rec) + "\n")
+                log.close()
+            raise NonFiniteLoss(nonfinite_message(rec["step"], rec["loss"], lr, engine.dtype) + ". The run stops here "
+                                f"(its log ends with this step); --on-nonfinite continue would go on")
+        if bad and rank == 0 and not any(not math.isfinite(r["loss"]) and not r["skipped"] for r in records[:-1]):
+            print(f"\nminizero train: warning: {nonfinite_message(rec['step'], rec['loss'], lr, engine.dtype)}. "
+                  "Going on (--on-nonfinite continue)", file=sys.stderr, flush=True)
         if save_every and engine.global_steps % save_every == 0:
             engine.save_checkpoint(ckpt)
         if rank == 0:
@@ -199,20 +224,30 @@ def summary(result, ledgers, out=sys.stdout):
               + "; moved " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in moved.items()), file=out)
 
 
+MAX_DRAWN_LR = 1e30  # a larger lr is named in the legend, not drawn
+
+
 def plot(records, path, title="minizero train"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in records]
-    ax.plot(steps, [r["loss"] for r in records], label="global-batch loss")
+    ax.plot(steps, [r["loss"] for r in records], marker=".", label="global-batch loss")  # matplotlib leaves nan/inf out
+    bad = [r["step"] for r in records if not math.isfinite(r["loss"]) and not r["skipped"]]
+    if bad:
+        ax.axvline(bad[0], color="r", ls="--", label=f"loss not finite from step {bad[0]}")
     skipped = [r for r in records if r["skipped"]]
     if skipped:
         ax.scatter([r["step"] for r in skipped], [r["loss"] for r in skipped], color="r", zorder=3,
                    label="skipped (fp16 overflow)")
     ax.set(xlabel="optimizer step", ylabel="loss", title=title)
     lr = ax.twinx()
-    lr.plot(steps, [r["lr"] for r in records], color="gray", ls=":", label="learning rate (right)")
+    lrs = [r["lr"] for r in records]
+    if max(lrs) <= MAX_DRAWN_LR:
+        lr.plot(steps, lrs, color="gray", ls=":", label="learning rate (right)")
+    else:  # an absurd lr (1e308): matplotlib's axis margins and ticks overflow
+        lr.plot([], [], color="gray", ls=":", label=f"learning rate: up to {max(lrs):.3g}, not drawn")
     lr.set_ylabel("learning rate")
     handles = ax.get_legend_handles_labels()[0] + lr.get_legend_handles_labels()[0]
     ax.legend(handles=handles, loc="upper right")
@@ -282,6 +317,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resume-if-exists", action="store_true",
                     help="continue from OUT/checkpoints/latest if there is one, else start from step 0")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--on-nonfinite", choices=("stop", "continue"), default="stop",
+                    help="a nan/inf loss at an applied step (fp32, bf16) is reported at that step; then stop (the "
+                         "default, exit 2) or continue. fp16's loss scaler skips such steps itself")
     args = ap.parse_args(argv)
     args.resume = args.resume or args.resume_if_exists
     rank = comm_mod.launched_rank()
@@ -291,6 +329,11 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"minizero train: {e}", file=sys.stderr)
         return 2
+    if rank == 0:  # a save killed midway left its .TAG.tmp-* directory: never a checkpoint, so it goes, said once
+        from minizero.runtime.checkpoint import remove_interrupted_saves
+        for path in (p for _, out in runs(args) for p in remove_interrupted_saves(os.path.join(out, "checkpoints"))):
+            print(f"minizero train: removed {path}, left by a save that was interrupted (never a checkpoint: "
+                  "`latest` names the last complete one)", file=sys.stderr)
     try:
         comm = comm_mod.init()
     except RuntimeError as e:  # a rendezvous that did not complete: each rank that waited says so
@@ -311,8 +354,8 @@ def main(argv=None) -> int:
 def run_one(comm, args, config, out):
     """Train one config on every rank; rank 0 prints its summary and draws its loss curve."""
     try:
-        result = train(comm, args.checked.get(config, config), args.model, args.steps, out, args.save_every, args.resume,
-                       not args.no_progress)
+        result = train(comm, args.checked.get(config, config), args.model, args.steps, out, args.save_every,
+                       args.resume, not args.no_progress, args.on_nonfinite)
         ledgers = comm.allgather_object(result["ledger"])
     except USER_ERRORS as e:  # one message for the job, from the first rank that failed, then the job ends
         watchdog.end_job(comm, f"minizero train: rank {comm.rank}: {type(e).__name__}: {e}", 2)

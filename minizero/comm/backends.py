@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from minizero import env as mz_env
 from minizero.comm.labels import label
 from minizero.comm.launcher import launched_rank, launcher
 
@@ -40,7 +41,7 @@ class _Heartbeat:
         self.context = ""      # what the code above the collectives is doing, e.g. "pipeline F2 on stage 1"
 
     def open(self, rank: int, directory: str | None = None):
-        d = directory or os.environ.get("MINIZERO_HEARTBEAT_DIR")
+        d = directory or mz_env.get("MINIZERO_HEARTBEAT_DIR")
         if d and self.fd is None:
             self.directory = d
             self.fd = os.open(os.path.join(d, f"rank{rank}.op"), os.O_WRONLY | os.O_CREAT, 0o644)
@@ -163,7 +164,7 @@ def report_rank_lost(kind, value, tb, prior=sys.excepthook):
 
 def reaper_running() -> bool:
     """comm/watchdog.py started a job reaper for this job (it names a dead rank itself)."""
-    return heartbeat.directory is not None and "MINIZERO_HEARTBEAT_DIR" not in os.environ
+    return heartbeat.directory is not None and not mz_env.is_set("MINIZERO_HEARTBEAT_DIR")
 
 
 # ----------------------------------------------------------------------------- mpi backend
@@ -383,7 +384,7 @@ def init_torch_distributed(device: torch.device, timeout_s: float | None = None)
 
     if dist.is_initialized():
         return
-    timeout_s = float(os.environ.get("MINIZERO_INIT_TIMEOUT_S", "60")) if timeout_s is None else timeout_s
+    timeout_s = mz_env.get("MINIZERO_INIT_TIMEOUT_S") if timeout_s is None else timeout_s
     which, env = launcher(), os.environ
     if which == "torchrun":
         rank, size, url = int(env["RANK"]), int(env["WORLD_SIZE"]), "env://"
@@ -397,7 +398,7 @@ def init_torch_distributed(device: torch.device, timeout_s: float | None = None)
             s.bind(("127.0.0.1" if size == 1 else "", 0))
             port = s.getsockname()[1]
             s.close()
-            addr_port = (socket.gethostbyname(socket.gethostname()) if "MINIZERO_MULTINODE" in env
+            addr_port = (socket.gethostbyname(socket.gethostname()) if mz_env.get("MINIZERO_MULTINODE")
                          else "127.0.0.1", port)
         addr, port = c.bcast(addr_port, root=0)
         url, where = f"tcp://{addr}:{port}", f"{addr}:{port} (from MPI rank 0)"

@@ -19,15 +19,15 @@ everything this rank sent. `comm/mesh.py` builds the DP/PP/TP/node sub-communica
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 
 import torch
 
+from minizero import env as mz_env
 from minizero.comm.backends import (MPIBackend, TorchBackend, heartbeat, init_torch_distributed, mpi_module,
                                     report_rank_lost)
 from minizero.comm.labels import label
-from minizero.comm.launcher import launcher, local_rank
+from minizero.comm.launcher import launched_world_size, launcher, local_rank
 from minizero.comm.stats import CommStats, ring_bytes_split
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -42,7 +42,7 @@ def select_backend_and_device(backend: str | None = None) -> tuple[str, torch.de
                     gloo under torchrun, in a group already initialized (mp.spawn), and in a
                     plain `python` process (a world of one). MINIZERO_BACKEND overrides."""
     import torch.distributed as dist
-    backend = backend or os.environ.get("MINIZERO_BACKEND")
+    backend = backend or mz_env.get("MINIZERO_BACKEND")
     if backend not in (None, "mpi", "torch"):
         raise ValueError(f"unknown backend {backend!r}: use 'mpi' or 'torch'")
     if torch.cuda.is_available():
@@ -73,7 +73,7 @@ class Communicator:
         self.node_of = None       # node_of[i]: the simulated node of member i (set_nodes; None: ask the parent)
         # debug: compare shapes/dtypes across ranks before every collective (one extra
         # small all-gather each time): turns a silent hang or garbage into a clear error.
-        self.debug = bool(int(os.environ.get("MINIZERO_DEBUG", "0"))) if debug is None else debug
+        self.debug = mz_env.get("MINIZERO_DEBUG") if debug is None else debug
         if parent is None:
             heartbeat.open(self.rank)
 
@@ -305,6 +305,12 @@ def init(backend: str | None = None, debug: bool | None = None) -> Communicator:
         if backend is not None and backend != _WORLD.backend:
             raise RuntimeError(f"communicator already initialized with backend {_WORLD.backend!r}")
         return _WORLD
+    # a bad MINIZERO_* variable: one line (launched rank 0's) and exit 2 on every rank of a job, before any rank
+    # meets another; a single process gets the EnvError itself
+    if launched_world_size() > 1:
+        mz_env.check_or_exit()
+    else:
+        mz_env.check()
     backend, device = select_backend_and_device(backend)
     if backend == "mpi":
         # MINIZERO_MPI_STAGE=1: stage CPU tensors through a host copy too, as CUDA tensors always are (several

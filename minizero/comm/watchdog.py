@@ -41,10 +41,11 @@ import tempfile
 import threading
 import time
 
+from minizero import env as mz_env
 from minizero.comm.backends import RankLost, describe_ranks, heartbeat, reaper_running
 from minizero.comm.launcher import launcher
 
-DEFAULT_S = 300.0
+DEFAULT_S = mz_env.VARIABLES["MINIZERO_WATCHDOG_S"].default
 TIMEOUT_CODE = 124  # `timeout`'s exit code: the job ran out of time
 
 
@@ -55,8 +56,9 @@ def job_directory(comm) -> str:
         mine = tempfile.mkdtemp(prefix="minizero-job-") if comm.rank == 0 else None
         places = comm.allgather_object((mine, os.getpid()))
         heartbeat.open(comm.rank, places[0][0])
-        if comm.rank == 0 and not _start_reaper([pid for _, pid in places]):
-            atexit.register(shutil.rmtree, heartbeat.directory, True)  # else the reaper removes it
+        if comm.rank == 0:
+            _start_reaper([pid for _, pid in places])
+            atexit.register(_remove_unless_reaper)
         atexit.register(_mark, f"rank{comm.rank}.done")  # a normal exit, or an uncaught exception's
     return heartbeat.directory
 
@@ -74,8 +76,14 @@ def _start_reaper(pids: list[int]):
                                     heartbeat.directory, *map(str, pids)], stdin=subprocess.DEVNULL,
                                    stdout=subprocess.DEVNULL, start_new_session=True)
     except OSError:  # no process to spare: rank 0 removes the directory at its exit instead
-        return False
-    return True
+        _reaper = None
+
+
+def _remove_unless_reaper():
+    """At rank 0's exit: the reaper removes the job directory once every rank has ended; with no reaper (none
+    could start, or it was killed) rank 0 removes it, so it never outlives the job."""
+    if _reaper is None or _reaper.poll() is not None:
+        shutil.rmtree(heartbeat.directory, ignore_errors=True)
 
 
 def _first(name: str) -> bool:
@@ -97,7 +105,7 @@ def _mark(name: str):
 
 def _ours() -> bool:
     """The job directory is the one job_directory() made, not launch.run's (MINIZERO_HEARTBEAT_DIR)."""
-    return bool(heartbeat.directory) and "MINIZERO_HEARTBEAT_DIR" not in os.environ
+    return bool(heartbeat.directory) and not mz_env.is_set("MINIZERO_HEARTBEAT_DIR")
 
 
 def _remove_directory():
@@ -250,9 +258,16 @@ class Watchdog:
         _end(self.comm, TIMEOUT_CODE)
 
 
+_watching: dict = {}  # the world's Watchdog (or None: turned off), once per process
+
+
 def start(comm, seconds: float | None = None) -> Watchdog | None:
-    """Watch this rank's collectives (all ranks call it). seconds: None -> MINIZERO_WATCHDOG_S or
-    300; 0 -> no watchdog (the job directory for end_job is set up either way)."""
+    """Watch this rank's collectives (all ranks call it; a second call returns the first's watchdog).
+    seconds: None -> MINIZERO_WATCHDOG_S or 300; 0 -> no watchdog (the job directory for end_job is set up
+    either way)."""
+    if "world" in _watching:
+        return _watching["world"]
     job_directory(comm)
-    seconds = float(os.environ.get("MINIZERO_WATCHDOG_S", DEFAULT_S)) if seconds is None else float(seconds)
-    return Watchdog(comm, seconds) if seconds > 0 else None
+    seconds = mz_env.get("MINIZERO_WATCHDOG_S") if seconds is None else float(seconds)
+    _watching["world"] = Watchdog(comm, seconds) if seconds > 0 else None
+    return _watching["world"]

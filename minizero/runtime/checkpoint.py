@@ -36,7 +36,8 @@ Save is atomic: every rank writes into a fresh hidden DIR/.TAG.tmp-* directory (
 os.replace), rank 0 writes meta.json, renames the directory to TAG and only then replaces
 `latest`. A save interrupted anywhere leaves the previous checkpoint and `latest` untouched; one that
 fails (a rank's write: a full disk is named as such) also removes its .TAG.tmp-* directory (rank 0, once
-the ranks agree), and a crash's leftover one goes at the next save. No `.part` file outlives a failure.
+the ranks agree), and a crash's leftover one goes at the next save (`minizero train` removes it at its start,
+and says so). No `.part` file outlives a failure.
 (Re-saving an existing TAG moves the old one aside first: between those two renames TAG is
 briefly missing; its old copy survives as DIR/.TAG.old-*.) The directory must be shared by all ranks.
 
@@ -166,6 +167,18 @@ def _failure(ex: BaseException, directory: str) -> str:
     return f"{type(ex).__name__}: {ex}"
 
 
+def remove_interrupted_saves(save_dir) -> list[str]:
+    """Remove the .TAG.tmp-* directories of saves that never finished (a kill during a save): never a checkpoint
+    (`latest` names only published ones), so nothing is lost. Returns their paths. One process calls it."""
+    gone = []
+    if os.path.isdir(save_dir):
+        for old in sorted(os.listdir(save_dir)):
+            if old.startswith(".") and ".tmp-" in old:
+                shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
+                gone.append(os.path.join(save_dir, old))
+    return gone
+
+
 def save(e, save_dir, tag=None, client_state=None) -> str:
     """Every rank writes its part; returns the checkpoint's directory. A collective."""
     acc = e.gradient_accumulation_steps()
@@ -181,9 +194,7 @@ def save(e, save_dir, tag=None, client_state=None) -> str:
     if rank == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
-            for old in os.listdir(save_dir):  # leftovers of interrupted saves
-                if old.startswith(".") and ".tmp-" in old:
-                    shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
+            remove_interrupted_saves(save_dir)
             tmp = tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=save_dir)
         except OSError as ex:
             tmp = OSError(f"cannot write into {save_dir}: {ex}")

@@ -345,6 +345,9 @@ def _fill_defaults(schema: dict, out: dict, where=""):
             out[key] = copy.deepcopy(default)
 
 
+MAX_BATCH = 2 ** 20  # sequences: far past any micro batch, accumulation or global batch (GPT-3's was 1536 x 2048)
+
+
 def _resolve_batch(cfg: dict, world_size: int):
     """DeepSpeed's rule: give any two of (train_batch_size, micro batch, accumulation) and the
     third is derived; give all three and they must satisfy train = micro * acc * world."""
@@ -352,8 +355,8 @@ def _resolve_batch(cfg: dict, world_size: int):
                          cfg["gradient_accumulation_steps"])
     for name, v in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
                     ("gradient_accumulation_steps", acc)):
-        if v is not None and (not isinstance(v, int) or v <= 0):
-            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if v is not None and (not isinstance(v, int) or not 0 < v <= MAX_BATCH):
+            raise ConfigError(f"{name} must be a whole number in [1, {MAX_BATCH}], got {v!r}")
     if train is None and micro is None:
         raise ConfigError("give train_batch_size or train_micro_batch_size_per_gpu (or both)")
     if train is not None and micro is not None and acc is None:
@@ -456,6 +459,17 @@ def _check_zeropp(zero: dict, world_size: int, tp_size: int = 1):
                           f"{world_size}")
 
 
+def _no_duplicate_keys(pairs: list) -> dict:
+    """json's object hook: a key given twice is an error (json keeps the last one without a word; DeepSpeed's
+    loader refuses duplicates too)."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ConfigError(f"key {', '.join(map(repr, twice))} given twice in one object (JSON would keep the last "
+                          "one silently): keep one")
+    return dict(pairs)
+
+
 class CheckedConfig(dict):
     """What load_config returns: a config already checked for `world_size` ranks (loading it again is a no-op)."""
 
@@ -472,9 +486,11 @@ def load_config(config, world_size: int = 1) -> dict:
     if isinstance(config, (str, os.PathLike)):
         try:
             with open(config) as f:
-                config = json.load(f)
+                config = json.load(f, object_pairs_hook=_no_duplicate_keys)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{config}: not valid JSON ({e})") from None
+        except ConfigError as e:  # _no_duplicate_keys
+            raise ConfigError(f"{config}: {e}") from None
         except OSError as e:
             raise ConfigError(f"{config}: cannot read it ({e.strerror})") from None
     if not isinstance(config, dict):

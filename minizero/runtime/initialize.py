@@ -22,8 +22,9 @@ What each argument means here (deepspeed.initialize's, checked against deepspeed
 minizero's own keywords: comm= (a Communicator) and mesh= (a comm.Mesh whose nodes ZeRO++ uses).
 
 The return value is DeepSpeed's tuple (engine, optimizer, training_dataloader, lr_scheduler); the last two
-are None when nothing was asked for. `engine = minizero.initialize(...)` is a mistake DeepSpeed users do not
-make but others do: the tuple's attribute errors say which line to write.
+are None when nothing was asked for. In a job of several ranks it also starts the collective watchdog and the
+job's reaper (comm/watchdog.py), as `minizero train` does. `engine = minizero.initialize(...)` is a mistake
+DeepSpeed users do not make but others do: the tuple's attribute errors (and calling it) say which line to write.
 """
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ class Initialized(NamedTuple):
     def __getattr__(self, name):
         raise AttributeError(f"minizero.initialize() returns DeepSpeed's 4-tuple, not the engine (no attribute "
                              f"{name!r}): write `engine, optimizer, _, _ = minizero.initialize(...)`")
+
+    def __call__(self, *args, **kwargs):  # `engine = minizero.initialize(...)`, then engine(x, y)
+        raise TypeError("minizero.initialize() returns DeepSpeed's 4-tuple, not the engine (the tuple cannot be "
+                        "called): write `engine, optimizer, _, _ = minizero.initialize(...)`, then engine(x, y)")
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -76,6 +81,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if model_parameters is None:  # the groups and their own hyperparameters (nanoGPT's decay / no-decay)
             model_parameters = [{k: v for k, v in group.items() if k == "params" or k in accepted}
                                 for group in optimizer.param_groups]
+            _check_optimizer_covers(model, optimizer)
     if lr_scheduler is not None and (isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
                                      or not callable(lr_scheduler)):
         raise ConfigError("lr_scheduler= must be a callable (optimizer -> scheduler), e.g. "
@@ -85,8 +91,31 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                           client_scheduler=lr_scheduler is not None)
     if lr_scheduler is not None:
         engine.lr_scheduler = lr_scheduler(engine.optimizer)
+    _watch()
     loader = None if training_data is None else _loader(engine, training_data, collate_fn)
     return Initialized(engine, engine.optimizer, loader, engine.lr_scheduler)
+
+
+def _watch():
+    """A job of several ranks started by hand (mpirun or torchrun running the user's script) gets what `minizero
+    train` has (comm/watchdog.py): the watchdog names a rank stuck in a collective, and the reaper a rank killed
+    without a word (kill -9, the OOM killer) and removes the job directory. Once per process; all ranks call it."""
+    from minizero import comm as comm_mod
+    from minizero.comm import watchdog
+    world = comm_mod.get()
+    if world.size > 1:
+        watchdog.start(world)
+
+
+def _check_optimizer_covers(model, optimizer):
+    """optimizer= was built on model= (its groups are the engine's): said in its own words, not model_parameters'."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    grouped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if grouped != trainable:
+        raise ConfigError(f"optimizer= was not built on model='s parameters: its param groups hold "
+                          f"{len(grouped - trainable)} tensors that are not trainable parameters of the model and miss "
+                          f"{len(trainable - grouped)} that are. Build it on this model, e.g. "
+                          "torch.optim.AdamW(model.parameters(), lr=...) (every trainable parameter in one group)")
 
 
 def _config(args, config, config_params):
