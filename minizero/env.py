@@ -85,6 +85,10 @@ VARIABLES: dict[str, Variable] = {
     "MINIZERO_MAX_RANKS": Variable(
         _positive_int, 8, "a whole number >= 1",
         "the most ranks launch.run starts on this machine (default 8: 2 cores oversubscribed further are flaky)"),
+    "MINIZERO_MPI_STAGE": Variable(
+        _flag, False, "0 or 1",
+        "1: the mpi backend stages CPU tensors through a host copy too, as it always does CUDA ones (several ranks "
+        "on one GPU); make test-gpu's --quick run takes that path on CPU"),
     "MINIZERO_MULTINODE": Variable(
         _flag, False, "0 or 1",
         "1: under mpirun, rank 0 announces its hostname's address for torch.distributed, not 127.0.0.1"),

@@ -315,10 +315,7 @@ def init(backend: str | None = None, debug: bool | None = None) -> Communicator:
     if backend == "mpi":
         # MINIZERO_MPI_STAGE=1: stage CPU tensors through a host copy too, as CUDA tensors always are (several
         # ranks on one GPU): the GPU check's --quick run takes that path on CPU
-        stage = os.environ.get("MINIZERO_MPI_STAGE", "0")
-        if stage not in ("0", "1"):
-            raise ValueError(f"MINIZERO_MPI_STAGE={stage!r}: use 1 (stage every tensor through the host) or 0")
-        impl = MPIBackend(mpi_module().COMM_WORLD, stage_all=stage == "1")
+        impl = MPIBackend(mpi_module().COMM_WORLD, stage_all=mz_env.get("MINIZERO_MPI_STAGE"))
     else:
         import torch.distributed as dist
         if not dist.is_initialized():  # we start it, so we end it: gloo aborts a process left with it
