@@ -10,8 +10,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--impl", default="solutions",
-                     help="which lab files the lab checks grade: 'solutions' (default), 'labs', or a folder")
+    # a student's handout (python -m minizero handout) grades its own package; the course's repo its solutions
+    handout = os.path.exists(os.path.join(ROOT, "minizero", "autograde", "handout.json"))
+    default = "package" if handout else "solutions"
+    parser.addoption("--impl", default=default,
+                     help=f"which lab files the lab checks grade: 'solutions', 'labs', 'package' or a folder "
+                          f"(default here: {default})")
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@
     consolidate  cli/consolidate.py  a sharded checkpoint -> one fp32 state dict
     bench        bench/bench.py      step time, memory and bytes vs torch and DeepSpeed
     grade        autograde/          grade the labs, Gradescope results.json
+    handout      cli/handout.py      the student's copy: no solutions, the chosen labs' code stubbed
 `python -m minizero.cli.labgen` (make labs) generates labs/ and solutions/.
 """
 import importlib
@@ -18,6 +19,7 @@ COMMANDS = {
     "grade": ("minizero.autograde", "grade the labs; writes a Gradescope results.json"),
     "train": ("minizero.cli.train", "under mpirun: train with a DeepSpeed JSON config; log, plot, checkpoints"),
     "consolidate": ("minizero.cli.consolidate", "a sharded checkpoint -> one fp32 state dict (zero_to_fp32)"),
+    "handout": ("minizero.cli.handout", "the student's copy of the course: no solutions, the chosen labs' code stubbed"),
 }
 
 
