@@ -8,7 +8,6 @@ export PYTHONUNBUFFERED = 1
 # mpirun and friends live in the venv's bin/ (the mpich wheel).
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: setup demo test grade labs lint site site-test clean browser
 
 setup: $(STAMP)
 
@@ -49,6 +48,13 @@ grade: setup
 
 labs: setup
 	$(PY) -m minizero.cli.labgen
+
+# The student's copy (docs/instructors.md): `make handout HANDOUT_LABS=1-6 HANDOUT_DIR=../minizero-student`.
+HANDOUT_LABS ?= 1-12
+HANDOUT_DIR  ?= build/handout
+handout: setup
+	rm -rf $(HANDOUT_DIR)
+	$(PY) -m minizero handout $(HANDOUT_DIR) --labs $(HANDOUT_LABS)
 
 # The course website in site/ (docs/site/build.py): lessons as executed in build/lessons/ (or run now).
 site: $(SITE_STAMP)

@@ -2,6 +2,15 @@
 from here as well as `pytest tests ...` (pytest reads an option's conftest.py before it collects tests/)."""
 
 
+import os
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
 def pytest_addoption(parser):
-    parser.addoption("--impl", default="solutions",
-                     help="which lab files the lab checks grade: 'solutions' (default), 'labs', or a folder")
+    # a student's handout (python -m minizero handout) grades its own package; the course's repo its solutions
+    handout = os.path.exists(os.path.join(ROOT, "minizero", "autograde", "handout.json"))
+    default = "package" if handout else "solutions"
+    parser.addoption("--impl", default=default,
+                     help=f"which lab files the lab checks grade: 'solutions', 'labs', 'package' or a folder "
+                          f"(default here: {default})")

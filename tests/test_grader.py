@@ -174,6 +174,35 @@ def test_results_json_is_written_even_if_grading_stops(tmp_path, monkeypatch):
     assert [t["name"] for t in result["tests"]] == ["lab 1: fine"] and result["score"] == result["max_score"] == 1
 
 
+@pytest.mark.parametrize("main_ok", [False, True])
+def test_stretch_points_count_only_when_the_main_checks_are_full(tmp_path, monkeypatch, capsys, main_ok):
+    """A 2-point main check failed and a 2-point stretch task passed: the stretch entry scores 0 and says why,
+    the total stays below full marks and grade exits 1. With the main check passed, the extra points count."""
+    import minizero.autograde as autograde
+
+    def main_check(impl):
+        if not main_ok:
+            raise autograde.CheckFailed("the gather was blocking")
+        return "ok"
+    monkeypatch.setattr(autograde.Lab, "checks", lambda self: [
+        autograde.Check("main", 2, main_check), autograde.Check("other", 3, lambda impl: "ok"),
+        autograde.Check("stretch", 2, lambda impl: "ok", extra=True)])
+    out = tmp_path / "results.json"
+    code = autograde.main(["--lab", "8", "--impl", "solutions", "--json", str(out)])
+    result = json.loads(out.read_text())
+    stretch = result["tests"][2]
+    assert result["max_score"] == 5 and stretch["max_score"] == 0 and stretch["status"] == "passed"
+    out = capsys.readouterr().out
+    assert out.index("....  lab 8: main\n") < out.index(" lab 8: main  (")  # a line as each check starts
+    if main_ok:
+        assert code == 0 and result["score"] == 7 and stretch["score"] == 2
+    else:
+        assert code == 1 and result["score"] == 3 and stretch["score"] == 0
+        assert stretch["output"].startswith("passed, but its 2 extra points count only when every main check of "
+                                            "lab 8 is full (failed: main)")
+        assert "count only when every main check" in out
+
+
 @pytest.mark.parametrize("raw,cause", [
     ("rank 1 failed: MPIDIG_recv_type_init(74): Message from rank 0 and tag 0 truncated; 40 bytes received but "
      "buffer size is 400", "chunk()"),

@@ -19,6 +19,43 @@ NOTEBOOKS = sorted((ROOT / "lessons").glob("*.ipynb"))
 BUDGET_S = 90  # the target is 60 s on 2 idle cores; over it -> a warning naming the load
 
 
+def solution_text_in(text: str) -> list[str]:
+    """What of a lab's solution `text` shows: a region's marker or one of its code lines (labgen.solution_lines)."""
+    from minizero.cli.labgen import solution_lines
+    found = [marker for marker in ("BEGIN SOLUTION", "END SOLUTION") if marker in text]
+    return found + [f"lab {n}: {line}" for n, lines in solution_lines().items() for line in sorted(lines) if line in text]
+
+
+def cell_texts(nb) -> str:
+    """Every cell's source and every stored output's text (streams, text/plain, markdown, html, errors)."""
+    parts = []
+    for cell in nb["cells"]:
+        parts.append("".join(cell["source"]))
+        for out in cell.get("outputs", []):
+            parts.append("".join(out.get("text", "")))
+            parts += ["".join(v) for k, v in out.get("data", {}).items() if k.startswith("text/")]
+            parts.append("\n".join(out.get("traceback", [])))
+    return "\n".join(parts)
+
+
+def test_the_solution_scan_finds_a_printed_solution():
+    """The scan below would see a lesson that prints a lab's function from the package (its solution)."""
+    import inspect
+
+    from minizero.autograde import HANDOUT
+    from minizero.moe import dispatch
+    if HANDOUT:
+        pytest.skip("a handout has no marked solution to look for")
+    assert solution_text_in(inspect.getsource(dispatch.expert_positions))
+    assert not solution_text_in(open(ROOT / "labs" / "lab12_moe_dispatch.py").read())
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_lesson_shows_a_solution(path):
+    """No lesson's source or stored output holds a lab's solution text (executed outputs: test_lesson_executes)."""
+    assert not solution_text_in(cell_texts(json.loads(path.read_text()))), path.name
+
+
 def test_there_are_lessons():
     assert [p.name[:2] for p in NOTEBOOKS][:2] == ["00", "01"]
 
@@ -41,3 +78,5 @@ def test_lesson_executes(path):
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if "image/png" in o.get("data", {})]
     assert images, f"{path.name} produced no plot"
+    shown = solution_text_in(cell_texts(nb))
+    assert not shown, f"{path.name} shows a lab's solution when it runs: {shown[:3]}"

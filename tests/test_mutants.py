@@ -36,6 +36,14 @@ CASES = [pytest.param(n, m, id=f"lab{n}-{k}-{m.check}", marks=pytest.mark.mutant
          for n, mutants in MUTANTS.items() if n in LABS for k, m in enumerate(mutants)]
 
 
+# A main check's bug in a lab with a stretch task, where the stretch points would make up for the check's.
+POLICY_CASES = [pytest.param(n, m, id=f"lab{n}-{k}-{m.check}", marks=pytest.mark.mutants)
+                for n, mutants in MUTANTS.items() if n in LABS for k, m in enumerate(mutants)
+                if (extra := sum(c.max_score for c in LABS[n].checks() if c.extra))
+                and not (c := {c.fn.__name__: c for c in LABS[n].checks()}[m.check]).extra and c.max_score <= extra]
+GRADED_BY = ("test_mutant_loses_marks", "test_stretch_points_never_make_up_for_a_failed_main_check")
+
+
 def mutate(lab, mutant, folder: Path) -> Path:
     """Write the solution of `lab` with `mutant`'s patch applied into `folder`."""
     source = (Path(REPO) / "solutions" / lab.filename).read_text()
@@ -59,7 +67,7 @@ class Graded:
 
     def __init__(self, session, tmp_path_factory):
         self.selected = [item.callspec.params for item in session.items
-                         if getattr(item, "callspec", None) and item.originalname == "test_mutant_loses_marks"]
+                         if getattr(item, "callspec", None) and item.originalname in GRADED_BY]
         self.tmp, self.entries = tmp_path_factory, {}
 
     def __call__(self, number: int, mutant):
@@ -70,6 +78,8 @@ class Graded:
                 if p["number"] != number:
                     continue
                 k = MUTANTS[number].index(p["mutant"])
+                if (number, k) in keys:  # selected by both tests: graded once
+                    continue
                 folder = self.tmp.mktemp(f"lab{number:02d}-{k}")
                 try:
                     mutate(LABS[number], p["mutant"], folder)
@@ -135,3 +145,20 @@ def test_mutant_loses_marks(number, mutant, graded_mutants):
     assert mutant.expect.lower() in entry["output"].lower(), (
         f"lab {number} mutant '{mutant.name}' failed '{check.name}', but the message does not name the cause "
         f"(expected {mutant.expect!r} in it):\n{entry['output']}")
+
+
+@pytest.mark.parametrize("number,mutant", POLICY_CASES)
+def test_stretch_points_never_make_up_for_a_failed_main_check(number, mutant, graded_mutants):
+    """The mutant's own failing entry, every other check of its lab at full marks (the best a student with
+    this bug can reach) and the stretch task passed: the lab stays below full marks and grade exits 1."""
+    from minizero.autograde import _result, stretch_policy
+    checks = LABS[number].checks()
+    entry = graded_mutants(number, mutant)
+    entries = [dict(entry) if c.fn.__name__ == mutant.check else
+               {"name": f"lab {number}: {c.name}", "score": c.max_score, "max_score": 0.0 if c.extra else c.max_score,
+                "status": "passed", "output": "ok"} for c in checks]
+    stretch_policy(LABS[number], checks, entries)
+    result = _result(entries)
+    assert result["score"] < result["max_score"], (mutant.name, result)
+    assert all(e["score"] == 0 for c, e in zip(checks, entries) if c.extra)
+    assert any("count only when every main check" in e["output"] for c, e in zip(checks, entries) if c.extra)

@@ -7,7 +7,8 @@ shared file) with
   * `CHECKS`: a list of `Check(name, max_score, fn)`; `fn(impl_file) -> str` returns what it
     measured, or raises `CheckFailed` saying what was wrong. A stretch task's check has
     `extra=True`: its points are extra credit (Gradescope: max_score 0, the points as score when
-    it passes), so full marks never need it;
+    it passes), so full marks never need it, and they count only once every main check of the lab
+    is full (`stretch_policy`);
   * `demo(comm, impl)`: what `mpirun -n 4 python labs/labNN_*.py` prints for the student.
 Checks run the student's code on several ranks through `minizero.launch`, so a stub, a
 crash or a deadlock becomes a failed check with a clear message, never a hung grader.
@@ -24,6 +25,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Written by `python -m minizero handout` into a student's copy: its labs, and each untouched lab's fingerprint
+# (that copy has no marked source to render the stubs from). None in the course's own repository.
+HANDOUT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "handout.json")
+HANDOUT = json.load(open(HANDOUT_FILE)) if os.path.exists(HANDOUT_FILE) else None
+DEFAULT_IMPL = "package" if HANDOUT else "labs"
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,16 @@ def get_lab(number: int) -> Lab:
 
 
 def impl_file(lab: Lab, impl: str) -> str:
-    """`impl` is 'labs', 'solutions' or a folder holding labNN_*.py (a student's submission)."""
+    """`impl` is 'labs', 'solutions', 'package' (the lab's modules in the package itself: a handout's) or a
+    folder holding labNN_*.py (a student's submission). The package's modules are joined into one lab file
+    in build/grade/ (labgen.render), which the checks load as they load labs/ files."""
+    if impl == "package":
+        from minizero.cli import labgen
+        path = os.path.join(REPO, "build", "grade", lab.filename)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(labgen.render(lab, "package"))
+        return path
     folder = impl if os.path.isabs(impl) else os.path.join(REPO, impl) if impl in ("labs", "solutions") else os.path.abspath(impl)
     path = os.path.join(folder, lab.filename)
     if not os.path.exists(path):
@@ -120,6 +135,24 @@ def impl_file(lab: Lab, impl: str) -> str:
 _STUB_TREES: dict = {}
 
 
+def tree_digest(text: str) -> str:
+    """sha256 of a file's syntax tree: equal for two files that differ only in comments and blank lines."""
+    import ast
+    import hashlib
+    return hashlib.sha256(ast.dump(ast.parse(text)).encode()).hexdigest()
+
+
+def stub_digest(lab: Lab) -> str:
+    """tree_digest of the lab as `make labs` generates it (a handout keeps it in handout.json)."""
+    if lab.number not in _STUB_TREES:
+        if HANDOUT:
+            _STUB_TREES[lab.number] = HANDOUT["stubs"].get(str(lab.number))
+        else:
+            from minizero.cli import labgen
+            _STUB_TREES[lab.number] = tree_digest(labgen.render(lab, "labs"))
+    return _STUB_TREES[lab.number]
+
+
 def untouched_todos(lab: Lab, path: str) -> list | None:
     """[(function, the TODO's words), ...] in file order if the file at `path` is the lab exactly as
     `make labs` generates it (every TODO still its stub; comments and blank lines may differ: the two
@@ -128,16 +161,13 @@ def untouched_todos(lab: Lab, path: str) -> list | None:
     Such a file fails every check on its first stub (the grader's tests hold labs/ to that), so
     run_check scores it 0 without launching ranks; a lab with any change is launched as always."""
     import ast
-
-    from minizero.cli import labgen
-    if lab.number not in _STUB_TREES:
-        _STUB_TREES[lab.number] = ast.dump(ast.parse(labgen.render(lab, "labs")))
     try:
         with open(path) as f:
-            tree = ast.parse(f.read())
+            text = f.read()
+        tree = ast.parse(text)
     except (OSError, SyntaxError, ValueError):
         return None  # a file that does not parse is graded as always: its ranks report the error
-    if ast.dump(tree) != _STUB_TREES[lab.number]:
+    if tree_digest(text) != stub_digest(lab):
         return None
     prefix = f"lab {lab.number}: not implemented yet: "
     stubs = []
@@ -197,13 +227,16 @@ def run_check(lab: Lab, check: Check, impl: str) -> dict:
             "output": output, "execution_time": round(time.time() - t0, 2)}
 
 
-def grade(labs: list[int], impl: str, progress=print, tests: list | None = None) -> dict:
-    """Grade every check of `labs`; entries are appended to `tests` as they finish (main writes
-    them to results.json even if grading is interrupted)."""
+def grade(labs: list[int], impl: str, progress=print, tests: list | None = None, on_entry=None) -> dict:
+    """Grade every check of `labs`; entries are appended to `tests` as they finish, and on_entry(tests) is
+    called after each (main writes results.json then: a grader killed from outside leaves what it graded).
+    A line says which check starts, and one how it ended: a multi-rank check takes seconds to minutes."""
     tests = [] if tests is None else tests
     for n in labs:
         lab = get_lab(n)
-        for check in lab.checks():
+        checks, entries = lab.checks(), []
+        for check in checks:
+            progress(f"....  lab {n}: {check.name}")
             entry = run_check(lab, check, impl)
             points = f"+{check.max_score:g} extra" if check.extra else f"{entry['max_score']:g}"
             progress(f"{'PASS' if entry['status'] == 'passed' else 'FAIL'}  {entry['score']:>4g}/{points:<4} "
@@ -213,7 +246,27 @@ def grade(labs: list[int], impl: str, progress=print, tests: list | None = None)
                     if line.strip():
                         progress("      " + line[:300])
             tests.append(entry)
+            entries.append(entry)
+            if on_entry:
+                on_entry(tests)
+        for entry in stretch_policy(lab, checks, entries):
+            progress(f"      {entry['name']}: {entry['output'].splitlines()[0]}")
     return _result(tests)
+
+
+def stretch_policy(lab: Lab, checks: list, entries: list) -> list:
+    """A stretch task's points count only when every main check of its lab is full: extra credit adds to a
+    finished lab, it never makes up for a missing part of it. The passed stretch entries of a lab with a
+    failed main check get score 0 and say why (changed in place; returned)."""
+    failed = [c.name for c, e in zip(checks, entries) if not c.extra and e["score"] < c.max_score]
+    withheld = []
+    for check, entry in zip(checks, entries):
+        if check.extra and failed and entry["score"] > 0:
+            entry["score"] = 0.0
+            entry["output"] = (f"passed, but its {check.max_score:g} extra points count only when every main check of "
+                               f"lab {lab.number} is full (failed: {'; '.join(failed)})\n\n{entry['output']}")
+            withheld.append(entry)
+    return withheld
 
 
 def _result(tests: list) -> dict:
@@ -225,29 +278,40 @@ def main(argv=None) -> int:
     from minizero.cli import checks
     ap = checks.Parser(prog="minizero grade", description="Grade labs; writes a Gradescope results.json.")
     ap.add_argument("--lab", type=int, action="append", metavar="N", help="lab number (repeatable); default: all")
-    ap.add_argument("--impl", default="labs", help="'labs' (default), 'solutions', or a folder with labNN_*.py files")
+    ap.add_argument("--impl", default=DEFAULT_IMPL,
+                    help=f"'labs', 'solutions', 'package' (the lab's modules in minizero/ itself, as in a handout) "
+                         f"or a folder with labNN_*.py files; default: {DEFAULT_IMPL}")
     ap.add_argument("--json", metavar="FILE", help="write Gradescope results.json here")
     args = ap.parse_args(argv)
-    labs = args.lab or sorted(LABS)
+    labs = args.lab or (HANDOUT["labs"] if HANDOUT else sorted(LABS))
     for n in labs:
         if n not in LABS:
             ap.error(f"--lab {n}: unknown lab {n}; the labs are: "
                      + ", ".join(f"{k} ({lab.title})" for k, lab in LABS.items()))
-    if args.impl not in ("labs", "solutions") and not os.path.isdir(args.impl):
-        ap.error(f"--impl {args.impl}: no such folder (give 'labs', 'solutions' or a folder with labNN_*.py files)")
+        if HANDOUT and n not in HANDOUT["labs"]:
+            ap.error(f"--lab {n}: this handout's labs are {', '.join(map(str, HANDOUT['labs']))} "
+                     f"(lab {n}'s code is in the package as written)")
+    if args.impl not in ("labs", "solutions", "package") and not os.path.isdir(args.impl):
+        ap.error(f"--impl {args.impl}: no such folder (give 'labs', 'solutions', 'package' or a folder with "
+                 "labNN_*.py files)")
     checks.output_file(ap, "--json", args.json)  # before grading: a result that cannot be written is lost
     tests: list = []
+
+    def write(tests):
+        if args.json:
+            with open(args.json + ".tmp", "w") as f:
+                json.dump(_result(tests), f, indent=2)
+            os.replace(args.json + ".tmp", args.json)
     try:
-        grade(labs, args.impl, tests=tests)
+        grade(labs, args.impl, tests=tests, on_entry=write)
     finally:  # results.json is written whatever happens, with every check graded so far
         result = _result(tests)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
+        write(tests)
     print(f"\ntotal: {result['score']:g} / {result['max_score']:g}")
     if args.json:
         print(f"wrote {args.json}")
-    return 0 if result["score"] >= result["max_score"] else 1  # stretch tasks' extra credit may exceed it
+    main_full = all(t["score"] >= t["max_score"] for t in result["tests"])  # a stretch entry's max_score is 0
+    return 0 if main_full else 1
 
 
 def print_losses(label_a: str, losses_a, label_b: str, losses_b, digits: int = 5):
@@ -255,6 +319,16 @@ def print_losses(label_a: str, losses_a, label_b: str, losses_b, digits: int = 5
     print(f"{'step':>4} {label_a:>{digits + 8}} {label_b:>{digits + 8}}")
     for step, (a, b) in enumerate(zip(losses_a, losses_b)):
         print(f"{step:>4} {a:>{digits + 8}.{digits}f} {b:>{digits + 8}.{digits}f}")
+
+
+def package_namespace(number: int, launcher: str) -> dict:
+    """The names of lab `number`'s modules as the package has them, a later module's over an earlier one's
+    (as in the joined lab file): a handout's labs/labNN_*.py (`launcher`) runs the lab's demo on them."""
+    from minizero.cli import labgen
+    names: dict = {}
+    for path in labgen.sources(get_lab(number)):
+        names.update(vars(importlib.import_module(path.removesuffix(".py").replace("/", "."))))
+    return {**names, "__file__": launcher}
 
 
 def lab_main(number: int, namespace: dict):

@@ -7,6 +7,8 @@
     torchrun     cli/torchrun.py     torchrun that says what its rendezvous waits for and leaves no folder
     bench        bench/bench.py      step time, memory and bytes vs torch and DeepSpeed
     grade        autograde/          grade the labs, Gradescope results.json
+    handout      cli/handout.py      the student's copy: no solutions, the chosen labs' code stubbed
+    gradescope   cli/gradescope.py   a Gradescope autograder zip (setup.sh, run_autograder)
 `python -m minizero.cli.labgen` (make labs) generates labs/ and solutions/.
 """
 import importlib
@@ -20,6 +22,8 @@ COMMANDS = {
     "train": ("minizero.cli.train", "under mpirun: train with a DeepSpeed JSON config; log, plot, checkpoints"),
     "torchrun": ("minizero.cli.torchrun", "torchrun, saying what a multi-node rendezvous waits for; no folder left"),
     "consolidate": ("minizero.cli.consolidate", "a sharded checkpoint -> one fp32 state dict (zero_to_fp32)"),
+    "handout": ("minizero.cli.handout", "the student's copy of the course: no solutions, the chosen labs' code stubbed"),
+    "gradescope": ("minizero.cli.gradescope", "a Gradescope autograder zip (setup.sh, run_autograder) for a lab"),
 }
 
 

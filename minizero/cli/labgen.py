@@ -71,21 +71,73 @@ def transform(source: str, lab: int, stub: bool) -> str:
     return "\n".join(out) + "\n"
 
 
+def regions(source: str) -> list[tuple[str, list[str]]]:
+    """(title, code lines) of each SOLUTION region of `source`: what a student writes, without the title
+    and hint comments (those are in the stub too)."""
+    found, body, title, in_hint = [], None, "", False
+    for line in source.splitlines():
+        m = BEGIN.match(line)
+        if m:
+            body, title, in_hint = [], (m.group("hint") or "").strip(), True
+        elif END.match(line) and body is not None:
+            found.append((title, body))
+            body = None
+        elif body is not None:
+            in_hint = in_hint and bool(HINT.match(line))
+            if not in_hint:
+                body.append(line)
+    return found
+
+
+def solution_lines(min_chars: int = 24) -> dict[int, set[str]]:
+    """{lab: the code lines of its solution regions, stripped, of at least `min_chars` characters, that the
+    package has nowhere outside a region}: text that shows a solution wherever it appears (a lesson's output,
+    a handout). Shorter lines (`return out`, `else:`) are too common to say so; a line the package also has
+    outside the regions (ZeRO-2 walks its buckets as DDP does; a grader's message quotes a line as its hint)
+    is no secret."""
+    public, out = [], {}
+    marked = {os.path.join(REPO, path) for lab in LABS.values() for path in sources(lab)}
+    for folder, _, names in os.walk(os.path.join(REPO, "minizero")):
+        for path in (os.path.join(folder, name) for name in names if name.endswith(".py")):
+            with open(path) as f:
+                text = f.read()
+            public.append(transform(text, 0, stub=True) if path in marked else text)
+    public = "\n".join(public)
+    for lab in LABS.values():
+        lines = set()
+        for path in sources(lab):
+            with open(os.path.join(REPO, path)) as f:
+                for _, body in regions(f.read()):
+                    lines |= {s for s in (line.strip() for line in body)
+                              if len(s) >= min_chars and not s.startswith("#") and s not in public}
+        out[lab.number] = lines
+    return out
+
+
+def stub_source(fn, lab: int) -> str:
+    """`fn`'s source as its lab hands it out: each SOLUTION region its TODO and stub (for a lesson that shows
+    the function a lab asks for; where the regions are already stubs or filled in, the source as it is)."""
+    import inspect
+    import textwrap
+    return transform(textwrap.dedent(inspect.getsource(fn)), lab, stub=True)
+
+
 def sources(lab) -> tuple:
     """The module(s) a lab is generated from, in file order."""
     return (lab.source,) if isinstance(lab.source, str) else tuple(lab.source)
 
 
-def joined(paths) -> str:
+def joined(paths, root: str = REPO, marked: bool = True) -> str:
     """One module's text from several: the first as it is; each next one under a rule naming it, without
     its `from __future__` import (allowed only at the top of a file; the first module must have the same)
     and its imports from an earlier one (those names are this file's own: the student's code, not the
-    package's)."""
+    package's). `root`: the repository the paths are in; `marked`: each must have a SOLUTION region (a
+    handout's package has its stubs or the student's code instead)."""
     texts, earlier = [], []
     for path in paths:
-        with open(os.path.join(REPO, path)) as f:
+        with open(os.path.join(root, path)) as f:
             text = f.read()
-        if "# BEGIN SOLUTION" not in text:
+        if marked and "# BEGIN SOLUTION" not in text:
             raise ValueError(f"{path} has no '# BEGIN SOLUTION' region")
         if texts:
             lines = text.splitlines()
@@ -101,15 +153,22 @@ def joined(paths) -> str:
     return "".join(texts)
 
 
-def render(lab, kind: str) -> str:
+def render(lab, kind: str, root: str = REPO) -> str:
+    """The lab file: `labs` (the regions stubbed), `solutions` (the markers dropped), or `package`: the
+    lab's modules as they are in `root` (a handout's, holding the student's code), for the grader."""
     paths = sources(lab)
-    source = joined(paths)
-    what = "the TODO regions (everything else is the reference code)" if kind == "labs" else "nothing: this is the reference solution"
-    header = (f"# Lab {lab.number:02d}: {lab.title}\n"
-              f"# GENERATED from {' + '.join(paths)} by `make labs`. Edit {what}.\n"
-              f"#   run:   mpirun -n {lab.nprocs} python {kind}/{lab.filename}\n"
-              f"#   check: python -m minizero grade --lab {lab.number} --impl {kind}"
-              f"    (or: pytest -m lab{lab.number} --impl {kind})\n")
+    source = joined(paths, root, marked=(kind != "package"))
+    if kind == "package":
+        header = (f"# Lab {lab.number:02d}: {lab.title}\n"
+                  f"# GENERATED from {' + '.join(paths)} (your code) by the grader, which grades this copy. "
+                  f"Edit those files, not this one.\n")
+    else:
+        what = "the TODO regions (everything else is the reference code)" if kind == "labs" else "nothing: this is the reference solution"
+        header = (f"# Lab {lab.number:02d}: {lab.title}\n"
+                  f"# GENERATED from {' + '.join(paths)} by `make labs`. Edit {what}.\n"
+                  f"#   run:   mpirun -n {lab.nprocs} python {kind}/{lab.filename}\n"
+                  f"#   check: python -m minizero grade --lab {lab.number} --impl {kind}"
+                  f"    (or: pytest -m lab{lab.number} --impl {kind})\n")
     footer = ("\n\nif __name__ == \"__main__\":\n"
               "    from minizero.autograde import lab_main\n"
               f"    lab_main({lab.number}, globals())\n")

@@ -31,6 +31,10 @@ MUTANTS = [
            "check_valid", "runs B1 twice"),
 ]
 MUTANTS += [
+    Mutant("cool-down reversed: the last micro-batch's B first", COOLDOWN,
+           COOLDOWN.replace("for k in range(num_microbatches - warmup, num_microbatches)",
+                            "for k in reversed(range(num_microbatches - warmup, num_microbatches))"),
+           "check_shape", "do not alternate as soon as they can"),
     Mutant("steady state restarts the forwards at micro-batch 0", STEADY, STEADY.replace("warmup + k", "k"),
            "check_valid", "runs F0 twice"),
 ]

@@ -1,0 +1,115 @@
+"""`python -m minizero handout`: the student's copy holds no solution, grades the student's package (zero
+untouched, full marks with the solutions pasted back), and its `make test` passes.
+
+One handout of every lab is built per module (file copies: seconds); the graded runs happen inside it, with
+PYTHONPATH at the handout, as a student's would."""
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minizero.autograde import LABS, REPO, tree_digest
+from minizero.cli import handout, labgen
+
+
+def in_handout(root: Path, *args, timeout=600):
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    root = tmp_path_factory.mktemp("handout") / "student"
+    proc = subprocess.run([sys.executable, "-m", "minizero", "handout", str(root)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return root
+
+
+def test_the_handout_holds_no_solution_text(student):
+    """No file holds a line of any region's code, no package module a SOLUTION marker, and each region of
+    the package is its stub (the TODO and its NotImplementedError) where the lessons import it."""
+    assert not (student / "solutions").exists() and not (student / "tests" / "mutants").exists()
+    lines = {line: n for n, found in labgen.solution_lines().items() for line in found}
+    assert len(lines) > 50  # the scan has something to look for
+    for path in student.rglob("*"):
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            shown = [f"lab {n}: {line}" for line, n in lines.items() if line in text]
+            assert not shown, f"{path.relative_to(student)} shows solution text: {shown[:3]}"
+    for n, lab in LABS.items():
+        for source in labgen.sources(lab):
+            text = (student / source).read_text()
+            regions = len(labgen.regions((Path(REPO) / source).read_text()))
+            assert "BEGIN SOLUTION" not in text and "END SOLUTION" not in text, source
+            assert text.count(f"raise NotImplementedError('lab {n}: not implemented yet: ") + text.count(
+                f'raise NotImplementedError("lab {n}: not implemented yet: ') == regions, source
+
+
+def test_the_untouched_handout_scores_zero(student):
+    """Its grader grades its package: every check of every lab fails as not implemented, at once (no launch)."""
+    proc = in_handout(student, sys.executable, "-m", "minizero", "grade", "--json", "results.json")
+    result = json.loads((student / "results.json").read_text())
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert result["score"] == 0 and result["max_score"] == sum(c.max_score for lab in LABS.values()
+                                                               for c in lab.checks() if not c.extra)
+    assert len(result["tests"]) == sum(len(lab.checks()) for lab in LABS.values())
+    for t in result["tests"]:
+        assert t["status"] == "failed" and "not implemented yet" in t["output"] and "no rank was launched" in t["output"], t
+
+
+def test_the_handout_with_the_solutions_pasted_back_scores_full_marks(student, tmp_path):
+    """Each region's code pasted back in place of its stub: the file the grader makes from the package is the
+    solution's (tests/test_grader.py grades solutions/ to full marks), and lab 1, graded end to end in the
+    handout, gets full marks; its launcher runs the demo on the package."""
+    import shutil
+    pasted = tmp_path / "pasted"
+    shutil.copytree(student, pasted)
+    for n, lab in LABS.items():
+        for source in labgen.sources(lab):
+            (pasted / source).write_text(labgen.transform((Path(REPO) / source).read_text(), n, stub=False))
+        assert tree_digest(labgen.render(lab, "package", str(pasted))) == tree_digest(
+            (Path(REPO) / "solutions" / lab.filename).read_text()), lab.filename
+    proc = in_handout(pasted, sys.executable, "-m", "minizero", "grade", "--lab", "1", "--json", "results.json")
+    result = json.loads((pasted / "results.json").read_text())
+    assert proc.returncode == 0 and result["score"] == result["max_score"] == 10, proc.stdout + proc.stderr
+    demo = in_handout(pasted, "mpirun", "-n", "4", sys.executable, "labs/lab01_ring_allreduce.py", timeout=120)
+    assert demo.returncode == 0 and "ring all-reduce of 4.2 MB on 4 ranks" in demo.stdout, demo.stdout + demo.stderr
+
+
+def test_the_handouts_make_test_passes(student):
+    """The recipe of its Makefile's `test` target (run here without `setup`: the venv is this one)."""
+    recipe = re.search(r"^test:.*\n\t\$\(PY\) -m (pytest .*)$", (student / "Makefile").read_text(), re.MULTILINE)
+    assert recipe, "the handout's Makefile has no `test` recipe"
+    proc = in_handout(student, sys.executable, "-m", *shlex.split(recipe.group(1)), "-p", "no:cacheprovider")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert re.search(r"\d+ passed", proc.stdout) and "failed" not in proc.stdout
+
+
+def test_lessons_that_run_a_lab_say_after_which(student):
+    for path in sorted((student / "lessons").glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        needs = [n for n in LABS if n <= handout.LESSON_TOPIC[path.name[:2]]]
+        note = "".join(cells[1]["source"]) if cells[1].get("id") == "handout-note" else ""
+        if needs:
+            assert note.startswith(f"> **After lab {needs[-1]}.**"), path.name
+        else:
+            assert not note, path.name
+    assert set(handout.LESSON_TOPIC) == {p.name[:2] for p in (Path(REPO) / "lessons").glob("*.ipynb")}
+
+
+def test_bad_input_is_one_message_and_changes_nothing(tmp_path):
+    for args, words in [(["--labs", "0-3"], "--labs '0-3': no lab [0]"), (["--labs", "two"], "use numbers and ranges")]:
+        proc = subprocess.run([sys.executable, "-m", "minizero", "handout", str(tmp_path / "out"), *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not (tmp_path / "out").exists()
+    (tmp_path / "out").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "minizero", "handout", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "exists" in proc.stderr and not any((tmp_path / "out").iterdir())
