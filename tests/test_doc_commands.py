@@ -58,7 +58,8 @@ def classify() -> dict[str, list]:
             kinds["pytest"].append((where, command, words[1:]))
             kinds["file"] += [(where, command, w) for w in words[1:] if w.startswith(REPO_DIRS)]
         elif words[0] == "make":
-            kinds["make"] += [(where, command, target) for target in words[1:]]
+            # make's own VAR=value arguments (ARGS="--quick") are not targets
+            kinds["make"] += [(where, command, target) for target in words[1:] if "=" not in target]
         elif words[0] == "pip":
             kinds["extra"].append((where, command, re.search(r"\.\[([\w,-]+)\]", command).group(1)))
         elif words[0] == "conda":

@@ -1,4 +1,4 @@
-"""The layers flow one way: mechanisms import only comm, memory, precision and their own
+"""The layers flow one way: mechanisms import only comm, memory, precision, env and their own
 subpackage; nothing under comm/, dp/, zero/, pipeline/, tensor/, context/ or runtime/ imports the tools
 above them (bench, experiments, cli, autograde) or the course's models and data."""
 import ast
@@ -8,7 +8,8 @@ import pytest
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "minizero"
 MECHANISMS = ("comm", "dp", "zero", "pipeline", "tensor", "context", "moe")
-SHARED = ("minizero.comm", "minizero.memory", "minizero.precision")
+SHARED = ("minizero.comm", "minizero.memory", "minizero.precision",
+          "minizero.env")  # env: the one place MINIZERO_* variables are read and checked
 ABOVE = ("minizero.bench", "minizero.experiments", "minizero.cli", "minizero.autograde",
          "minizero.models", "minizero.data", "minizero.launch")
 

@@ -62,6 +62,8 @@ def build(model_name, cfg):
     """The model a config asks for: `model_name` (or the config's "model"), seeded by its "seed", built under
     zero.Init when it says "zero_init": true (each rank then materializes only its shards)."""
     name = model_name or cfg["model"]
+    if name not in MODELS:  # --model is checked by argparse; the config's key here
+        raise ConfigError(f"model {name!r} is not one of {', '.join(sorted(MODELS))}")
     if not cfg["zero_init"]:
         return build_model(name, seed=cfg["seed"])
     from minizero.zero.init import Init
