@@ -89,6 +89,12 @@ VARIABLES: dict[str, Variable] = {
         _flag, False, "0 or 1",
         "1: the mpi backend stages CPU tensors through a host copy too, as it always does CUDA ones (several ranks "
         "on one GPU); make test-gpu's --quick run takes that path on CPU"),
+    "MINIZERO_GRADESCOPE_ROOT": Variable(
+        _directory, "/autograder", "an existing directory this process can write to",
+        "the Gradescope autograder's folder (source/, submission/, results/); tests simulate it in a temporary one"),
+    "MINIZERO_GRADESCOPE_LIMIT_S": Variable(
+        _seconds(zero_ok=False), 540.0, "seconds, a number > 0",
+        "the Gradescope autograder stops grading after this long and writes results.json (default 540)"),
     "MINIZERO_MULTINODE": Variable(
         _flag, False, "0 or 1",
         "1: under mpirun, rank 0 announces its hostname's address for torch.distributed, not 127.0.0.1"),

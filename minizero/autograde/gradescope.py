@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 
+from minizero import env as mz_env
 from minizero.autograde import HANDOUT, LABS, REPO, Lab, get_lab
 from minizero.cli import labgen
 
@@ -124,11 +125,12 @@ def _grade(labs: list[int], impl: str, limit_s: float) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    mz_env.check_or_exit("minizero.autograde.gradescope")  # a bad MINIZERO_GRADESCOPE_* value: one line, exit 2
     ap = argparse.ArgumentParser(prog="python -m minizero.autograde.gradescope", description=__doc__.splitlines()[0])
-    ap.add_argument("--root", default=os.environ.get("MINIZERO_GRADESCOPE_ROOT", "/autograder"),
+    ap.add_argument("--root", default=mz_env.get("MINIZERO_GRADESCOPE_ROOT"),
                     help="Gradescope's folder (default: $MINIZERO_GRADESCOPE_ROOT or /autograder)")
     ap.add_argument("--lab", type=int, action="append", help="lab to grade (repeatable); default: the bundle's labs")
-    ap.add_argument("--limit-s", type=float, default=float(os.environ.get("MINIZERO_GRADESCOPE_LIMIT_S", 540)),
+    ap.add_argument("--limit-s", type=float, default=mz_env.get("MINIZERO_GRADESCOPE_LIMIT_S"),
                     help="stop grading after this many seconds (keep it below Gradescope's timeout; default 540 "
                          "or $MINIZERO_GRADESCOPE_LIMIT_S)")
     args = ap.parse_args(argv)
