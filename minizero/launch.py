@@ -249,7 +249,13 @@ def _heartbeats(tmp, nprocs):
 
 def job_pids(job_id: str) -> list[int]:
     """PIDs of live processes started for this job (found by the MINIZERO_JOB_ID in their env)."""
-    marker = f"MINIZERO_JOB_ID={job_id}".encode()
+    return pids_with_env("MINIZERO_JOB_ID", job_id)
+
+
+def pids_with_env(name: str, value: str) -> list[int]:
+    """PIDs of live processes whose environment has name=value (inherited by everything they start, jobs in
+    sessions of their own included)."""
+    marker = f"{name}={value}".encode()
     pids = []
     for d in os.listdir("/proc"):
         if d.isdigit():

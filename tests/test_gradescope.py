@@ -89,6 +89,19 @@ def test_a_hanging_submission_is_stopped_and_results_json_written(source, tmp_pa
     assert result["score"] == 0 and len(result["tests"]) == len(LAB.checks())
     assert any("time limit of 25 s" in t["output"] for t in result["tests"]), result
     assert result["execution_time"] < 25 + 60
+    # nothing the stopped grader started is left running (its ranks run in a job session of their own)
+    # (every process run_autograder starts inherits this test's own MINIZERO_GRADESCOPE_ROOT)
+    mark = f"MINIZERO_GRADESCOPE_ROOT={tmp_path}".encode()
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _environ_has(pid, mark)]
+    assert not left, f"processes of the stopped grader still running: {left}"
+
+
+def _environ_has(pid: str, item: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return item in f.read().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return False
 
 
 def test_an_empty_submission_says_which_files(source, tmp_path):

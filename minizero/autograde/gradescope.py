@@ -23,6 +23,7 @@ import time
 from minizero import env as mz_env
 from minizero.autograde import HANDOUT, LABS, REPO, Lab, get_lab
 from minizero.cli import labgen
+from minizero.launch import pids_with_env
 
 
 def find(submission: str, relpath: str) -> str | None:
@@ -107,12 +108,20 @@ def _grade(labs: list[int], impl: str, limit_s: float) -> list[dict]:
     cmd = [sys.executable, "-m", "minizero", "grade", "--impl", impl, "--json", out]
     for n in labs:
         cmd += ["--lab", str(n)]
-    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)  # its output is Gradescope's log
+    # the grader's jobs run in sessions of their own (launch.run): this mark, inherited, finds them to stop them
+    mark = f"{os.getpid()}-{time.time_ns()}"
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True,  # its output is Gradescope's log
+                            env={**os.environ, "MINIZERO_GRADESCOPE_RUN": mark})
     try:
         proc.wait(timeout=limit_s)
         stopped = None
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the grader, mpirun and every rank it started
+        os.killpg(proc.pid, signal.SIGKILL)  # the grader ...
+        for pid in pids_with_env("MINIZERO_GRADESCOPE_RUN", mark):  # ... and every job and rank it started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait()
         stopped = f"not graded: grading stopped at the time limit of {limit_s:g} s (a check that never ends: a deadlock?)"
     tests = json.load(open(out))["tests"] if os.path.exists(out) else []
