@@ -160,7 +160,17 @@ def test_the_commands_exit_2_in_a_real_process_without_a_traceback(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the library's entry point
-def test_the_tuple_of_initialize_called_as_an_engine_says_to_unpack_it():
+@pytest.fixture
+def world_of_one():
+    """initialize() creates the communicator in this process: gone again after the test, since later tests
+    check that a bad config fails before any communicator exists."""
+    from minizero import comm as comm_mod
+    assert not comm_mod.is_initialized()
+    yield
+    comm_mod.shutdown()
+
+
+def test_the_tuple_of_initialize_called_as_an_engine_says_to_unpack_it(world_of_one):
     import minizero
     out = minizero.initialize(model=torch.nn.Linear(4, 4), config=MLP_CONFIG)
     with pytest.raises(TypeError, match=r"4-tuple.*engine, optimizer, _, _ = minizero.initialize"):
