@@ -218,19 +218,23 @@ def stage_docs(dest: Path) -> list[str]:
     """The README as the start page, then every docs/*.md topic page beside it; returns the topic pages."""
     readme = (ROOT / "README.md").read_text()
     readme = re.sub(r"\]\(docs/([^)]+)\)", r"](\1)", readme)  # docs/engine.md -> engine.md: the pages sit at the root
+    # configs/README.md (the example configs) is a page of its own at the root too
+    (dest / "configs.md").write_text((ROOT / "configs" / "README.md").read_text())
+    readme = readme.replace("](configs/README.md)", "](configs.md)")
     pages = []
     for path in sorted((ROOT / "docs").glob("*.md")):
         if path.name == "design.md":  # included, so that its links stay docs/'s
             (dest / "design.md").write_text("```{include} ../../docs/design.md\n```\n")
         else:  # docs/X.md links ../lessons/..., which at the site's root is lessons/...
-            (dest / path.name).write_text(path.read_text().replace("](../lessons/", "](lessons/"))
+            (dest / path.name).write_text(path.read_text().replace("](../lessons/", "](lessons/")
+                                          .replace("](../configs/README.md)", "](configs.md)"))
             pages.append(path.stem)
     for image in (ROOT / "docs").glob("*.png"):
         shutil.copy(image, dest / image.name)
     pages.sort(key=lambda name: (GUIDE_ORDER.index(name) if name in GUIDE_ORDER else len(GUIDE_ORDER), name))
     toctree = ["```{toctree}", ":hidden:", "", "lessons/index", "labs/index", "syllabus", "```", "",
                "```{toctree}", ":hidden:", ":caption: Guide", "", *[p for p in pages if p != "syllabus"], "```", "",
-               "```{toctree}", ":hidden:", ":caption: Reference", "", "api/index", "design", "bench", "```", ""]
+               "```{toctree}", ":hidden:", ":caption: Reference", "", "api/index", "configs", "design", "bench", "```", ""]
     (dest / "index.md").write_text(readme.rstrip() + "\n\n" + (HERE / "index.md").read_text().rstrip() + "\n\n"
                                    + "\n".join(toctree))
     return pages
