@@ -1,4 +1,5 @@
-"""The engine keys of issue 24, against one process (one 4-rank launch: tests/engine_keys_workers.py).
+"""The context-parallel (sequence_parallel_size, ring) and MoE (ep_size) engine keys, against one process
+(one 4-rank launch: tests/engine_keys_workers.py).
 
 * sequence_parallel_size 2 (DeepSpeed's key; dp 2 x cp 2, Ulysses in TinyGPT's attention), ZeRO stages 0-3,
   and with context_parallel.attention "ring" (minizero's key: ring attention, chunks r and 2cp-1-r) at stage 1:

@@ -1,5 +1,5 @@
 """`python -m minizero bench scale`: the largest GPT each strategy trains on N ranks of this machine, and how
-its cost grows on the way there (issue 26 items 1-3).
+its cost grows on the way there.
 
 The search: for each candidate, grow the size knob s (scale_probe.py: n_layer = s, n_embd = 64·s,
 Ψ ≈ 49152·s³) by 4x parameters until a probe fails (memory cap, timeout, disk, error, or a loss that did not
