@@ -257,6 +257,9 @@ class Ledger:
         default_factory=lambda: {c: {loc: 0 for loc in LOCATIONS} for c in CATEGORIES})
     transient_peak: int = 0
     cuda_max_allocated: int | None = None  # torch.cuda.max_memory_allocated, None on CPU
+    # torch.cuda.memory_allocated when measured: the allocator's live bytes, the ledger's ground truth on CUDA
+    # (the peak above also holds activations and cuBLAS's workspace, equal for every strategy)
+    cuda_allocated: int | None = None
 
     @property
     def by_category(self) -> dict[str, int]:
@@ -274,7 +277,7 @@ class Ledger:
         return {"by_category": self.by_category, "by_location": self.by_location,
                 "detail": {c: dict(locs) for c, locs in self.detail.items()},
                 "total": self.total, "transient_peak": self.transient_peak,
-                "cuda_max_allocated": self.cuda_max_allocated}
+                "cuda_max_allocated": self.cuda_max_allocated, "cuda_allocated": self.cuda_allocated}
 
     def __str__(self) -> str:
         mb = lambda x: f"{x / 1e6:>10.3f}"  # noqa: E731  (MB = 1e6 bytes, like the paper's GB)
@@ -287,6 +290,8 @@ class Ledger:
         lines.append(f"{'transient peak':<18}{mb(self.transient_peak)}")
         if self.cuda_max_allocated is not None:
             lines.append(f"{'cuda max alloc':<18}{mb(self.cuda_max_allocated)}")
+        if self.cuda_allocated is not None:
+            lines.append(f"{'cuda allocated':<18}{mb(self.cuda_allocated)}")
         return "\n".join(lines)
 
 
@@ -357,6 +362,7 @@ def measure(*objects, device=None) -> Ledger:
     ledger.transient_peak = transient.peak
     if device.type == "cuda" and torch.cuda.is_available():
         ledger.cuda_max_allocated = torch.cuda.max_memory_allocated(device)
+        ledger.cuda_allocated = torch.cuda.memory_allocated(device)
     return ledger
 
 

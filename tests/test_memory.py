@@ -133,7 +133,7 @@ class Tiny(nn.Module):
 
 def _train(model, steps=2):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    idx = torch.arange(8).remainder(11).view(2, 4)
+    idx = torch.arange(8).remainder(11).view(2, 4).to(next(model.parameters()).device)
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
@@ -166,7 +166,7 @@ def test_ledger_of_replicated_model_matches_hand_count():
     assert (e.parameters, e.gradients) == (ledger.by_category["parameters"],
                                            ledger.by_category["gradients"])
     assert ledger.by_category["optimizer_state"] - e.optimizer_state == 5 * 4  # 5 step counters
-    assert ledger.cuda_max_allocated is None
+    assert ledger.cuda_max_allocated is None and ledger.cuda_allocated is None
     json.dumps(ledger.as_dict())
     assert "optimizer_state" in str(ledger) and f"{ledger.total / 1e6:.3f}" in str(ledger)
 
@@ -253,7 +253,7 @@ def test_cuda_ledger_records_max_allocated():
     opt = _train(model, steps=1)
     ledger = measure(model, opt)
     assert ledger.by_location["device"] >= 2 * (66 + 42 + 7 + 42 + 6) * 4
-    assert ledger.cuda_max_allocated >= ledger.by_location["device"]
+    assert ledger.cuda_max_allocated >= ledger.cuda_allocated >= ledger.by_location["device"]
 
 
 def test_saved_tensors_meter_counts_what_autograd_keeps_until_it_frees_it():

@@ -112,6 +112,40 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
+ABOUT = """\
+## What the check does
+
+`make test-gpu` runs `tests/gpu/check.py`: for every lab's mechanism (ring all-reduce, DDP, loss scaling,
+ZeRO-1/2/3, offload, ZeRO++, 1F1B, tensor parallelism, ring attention, MoE dispatch) it compares the solution's
+result with DDP or with one process on the same device, and the memory each rank holds (the ledger,
+`memory.measure`, and on CUDA `torch.cuda.memory_allocated` and `max_memory_allocated` of each rank) with the estimator
+(`minizero/memory.py`, composed with tensor, pipeline, context and expert parallelism by `minizero/planner`).
+Plus, at a world of one: torch.distributed with NCCL, fp16 and bf16 matrix products on the tensor cores
+(against fp64, and against fp32's speed), ZeRO-Offload's bytes each way, and ZeRO++'s quantizer on the
+device. It prints one table (check, expected, measured, pass) and writes this page with the device, the
+driver, the torch version and the date. What each part compares: `tests/gpu/parts.py`.
+
+Several ranks share the one GPU: the multi-rank parts run 4 ranks over the **mpi backend, its collectives
+staged through the host** (`minizero/comm/backends.py`). NCCL refuses two ranks on one device, and gloo
+has no CUDA reduce-scatter, all-to-all or send/recv. NCCL itself is checked at a world of one.
+
+Bounded: each part has a timeout (a hung part is a failed row and the parts after it run in a fresh
+launch), and the whole run stops launching after 8 minutes (`--budget-s 480`).
+
+## How to produce it
+
+On a machine with CUDA and this repository's environment: `make test-gpu` (it writes `docs/gpu.md`;
+commit it). On a lent GPU machine with no network whose Python already has a CUDA torch: download the
+mpich and mpi4py wheels into `.whl/` here as `tests/gpu/device.sh` says at its top, then run
+`bash tests/gpu/device.sh $OUT` there, carrying `.whl` (about 9 minutes at most, 1-2 minutes in practice: a
+preflight of torch and mpiexec, then the check), and copy the `gpu.md` it wrote over this page.
+
+On CPU, `make test-gpu ARGS="--quick --out build/gpu.md"` runs the same parts small (about a minute on 2
+cores); the suite runs it (`tests/test_gpu_check.py`), together with two parts that must fail, a ring
+all-reduce one element off and a hung part, so the check cannot rot between GPU runs.
+"""
+
+
 def markdown(info, rows, parts, args, seconds) -> str:
     def cell(x):
         return str(x).replace("|", "\\|")
@@ -130,8 +164,8 @@ def markdown(info, rows, parts, args, seconds) -> str:
              "| check | expected | measured | pass |", "|---|---|---|---|"]
     lines += [f"| {cell(r['check'])} | {cell(r['expected'])} | {cell(r['measured'])} | {'yes' if r['pass'] else '**no**'} |"
               for r in rows]
-    lines += ["", "Seconds per part: " + ", ".join(f"{n} {p['seconds']:.0f}" for n, p in parts.items()) + "."]
-    return "\n".join(lines) + "\n"
+    lines += ["", "Seconds per part: " + ", ".join(f"{n} {p['seconds']:.0f}" for n, p in parts.items()) + ".", "", ABOUT]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
