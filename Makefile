@@ -43,6 +43,11 @@ browser:
 test: setup $(SITE_STAMP) browser
 	$(PY) -m pytest -q --durations=15
 
+# the fast part of the suite for everyday work: no test that starts ranks or processes (about 2 minutes)
+check: setup
+	$(PY) -m pytest -q -m "not launches" --durations=5
+	$(PY) -m minizero.cli.labgen --check
+
 grade: setup
 	$(PY) -m minizero grade --json results.json || true  # a score below full marks is a result, not a build failure
 
@@ -69,7 +74,7 @@ site-test: $(SITE_STAMP)
 # Every lab's mechanism against DDP or one process, and its memory, on this machine's GPU: one table, and
 # docs/gpu.md (tests/gpu/check.py; at most 8 minutes). No `setup` first: a lent GPU machine has no network,
 # so PY may name a Python that already has a CUDA torch, mpi4py and mpich. ARGS=--quick: the CPU smoke run.
-.PHONY: test-gpu
+.PHONY: test-gpu check
 test-gpu:
 	$(PY) tests/gpu/check.py $(ARGS)
 

@@ -76,6 +76,20 @@ def estimate(num_params, world_size=1, stage=0, k=12, param_bytes=2, grad_bytes=
                                          hpz_partition_size=hpz_partition_size, master_bytes=master))
 
 
+def offload_stage_error(stage: int, optimizer_device: str = "none", param_device: str = "none") -> str | None:
+    """The ZeRO stages each offload tier needs (DeepSpeed's rules), or None when they fit. The one copy of
+    them: the config (runtime/config.py), the planner and the estimator below all ask here."""
+    if optimizer_device != "none" and stage == 0:
+        return (f"offload_optimizer.device={optimizer_device!r} needs ZeRO stage 1, 2 or 3: stage 0 keeps every "
+                "state replicated, there is no shard to offload (ZeRO-Offload builds on stage 2)")
+    if optimizer_device == "nvme" and stage != 3:
+        return f"offload_optimizer.device='nvme' (ZeRO-Infinity) needs stage 3, as in DeepSpeed; use device 'cpu' " \
+               f"at stage {stage}"
+    if param_device != "none" and stage != 3:
+        return "offload_param needs stage 3 (only stage 3 partitions parameters)"
+    return None
+
+
 def estimate_by_location(num_params, world_size=1, stage=0, param_bytes=2, grad_bytes=2, state_bytes=8,
                          offload_optimizer="none", offload_param="none", hpz_partition_size=None,
                          master_bytes=None) -> dict[str, dict[str, float]]:
@@ -104,12 +118,10 @@ def estimate_by_location(num_params, world_size=1, stage=0, param_bytes=2, grad_
     hpz = hpz_partition_size or 1
     for bad, why in ((num_params < 0 or world_size < 1, "need num_params >= 0, world_size >= 1"),
                      (stage not in (0, 1, 2, 3), f"stage must be 0..3, got {stage}"),
-                     (offload_param != "none" and stage != 3, "offload_param needs stage 3 (sharded params)"),
                      (hpz > 1 and stage != 3, "hpz_partition_size needs stage 3"),
                      (hpz > world_size, f"hpz_partition_size {hpz} > world_size {world_size}"),
-                     (offload_optimizer != "none" and stage == 0, "offload_optimizer needs stage 1-3"),
-                     (offload_optimizer == "nvme" and stage != 3, "offload_optimizer 'nvme' needs stage 3")):
-        if bad:
+                     (stage in (0, 1, 2, 3), offload_stage_error(stage, offload_optimizer, offload_param))):
+        if bad and why:
             raise ValueError(why)
     n, psi = world_size, num_params
     shard = psi / n if stage >= 1 else psi

@@ -38,3 +38,22 @@ class _GradeCache:
 @pytest.fixture(scope="session")
 def graded(tmp_path_factory):
     return _GradeCache(tmp_path_factory.mktemp("grades"))
+
+
+_STARTS_PROCESSES = ("launch.", "subprocess", "nbclient", "mpirun", "torchrun")
+_module_starts = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `launches` every test that starts ranks or processes (its module calls minizero.launch, subprocess,
+    a notebook client or a launcher, or it uses the grader's fixture): the slow part of the suite.
+    `make check` runs the rest (python -m pytest -m "not launches")."""
+    marker = pytest.mark.launches
+    for item in items:
+        path = str(item.fspath)
+        if path not in _module_starts:
+            with open(path) as f:
+                text = f.read()
+            _module_starts[path] = any(s in text for s in _STARTS_PROCESSES)
+        if _module_starts[path] or "graded" in getattr(item, "fixturenames", ()):
+            item.add_marker(marker)

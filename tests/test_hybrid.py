@@ -12,6 +12,8 @@ from minizero import launch
 from minizero.experiments.zeropp import formula
 from minizero.zero.hybrid import cross_node_bytes_per_node
 
+SAVE_AT = 3  # tests/hybrid_workers.py saves after this step
+
 _job = []
 
 
@@ -84,3 +86,61 @@ def test_bad_meshes_and_offload_are_refused():
         HybridShard(build_model("tiny-gpt", seed=0, n_layer=1, n_embd=8, n_head=2, block_size=4), mesh)
     with pytest.raises(ValueError, match="HybridShard does not offload"):
         HybridShard.offload(None, None)
+
+
+# ---------------------------------------------------------------------------- through the engine
+_engine_job = []
+
+
+@pytest.fixture(scope="module")
+def engine_results(tmp_path_factory):
+    if not _engine_job:
+        ckpt = tmp_path_factory.mktemp("hybrid_ckpt")
+        _engine_job.append(launch.run("tests/hybrid_workers.py:engine", nprocs=4, args={"ckpt_dir": str(ckpt)},
+                                      timeout=600))
+    return _engine_job[0]
+
+
+def test_mics_shard_size_selects_hybrid_sharding_over_groups_of_that_size(engine_results):
+    for r in engine_results:
+        assert (r["strategy"], r["wrapper"], r["node_size"]) == ("HybridShardStrategy", "HybridShard", 2)
+        # each rank holds 1/2 of every sharded unit (the group's share), not 1/4 (the world's)
+        assert r["gathered_numel"] == 2 * r["shard_numel"] > 0
+
+
+def test_engine_equals_hybrid_shard_driven_by_hand_bitwise(engine_results):
+    for rank, r in enumerate(engine_results):
+        assert r["losses"] == r["alone"], f"rank {rank}"
+        assert r["losses"][-1] < r["losses"][0]
+
+
+def test_resume_is_bitwise_and_the_checkpoint_reshards_into_plain_zero3(engine_results):
+    for rank, r in enumerate(engine_results):
+        assert r["resumed"] == r["losses"][SAVE_AT:], f"rank {rank}"
+        assert r["resumed_bitwise"], f"rank {rank}: parameters differ after resuming"
+        # every element written once (one group's ranks write the shards): ZeRO-3 over 4 ranks loads it
+        assert r["zero3_loaded"] == pytest.approx(r["losses"][SAVE_AT:], rel=1e-5), f"rank {rank}"
+
+
+def test_clip_norm_counts_each_element_once(engine_results):
+    for rank, r in enumerate(engine_results):
+        (losses, norms), (plain_losses, plain_norms) = r["clipped"], r["plain_clipped"]
+        assert norms == pytest.approx(plain_norms, rel=1e-5), f"rank {rank}"  # a world sum would be sqrt(2) larger
+        assert min(norms) > 0.05  # the clip acted on every step
+        assert losses == pytest.approx(plain_losses, rel=1e-5), f"rank {rank}"
+
+
+def test_mics_config_rules():
+    from minizero.runtime.config import ConfigError
+    from minizero.runtime.resolve import resolve
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    for zero, words in (({"stage": 2, "mics_shard_size": 2}, "needs stage 3"),
+                        ({"stage": 3, "mics_shard_size": 3}, "does not divide the world size 4"),
+                        ({"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 2}, "ZeRO++"),
+                        ({"stage": 3, "mics_shard_size": 2, "offload_optimizer": {"device": "cpu"}},
+                         "offload_optimizer")):
+        with pytest.raises(ConfigError, match=words):
+            resolve({**base, "zero_optimization": zero}, 4)
+    plan = resolve({**base, "zero_optimization": {"stage": 3, "mics_shard_size": 2}}, 4)
+    assert plan.mics_shard_size == 2
+    assert resolve({**base, "zero_optimization": {"stage": 3}}, 4).mics_shard_size is None

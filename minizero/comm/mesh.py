@@ -150,6 +150,11 @@ class Mesh:
         self.ep = self.dp.split(d // ep, d % ep, name=f"ep{dp_line[d // ep].tolist()}") if ep > 1 else None
         self.expert_dp = self.dp.split(d % ep, d // ep, name=f"expert_dp{dp_line[:, d % ep].tolist()}") \
             if ep > 1 else self.dp
+        # dp x cp flattened (torchtitan's "dp_cp"): with cp > 1 every rank of a cp group holds the gradient of its
+        # own tokens' loss, so the data-parallel strategy reduces (and shards) over dp x cp (Megatron's
+        # "dp with cp"), ordered by (d, c). cp = 1: dp itself
+        self.dp_cp = comm.split(p * tp + t, d * cp + c, name=f"dp_cp{self.grid[:, p, :, t].reshape(-1).tolist()}") \
+            if cp > 1 else self.dp
         self.node = comm.split(self.node_index, self.local_rank, name=f"node{self.node_index}")
         self.cross_node = comm.split(self.local_rank, self.node_index, name=f"cross_node{self.local_rank}")
         # pipeline neighbours, as ranks of self.pp (None at the ends: no wrap-around)

@@ -210,8 +210,9 @@ def check(shape: ModelShape, s: Strategy) -> None:
                         "across the micro-batches would be re-reduced every micro-batch; use zero 0 or 1 with pp > 1")
     if s.pp > shape.layers:
         raise PlanError(f"{s.pp} pipeline stages but only {shape.layers} layers: at most one stage per layer")
-    if s.offload and s.zero == 0:
-        raise PlanError("offload needs ZeRO stage 1, 2 or 3 (there is no shard to offload at stage 0)")
+    wrong = memory.offload_stage_error(s.zero, "cpu" if s.offload else "none")
+    if wrong:
+        raise PlanError(wrong.replace("offload_optimizer.device='cpu'", "offload"))
     if s.sp and s.tp == 1:
         raise PlanError("sequence parallelism needs tp > 1")
     if s.zeropp and (s.zero != 3 or s.tp > 1 or s.pp > 1 or s.offload):

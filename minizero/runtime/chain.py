@@ -1,32 +1,108 @@
-"""The links of the engine's chain that both engines build (runtime/engine.py, runtime/pipeline_engine.py):
-the names a checkpoint maps back to, and what the data-parallel strategy is built from (activation
-checkpointing is minizero.activation_checkpointing.checkpoint_blocks, called as it is). Each is a
-function of the resolved Plan (runtime/resolve.py) and the model."""
+"""The engine's chain, one function per link, each a function of the resolved Plan (runtime/resolve.py).
+docs/design.md draws it; runtime/engine.py calls it in this order:
+
+    mesh  = build_mesh(plan, world)                     # dp x cp x tp (ep slices of dp), or None
+    model = apply_tensor_parallel(model, plan, mesh)    # split over mesh.tp (Megatron)
+    apply_context_parallel(model, plan, mesh)           # whole sequences in, s/cp tokens per rank
+    apply_expert_parallel(model, plan, mesh)            # each MoE layer keeps E/ep experts
+    blocks = apply_activation_checkpointing(model, plan)
+    apply_precision(model, plan, device)                # the model in its training dtype
+    strategy = select_strategy(plan, model, dp_comm, mesh)   # DDP, ZeRO-1/2/3, ZeRO++, hybrid; offload inside
+
+The pipeline engine (runtime/pipeline_engine.py) cuts the model into its stage between TP and the strategy.
+"""
 from __future__ import annotations
 
 from minizero.runtime.resolve import Plan
-from minizero.runtime.strategies import StrategyPart
+from minizero.runtime.strategies import (
+    DDPStrategy,
+    HybridShardStrategy,
+    Strategy,
+    StrategySpec,
+    Zero1Strategy,
+    Zero2Strategy,
+    Zero3Strategy,
+)
 
 
-def strategy_part(plan: Plan, model, comm, node_mesh=None, runtime_syncs=False) -> StrategyPart:
-    """The resolved plan -> what the data-parallel strategy is built from."""
-    zero = plan.config["zero_optimization"]
-    hpz = zero["zero_hpz_partition_size"]
-    zeropp = None
-    if zero["zero_quantized_weights"] or zero["zero_quantized_gradients"] or hpz > 1:
+def build_mesh(plan: Plan, world):
+    """A dp x cp x tp Mesh (ep slices of dp) when the plan splits the model, else None."""
+    if plan.tp_size == 1 and plan.cp_size == 1 and plan.ep_size == 1:
+        return None
+    from minizero.comm import Mesh
+    return Mesh(world, tp=plan.tp_size, cp=plan.cp_size, ep=plan.ep_size)
+
+
+def apply_tensor_parallel(model, plan: Plan, mesh):
+    """The model split over mesh.tp (tensor.TensorParallelGPT, with sequence parallelism if asked)."""
+    if plan.tp_size == 1:
+        return model
+    from minizero.tensor import TensorParallelGPT
+    return TensorParallelGPT(model, mesh.tp, plan.sequence_parallel)
+
+
+def apply_context_parallel(model, plan: Plan, mesh):
+    """The model's hook (TinyGPT's) takes whole sequences and keeps this rank's s/cp tokens: Ulysses or ring."""
+    if plan.cp_size > 1 and plan.cp_attention == "ring":
+        model.set_context_parallel(mesh.cp, attention="ring")  # chunks r and 2cp-1-r, ring attention
+    elif plan.cp_size > 1:
+        model.set_context_parallel(mesh.cp)  # contiguous s/cp tokens, Ulysses (a model may know only this)
+
+
+def apply_expert_parallel(model, plan: Plan, mesh):
+    """Each MoE layer keeps E/ep experts and exchanges tokens over mesh.ep."""
+    if plan.ep_size > 1:
+        from minizero.runtime.resolve import moe_layers
+        for layer in moe_layers(model):
+            layer.set_expert_parallel(mesh.ep)
+
+
+def apply_activation_checkpointing(model, plan: Plan) -> list:
+    """Every block of every nn.ModuleList recomputes in backward (activation_checkpointing.py)."""
+    if not plan.activation_checkpointing:
+        return []
+    from minizero.activation_checkpointing import checkpoint_blocks
+    return checkpoint_blocks(model)
+
+
+def apply_precision(model, plan: Plan, device):
+    """The model in its training dtype on the device (zero.Init's recorder rounds as model.to(dtype) would)."""
+    if plan.zero_init is not None:
+        plan.zero_init.dtype = plan.dtype if plan.mixed_precision else None
+    else:
+        model.to(device, plan.dtype if plan.mixed_precision else None)
+
+
+def strategy_spec(plan: Plan, node_mesh=None, runtime_syncs: bool = False) -> StrategySpec:
+    """The plan's fields a strategy is built from."""
+    return StrategySpec(optimizer_cls=plan.optimizer_cls, optimizer_kwargs=plan.optimizer_kwargs, groups=plan.groups,
+                        dtype=plan.dtype, bucket_numel=plan.bucket_numel, overlap=plan.overlap_comm,
+                        prefetch=plan.prefetch, persistence_threshold=plan.persistence_threshold, zeropp=plan.zeropp,
+                        node_mesh=node_mesh, zero_init=plan.zero_init, offload=plan.offload,
+                        runtime_syncs=runtime_syncs)
+
+
+def select_strategy(plan: Plan, model, comm, mesh=None, node_mesh=None, runtime_syncs: bool = False) -> Strategy:
+    """The one place a plan becomes a data-parallel strategy, keyed by what the plan asks for.
+    comm: the ranks that reduce (and shard); mesh: the engine's (experts need mesh.dp and mesh.expert_dp);
+    node_mesh: the nodes ZeRO++ uses, if the caller has them (initialize(mesh=...))."""
+    if plan.ep_size > 1:  # MoE: experts reduced over mesh.expert_dp, dense parameters over mesh.dp
+        from minizero.runtime.expert_strategy import ExpertDDPStrategy, ExpertZero1Strategy
+        cls = ExpertDDPStrategy if plan.stage == 0 else ExpertZero1Strategy
+        return cls(model, mesh, strategy_spec(plan))
+    if plan.stage == 3 and plan.mics_shard_size is not None:
         from minizero.comm import Mesh
-        zeropp = {"quantized_weights": zero["zero_quantized_weights"], "hpz": hpz > 1,
-                  "quantized_gradients": zero["zero_quantized_gradients"],
-                  "mesh": node_mesh or Mesh(comm, node_size=hpz if hpz > 1 else None)}
-    return StrategyPart(optimizer_cls=plan.optimizer_cls, optimizer_kwargs=plan.optimizer_kwargs, groups=plan.groups,
-                        dtype=plan.dtype, bucket_numel=int(zero["reduce_bucket_size"]),  # elements, as DeepSpeed's
-                        overlap=zero["overlap_comm"],
-                        prefetch=zero["overlap_comm"] and zero["stage3_prefetch_bucket_size"] > 0,
-                        persistence_threshold=int(zero["stage3_param_persistence_threshold"]), zeropp=zeropp,
-                        zero_init=plan.zero_init, offload=plan.offload, runtime_syncs=runtime_syncs)
+        return HybridShardStrategy(model, comm, strategy_spec(plan, Mesh(comm, node_size=plan.mics_shard_size)))
+    if plan.stage == 3 and plan.zeropp is not None:
+        from minizero.comm import Mesh
+        hpz = plan.zeropp.hpz_partition_size
+        nodes = node_mesh or Mesh(comm, node_size=hpz if hpz > 1 else None)
+        return Zero3Strategy(model, comm, strategy_spec(plan, nodes))
+    cls = {0: DDPStrategy, 1: Zero1Strategy, 2: Zero2Strategy, 3: Zero3Strategy}[plan.stage]
+    return cls(model, comm, strategy_spec(plan, runtime_syncs=runtime_syncs))
 
 
-def model_names(model) -> tuple[dict, dict, list]:
+def model_names(model) -> tuple[dict, dict, list, list]:
     """What a checkpoint maps back to the plain model: {id(param): name}, {alias: name} (tied weights'
     other names), the state dict's keys; and [(name, shape)] of the trainable parameters."""
     first, aliases = {}, {}

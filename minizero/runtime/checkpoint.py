@@ -78,9 +78,10 @@ def _segments(e):
 
 def _record(e, client_state=None) -> dict:
     pieces, scalars = {}, {}
-    for t, optim, segs, replicated in _segments(e):
-        if replicated and e.dp_comm.rank != 0:  # the same on every data-parallel rank: written once
+    for seg in _segments(e):
+        if not e.writes(seg):  # the same on every data-parallel rank (or every node's): written once
             continue
+        t, optim, segs, _ = seg
         state = optim.state.get(t, {})
         flat = {k: v.detach().reshape(-1) for k, v in state.items()
                 if torch.is_tensor(v) and v.dim() > 0 and v.shape == t.shape}

@@ -79,6 +79,10 @@ SCHEMA = {
         "zero_quantized_weights": False,      # ZeRO++ qwZ: int8 weight all-gathers (stage 3)
         "zero_hpz_partition_size": 1,         # ZeRO++ hpZ: ranks per node holding a secondary partition; 1 = off
         "zero_quantized_gradients": False,    # ZeRO++ qgZ: int4 hierarchical all-to-all gradient reduce
+        # MiCS / hybrid sharding (zero/hybrid.py): ZeRO-3 over groups of this many ranks, replicated across them;
+        # -1 (or 0) = off, as in DeepSpeed. The groups are booked as nodes (bytes intra / cross group)
+        "mics_shard_size": -1,
+        "mics_hierarchical_params_gather": False,
     },
     # DeepSpeed's async I/O for nvme offload; here plain files through a thread pool
     "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
@@ -152,7 +156,6 @@ NOT_IMPLEMENTED = {
     "zero_optimization.elastic_checkpoint": "remove it",
     "zero_optimization.ignore_unused_parameters": "remove it: unused parameters are always handled",
     "zero_optimization.legacy_stage1": "remove it",
-    "zero_optimization.mics_shard_size": "remove it: MiCS is not part of this course",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save":
         "renamed in DeepSpeed: use stage3_gather_16bit_weights_on_model_save",
     "zero_optimization.offload_optimizer.pipeline_read": "remove it",
@@ -180,6 +183,8 @@ NOT_DEEPSPEED = {
 # Real DeepSpeed keys minizero accepts (so DeepSpeed configs load) but that change nothing here.
 # Setting one to a non-default value warns, naming it and saying why, instead of passing silently.
 NO_EFFECT = {
+    "zero_optimization.mics_hierarchical_params_gather": "a shard group is one (simulated) node here: its all-gather "
+                                                         "never crosses nodes, so there is no hierarchy to add",
     "zero_optimization.offload_optimizer.buffer_count": "the disk tier keeps one sub-group reading, one stepping",
     "zero_optimization.offload_optimizer.fast_init": "the disk tier always writes the initial state once",
     "zero_optimization.offload_param.buffer_count": "the shards are whole host tensors (cpu) or mapped files (nvme)",
@@ -213,7 +218,7 @@ TYPES = {
     **{f"zero_optimization.{k}": "int" for k in (
         "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
         "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-        "sub_group_size")},
+        "sub_group_size", "mics_shard_size")},
     **{f"zero_optimization.{s}.{k}": t for s in ("offload_optimizer", "offload_param")
        for k, t in (("device", "str"), ("nvme_path", "str?"), ("buffer_size", "int"), ("max_in_cpu", "int"))},
     "pipeline.micro_batches": "int?", "pipeline.partition": "str",
@@ -526,8 +531,6 @@ def load_config(config, world_size: int = 1) -> dict:
         if dev == "nvme" and not zero[section]["nvme_path"]:
             raise ConfigError(f"zero_optimization.{section}.device is nvme but nvme_path is not set")
     _check_zeropp(zero, world_size, tp)
-    if zero["offload_param"]["device"] != "none" and zero["stage"] != 3:
-        raise ConfigError("zero_optimization.offload_param needs stage 3 (only stage 3 partitions parameters)")
     _check_offload(zero)
     _check_activation_checkpointing(cfg["activation_checkpointing"])
     attention = cfg["context_parallel"]["attention"]
@@ -554,14 +557,12 @@ def _check_activation_checkpointing(section):
 
 def _check_offload(zero: dict):
     """The offload combinations DeepSpeed refuses, and the ones minizero does not implement."""
+    from minizero.memory import offload_stage_error
     opt, param = zero["offload_optimizer"], zero["offload_param"]
     where = "zero_optimization.offload_optimizer"
-    if opt["device"] != "none" and zero["stage"] == 0:
-        raise ConfigError(f"{where}.device={opt['device']!r} needs ZeRO stage 1, 2 or 3: stage 0 keeps every "
-                          "state replicated, there is no shard to offload (ZeRO-Offload builds on stage 2)")
-    if opt["device"] == "nvme" and zero["stage"] != 3:
-        raise ConfigError(f"{where}.device='nvme' (ZeRO-Infinity) needs stage 3, as in DeepSpeed; use device 'cpu' "
-                          f"at stage {zero['stage']}")
+    wrong = offload_stage_error(zero["stage"], opt["device"], param["device"])
+    if wrong:
+        raise ConfigError(f"zero_optimization.{wrong}")
     if param["device"] == "nvme" and opt["device"] != "nvme":
         raise ConfigError("zero_optimization.offload_param.device='nvme' needs offload_optimizer.device='nvme' in "
                           "minizero (ZeRO-Infinity: the disk optimizer keeps the parameter files); or use 'cpu' for "

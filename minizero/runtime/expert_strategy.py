@@ -1,9 +1,4 @@
-"""The data-parallel pieces that sequence and expert parallelism add to the engine's chain.
-
-dp_cp_group(mesh): with sequence_parallel_size cp > 1 every rank of a cp group computes the gradient of
-its own s/cp tokens' loss (Ulysses' all-to-all backward routes each rank's share home), so the mean
-over the global batch is the average over the dp x cp ranks (Megatron-LM reduces over "dp with cp" the
-same way). The data-parallel strategy, whatever the ZeRO stage, runs over that group.
+"""The data-parallel strategies that expert parallelism adds to the engine's chain.
 
 ExpertDDPStrategy / ExpertZero1Strategy (stage 0 / 1 with MoE layers of ep_size > 1, DeepSpeed-MoE's expert-data parallelism):
 dense gradients all-reduced over mesh.dp, expert ones over mesh.expert_dp (dp/ep ranks), both divided
@@ -17,14 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from minizero.runtime.strategies import DDPStrategy, Grads, Strategy
-
-
-def dp_cp_group(mesh):
-    """The ranks with this rank's (pp, tp) coordinates: dp x cp of them, ordered by (d, c)."""
-    d, p, c, t = mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank
-    return mesh.world.split(p * mesh.tp_size + t, d * mesh.cp_size + c,
-                            name=f"dp_cp{mesh.grid[:, p, :, t].reshape(-1).tolist()}")
+from minizero.runtime.strategies import DDPStrategy, Grads, Strategy, run_segments
 
 
 class ExpertDDPStrategy(DDPStrategy):
@@ -32,8 +20,8 @@ class ExpertDDPStrategy(DDPStrategy):
 
     shards = True  # the expert gradients differ across the ep ranks: their squares add up over the world
 
-    def __init__(self, model, mesh, part):
-        Strategy.__init__(self, model, mesh.dp, part)
+    def __init__(self, model, mesh, spec):
+        Strategy.__init__(self, model, mesh.dp, spec)
         from minizero.moe import is_expert
         from minizero.precision import MixedPrecisionOptimizer
         self.mesh = mesh     # dense gradients over mesh.dp, expert ones over mesh.expert_dp
@@ -43,9 +31,9 @@ class ExpertDDPStrategy(DDPStrategy):
         # one start on every rank: the dense parameters and buffers of dp rank 0, each expert's of its group's first
         mesh.dp.broadcast_tensors([p for p in model.parameters() if id(p) not in self.expert] + list(model.buffers()))
         mesh.expert_dp.broadcast_tensors([p for p in self.params if id(p) in self.expert])
-        kw = part.optimizer_kwargs
-        self.optimizer = MixedPrecisionOptimizer(part.groups or self.params, part.optimizer_cls, None, 0.0, mesh.dp,
-                                                 **kw) if part.half else part.optimizer_cls(part.groups or self.params, **kw)
+        kw = spec.optimizer_kwargs
+        self.optimizer = MixedPrecisionOptimizer(spec.groups or self.params, spec.optimizer_cls, None, 0.0, mesh.dp,
+                                                 **kw) if spec.mixed_precision else spec.optimizer_cls(spec.groups or self.params, **kw)
 
     def forward_prelude(self):
         if torch.is_grad_enabled():  # no wrapper: rank 0's buffers, as DDP does
@@ -77,8 +65,8 @@ class ExpertZero1Strategy(Strategy):
 
     has_replicated = False
 
-    def __init__(self, model, mesh, part):
-        super().__init__(model, mesh.dp, part)
+    def __init__(self, model, mesh, spec):
+        super().__init__(model, mesh.dp, spec)
         from minizero.moe import is_expert
         from minizero.zero.sharded_optimizer import ShardedOptimizer
         params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
@@ -87,7 +75,7 @@ class ExpertZero1Strategy(Strategy):
         comm_of = {"dense": mesh.dp, "expert": mesh.expert_dp}
         mesh.dp.broadcast_tensors([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
         self.optimizers = {kind: ShardedOptimizer([p for p in params if (id(p) in self.expert) == (kind == "expert")],
-                                                  part.optimizer_cls, comm_of[kind], **part.optimizer_kwargs)
+                                                  spec.optimizer_cls, comm_of[kind], **spec.optimizer_kwargs)
                            for kind in ("dense", "expert")}
         self.optimizer = self.optimizers["dense"]  # what the engine's scheduler drives
         self._shards = None
@@ -127,11 +115,15 @@ class ExpertZero1Strategy(Strategy):
         from minizero import memory
         dense, expert = self.optimizers["dense"], self.optimizers["expert"]
         expert.zero_grad()  # frees its "zero1.grad_shard"
-        if dense._grad_shard is not None:  # the name dense's zero_grad frees
+        if dense.grad_shard is not None:  # the name dense's zero_grad frees
             memory.transient.free("zero1.grad_shard.dense")
-            memory.transient.alloc("zero1.grad_shard", dense._grad_shard)
+            memory.transient.alloc("zero1.grad_shard", dense.grad_shard)
         dense.zero_grad()
         self._shards = None
+
+    def segments(self, name_of):
+        """Both optimizers' shards (the engine refuses checkpoints with ep > 1: names repeat across ep ranks)."""
+        return [seg for opt in self.optimizers.values() for seg in run_segments(opt, name_of)]
 
     def memory_objects(self):
         return (self.model, *self.optimizers.values())

@@ -135,6 +135,6 @@ def _config(args, config, config_params):
 def _loader(engine, dataset, collate_fn):
     """DeepSpeed's training dataloader: this dp rank's share, micro-batches of the configured size."""
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=engine.dp_size, rank=engine.dp_rank,
-                                                  shuffle=True, seed=engine.config["seed"])
+                                                  shuffle=True, seed=engine.plan.seed)
     return torch.utils.data.DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
                                        sampler=sampler, collate_fn=collate_fn, drop_last=True)

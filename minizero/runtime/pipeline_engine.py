@@ -40,15 +40,11 @@ import time
 
 import torch
 
-from minizero import memory
-from minizero.activation_checkpointing import checkpoint_blocks
 from minizero.comm import Mesh
 from minizero.pipeline import PipelineModel, PipelineRuntime, PipelineStage
-from minizero.runtime import checkpoint
-from minizero.runtime.chain import model_names, strategy_part
+from minizero.runtime import chain
 from minizero.runtime.resolve import Plan, pipeline_parts
-from minizero.runtime.strategies import STRATEGIES, norm_weights
-from minizero.runtime.trainer import TrainerCore, shares_core
+from minizero.runtime.trainer import BaseEngine
 
 
 def _named(model, parts) -> torch.nn.Module:
@@ -58,63 +54,53 @@ def _named(model, parts) -> torch.nn.Module:
     return torch.nn.ModuleDict({"embed": parts.embed, "blocks": torch.nn.ModuleList(parts.blocks), "head": parts.head})
 
 
-@shares_core
-class PipelineEngine:
+class PipelineEngine(BaseEngine):
     def __init__(self, model, plan: Plan, comm):
-        cfg, pipe = plan.config, plan.config["pipeline"]
         self.plan = plan                  # the resolved config (runtime/resolve.py)
         self.world = comm                 # every rank of the job
         self.comm = comm                  # the same, as in Engine
         self.stage = plan.stage           # 0 or 1 (the config refuses 2 and 3)
-        self.dtype, self.half = torch.float32, False
+        self.dtype, self.mixed_precision = torch.float32, False
         self.device = comm.device
-        self.offload = None               # refused with a pipeline (resolve.py)
         # dp x pp x tp; mesh.dp is what DeepSpeed calls the dp world
         self.mesh = Mesh(comm, pp=plan.pp_size, tp=plan.tp_size)
         if plan.tp_size > 1:  # 3D: split over mesh.tp first (in place), then cut into stages
-            from minizero.tensor import TensorParallelGPT
-            _, self.aliases, self.state_dict_keys, self.param_shapes = model_names(model)
-            model = TensorParallelGPT(model, self.mesh.tp)
+            _, self.aliases, self.state_dict_keys, self.param_shapes = chain.model_names(model)
+            model = chain.apply_tensor_parallel(model, plan, self.mesh)  # no SP (resolve refuses it)
             parts = PipelineModel(*model.pipeline_parts())
         else:
             parts = pipeline_parts(model)
-            _, self.aliases, self.state_dict_keys, self.param_shapes = model_names(_named(model, parts))
+            _, self.aliases, self.state_dict_keys, self.param_shapes = chain.model_names(_named(model, parts))
         named = _named(model, parts)
-        self.name_of, _, _, _ = model_names(named)
+        self.name_of, _, _, _ = chain.model_names(named)
         self.tp_split = {n: [p.tensor_parallel_dim, p.tensor_parallel_chunks]  # how TP cut what it splits
                          for n, p in named.named_parameters(remove_duplicate=False) if hasattr(p, "tensor_parallel_dim")}
-        self.module = model               # the plain model, as the user built it (split over tp in 3D)
         # activation_checkpointing: each block keeps only its input and recomputes its inside when its backward
         # needs it (B; a split schedule's W unpacks the same tensors, and torch recomputes for it again)
-        self.checkpointed_blocks = (checkpoint_blocks(torch.nn.ModuleList(parts.blocks))
-                                    if cfg["activation_checkpointing"] is not None else [])
+        self.checkpointed_blocks = chain.apply_activation_checkpointing(torch.nn.ModuleList(parts.blocks), plan)
         self.dp_comm = self.mesh.dp       # the data-parallel ranks of this stage
         self.dp_rank, self.dp_size = self.dp_comm.rank, self.dp_comm.size  # which rows of the batch are this rank's
-        micro = cfg["train_micro_batch_size_per_gpu"]
-        self.pipeline = PipelineStage(parts, self.mesh, (micro, *parts.hidden_shape), num_chunks=pipe["chunks"])
+        self.pipeline = PipelineStage(parts, self.mesh, (plan.micro_batch_size, *parts.hidden_shape),
+                                      num_chunks=plan.pipeline.chunks)
         self.pipeline.to(self.device)
+        self.module = model               # the plain model, as the user built it (split over tp in 3D)
         self.tied_names = {self.name_of[id(q)] for q in self.pipeline.tied} if not self.mesh.is_first_stage else set()
         self.local_shapes = {self.name_of[id(p)]: tuple(p.shape) for p in self.pipeline.parameters() if p.requires_grad}
         buffers = {id(b): n for n, b in named.named_buffers()}
         self._extras = {**{self.name_of[id(p)]: p for p in self.pipeline.parameters() if not p.requires_grad},
                         **{buffers[id(b)]: b for b in self.pipeline.buffers() if id(b) in buffers}}
-        part = strategy_part(plan, self.pipeline, self.dp_comm, runtime_syncs=True)
-        self.strategy = STRATEGIES[plan.stage](self.pipeline, self.dp_comm, part)
-        self.wrapped = getattr(self.strategy, "ddp", None)  # DDP of the stage (None: ZeRO-1, or one dp rank)
-        self.optimizer = self.strategy.optimizer
-        self.param_names = self.strategy.param_names(self.name_of)
-        self.runtime = PipelineRuntime(self.pipeline, pipe["schedule"], cfg["gradient_accumulation_steps"],
+        strategy = chain.select_strategy(plan, self.pipeline, self.dp_comm, runtime_syncs=True)
+        self._attach(strategy, [self.mesh.pp] + ([self.mesh.tp] if self.mesh.tp_size > 1 else []))
+        # DDP of the stage, whose no_sync the schedule drives (None: ZeRO-1 wraps nothing, nor one dp rank)
+        self.wrapped = strategy.wrapped if strategy.wrapped is not self.pipeline else None
+        self.runtime = PipelineRuntime(self.pipeline, plan.pipeline.schedule, plan.gradient_accumulation_steps,
                                        data_parallel=self.wrapped)
-        self.core = TrainerCore(cfg, self.optimizer)
         self.timings = {"pipeline": 0.0, "step": 0.0}
         self.outputs = None
 
     def train(self, mode: bool = True):
-        self.pipeline.train(mode)
+        self.pipeline.train(mode)  # this rank's stage: the rest of the user's model is not here
         return self
-
-    def eval(self):
-        return self.train(False)
 
     # ------------------------------------------------------------------ the loop
     def train_batch(self, data_iter=None):
@@ -127,12 +113,7 @@ class PipelineEngine:
                                                   torch.cat([b[1] for b in batch]).to(self.device))
         loss = self.runtime.step(x, y)
         t1 = time.perf_counter()
-        grads = self.strategy.reduced_grads()
-        if self.config["gradient_clipping"] > 0:
-            self.clip(grads)
-        self.strategy.apply()
-        self.core.stepped(m)
-        self.strategy.zero_grad()
+        self.apply_step(self.strategy.reduced_grads(), micro_steps=m)
         self.timings = {"pipeline": t1 - t0, "step": time.perf_counter() - t1}
         return self._batch_loss(loss)
 
@@ -157,50 +138,6 @@ class PipelineEngine:
         if t == 1 and not tied:
             return None  # every element counts once: no weights to build each step
         return lambda name: 0.0 if name in tied else 1.0 if t == 1 or name in split else 1.0 / t
-
-    def clip(self, grads) -> float:
-        weight_of = self.weight_of()
-        weights = norm_weights(grads, self.strategy.grad_names(self.param_names) if weight_of else None, weight_of,
-                               self.device)
-        model_comms = [self.mesh.pp] + ([self.mesh.tp] if self.mesh.tp_size > 1 else [])
-        return self.core.clip(grads, weights, self.world if self.strategy.shards else None,
-                              model_comms if self.strategy.has_replicated else [])
-
-    # ------------------------------------------------------------------ measurements
-    def memory(self) -> memory.Ledger:
-        return memory.measure(*self.strategy.memory_objects())
-
-    def offload_traffic(self) -> dict:
-        return {}
-
-    def comm_stats(self) -> dict:
-        return self.world.stats.as_dict()
-
-    # ------------------------------------------------------------------ checkpoints (runtime/checkpoint.py)
-    def save_checkpoint(self, save_dir, tag=None, client_state=None):
-        """Every rank writes its stage's shard; a collective (Engine.save_checkpoint)."""
-        return checkpoint.save(self, save_dir, tag, client_state)
-
-    def load_checkpoint(self, load_dir, tag=None):
-        """-> (path, client_state); validates everything on every rank before changing anything."""
-        return checkpoint.load(self, load_dir, tag)
-
-    def full_state_dict(self) -> dict:
-        """The plain model's state dict in fp32, on every rank (a collective)."""
-        return checkpoint.full_state_dict(self)
-
-    def checkpoint_layout(self) -> dict:
-        return {"dp": self.dp_size, "pp": self.mesh.pp_size, "tp": self.mesh.tp_size, "tp_split": self.tp_split}
-
-    def checkpoint_key(self, name: str) -> str:
-        key = name if self.mesh.tp_size == 1 else f"{name}@tp{self.mesh.tp_rank}"
-        return f"{key}@pp{self.mesh.pp_rank}" if name in self.tied_names else key
-
-    def checkpoint_keys(self) -> list:
-        return [(self.checkpoint_key(n), list(s)) for n, s in self.local_shapes.items()]
-
-    def saves_extras(self) -> bool:
-        return self.dp_comm.rank == 0 and self.mesh.tp_rank == 0
 
     def extras(self) -> dict:
         return dict(self._extras)

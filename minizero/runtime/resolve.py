@@ -20,13 +20,21 @@ from minizero.runtime.config import ConfigError, load_config
 from minizero.runtime.schedulers import build_scheduler
 
 
+class PipelineSpec(NamedTuple):
+    """The pipeline section, as the pipeline engine reads it."""
+    stages: int = 1              # pipeline stages (pp)
+    schedule: str = "1f1b"       # gpipe, 1f1b, interleaved_1f1b or zb_h1 (pipeline/schedules.py)
+    chunks: int = 1              # model chunks per rank (Megatron's virtual stages)
+
+
 class Plan(NamedTuple):
-    config: dict             # the checked config, every default filled in (config.py)
+    """Everything the engine builds from, checked; the runtime below resolve() reads these fields only."""
+    config: dict             # the checked config, every default filled in (config.py): engine.config, nothing else
     world_size: int          # ranks in the job
     dp_size: int             # ranks that split the batch (world / (pp x tp x cp))
     pp_size: int             # pipeline stages
     tp_size: int             # tensor-parallel ranks
-    stage: int               # the ZeRO stage: strategies.STRATEGIES[stage] is the data-parallel strategy
+    stage: int               # the ZeRO stage
     dtype: torch.dtype       # fp32, fp16 or bf16 (the model is cast to it)
     optimizer_cls: type      # the torch optimizer, by DeepSpeed's rules (optimizer_spec)
     optimizer_kwargs: dict
@@ -35,9 +43,29 @@ class Plan(NamedTuple):
     offload: object          # a zero.tiers.OffloadSpec (DeepSpeed's offload sections), or None
     cp_size: int = 1         # sequence_parallel_size: ranks splitting each sequence (DeepSpeed-Ulysses)
     ep_size: int = 1         # the model's MoE layers' ep_size: ranks sharing out the experts
+    # the data-parallel strategy's knobs (zero_optimization), converted once
+    bucket_numel: int = 500_000_000       # reduce_bucket_size: gradients per DDP / ZeRO-2 bucket (elements)
+    overlap_comm: bool = False            # reduce during backward; at stage 3 with prefetch: gather ahead
+    prefetch: bool = False                # stage 3: gather the next unit while this one computes
+    persistence_threshold: int = 100_000  # stage 3: parameters below this many elements stay whole
+    zeropp: object = None                 # a zero.tiers.ZeroPPSpec when a ZeRO++ key is on, else None
+    mics_shard_size: int | None = None    # hybrid sharding: ZeRO-3 over groups of this many ranks (MiCS)
+    # the rest of the chain
+    sequence_parallel: bool = False       # tensor_parallel.sequence_parallel (Megatron's SP)
+    cp_attention: str = "ulysses"         # context_parallel.attention: ulysses or ring
+    activation_checkpointing: bool = False  # the section is present: every block recomputes in backward
+    loss_scaler: dict | None = None       # fp16's LossScaler keyword arguments (fp16 enabled), else None
+    gradient_clipping: float = 0.0        # the global-norm clip (0: off)
+    train_batch_size: int = 1
+    micro_batch_size: int = 1             # train_micro_batch_size_per_gpu
+    gradient_accumulation_steps: int = 1
+    scheduler: dict | None = None         # DeepSpeed's scheduler section (schedulers.build_scheduler)
+    seed: int = 0                         # the data loader's shuffle seed
+    pipeline: PipelineSpec = PipelineSpec()
 
     @property
-    def half(self) -> bool:
+    def mixed_precision(self) -> bool:
+        """fp16 or bf16 parameters with fp32 masters."""
         return self.dtype != torch.float32
 
 
@@ -310,6 +338,47 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
             raise ConfigError("zero_init: true, but the model was built without zero.Init: build it inside "
                               "`with minizero.zero.Init(): model = ...` (python -m minizero train does), or remove "
                               "the key")
+    mics = zero["mics_shard_size"] if zero["mics_shard_size"] > 0 else None
+    if mics is not None:
+        _check_hybrid(mics, cfg, world_size, ep, zero_init)
     dtype = torch.float16 if cfg["fp16"]["enabled"] else torch.bfloat16 if cfg["bf16"]["enabled"] else torch.float32
+    from minizero.zero.tiers import ZeroPPSpec
+    zeropp = ZeroPPSpec(zero["zero_quantized_weights"], hpz, zero["zero_quantized_gradients"])
     return Plan(cfg, world_size, world_size // (pipe["stages"] * tp * cp), pipe["stages"], tp, zero["stage"], dtype,
-                cls, kw, groups, zero_init, offload, cp, ep)
+                cls, kw, groups, zero_init, offload, cp, ep,
+                bucket_numel=int(zero["reduce_bucket_size"]), overlap_comm=zero["overlap_comm"],
+                prefetch=zero["overlap_comm"] and zero["stage3_prefetch_bucket_size"] > 0,
+                persistence_threshold=int(zero["stage3_param_persistence_threshold"]),
+                zeropp=zeropp if zeropp.enabled else None, mics_shard_size=mics,
+                sequence_parallel=cfg["tensor_parallel"]["sequence_parallel"],
+                cp_attention=cfg["context_parallel"]["attention"],
+                activation_checkpointing=cfg["activation_checkpointing"] is not None,
+                loss_scaler={k: v for k, v in cfg["fp16"].items() if k != "enabled"} if cfg["fp16"]["enabled"] else None,
+                gradient_clipping=cfg["gradient_clipping"], train_batch_size=cfg["train_batch_size"],
+                micro_batch_size=cfg["train_micro_batch_size_per_gpu"],
+                gradient_accumulation_steps=cfg["gradient_accumulation_steps"], scheduler=cfg["scheduler"],
+                seed=cfg["seed"], pipeline=PipelineSpec(pipe["stages"], pipe["schedule"], pipe["chunks"]))
+
+
+def _check_hybrid(k: int, cfg: dict, world_size: int, ep: int, zero_init):
+    """zero_optimization.mics_shard_size k (DeepSpeed's MiCS): ZeRO-3 over groups of k ranks, replicated across them."""
+    zero = cfg["zero_optimization"]
+    key = f"zero_optimization.mics_shard_size={k}"
+    if zero["stage"] != 3:
+        raise ConfigError(f"{key} shards parameters over groups of {k} ranks, which needs stage 3 (as DeepSpeed's "
+                          f"MiCS); got stage {zero['stage']}. Set \"stage\": 3 or remove it")
+    if world_size % k:
+        raise ConfigError(f"{key} does not divide the world size {world_size}: the shard groups must tile the "
+                          f"ranks; use a divisor of {world_size}")
+    others = [(what, on) for what, on in (
+        ("ZeRO++ (zero_quantized_weights / zero_hpz_partition_size / zero_quantized_gradients)",
+         zero["zero_quantized_weights"] or zero["zero_quantized_gradients"] or zero["zero_hpz_partition_size"] > 1),
+        ("offload_optimizer", zero["offload_optimizer"]["device"] != "none"),
+        ("pipeline.stages > 1", cfg["pipeline"]["stages"] > 1),
+        ("tensor_parallel.autotp_size > 1", cfg["tensor_parallel"]["autotp_size"] > 1),
+        ("sequence_parallel_size > 1", cfg["sequence_parallel_size"] > 1),
+        (f"MoE layers of ep_size={ep}", ep > 1),
+        ("a model built under zero.Init", zero_init is not None)) if on]
+    if others:
+        raise ConfigError(f"{key} with {others[0][0]}: not implemented in minizero (zero.HybridShard shards over "
+                          "the ranks of one group and averages across groups, with none of these); remove one")

@@ -1,32 +1,25 @@
-"""The data-parallel strategies, one shape to the engine: a wrapped module plus a torch optimizer.
+"""The data-parallel strategies, one protocol to the engine: a wrapped module plus a torch optimizer.
 
-DDP, ZeRO-1, ZeRO-2, ZeRO-3 (FSDP, and ZeRO++ which is FSDP with other collectives) differ in what a
-rank holds (Rajbhandari et al. 2020, Fig. 1: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N bytes for mixed-
-precision Adam) and where the gradient is reduced. The engine needs six things of each, and asks
-nothing else (no stage numbers outside STRATEGIES):
+DDP, ZeRO-1, ZeRO-2, ZeRO-3 (FSDP, ZeRO++ which is FSDP with other collectives, and hybrid sharding which
+is FSDP inside a node) differ in what a rank holds (Rajbhandari et al. 2020, Fig. 1: 16Ψ, 4Ψ + 12Ψ/N,
+2Ψ + 14Ψ/N, 16Ψ/N bytes for mixed-precision Adam) and where the gradient is reduced. `Strategy` below
+declares everything the engines and the checkpoints use of one (tests/test_strategy_protocol.py fails
+when the runtime reads a name it does not declare); runtime/chain.select_strategy is the one place a
+plan becomes a strategy. docs/design.md, "How to add a strategy", walks through HybridShardStrategy.
 
-    wrapped / optimizer          what forward calls / a torch.optim.Optimizer (schedulers take it)
-    backward_context(boundary)   DDP accumulates locally until the boundary (no_sync), the others not
-    reduced_grads() -> Grads     the averaged fp32 gradients this rank holds, sharded or replicated
-    apply() / zero_grad()        step what this rank owns / forget this step's gradients
-    segments() -> [Segment]      the fp32 tensors the optimizer steps, piece by piece (checkpoints)
-    memory_objects()             what the ledger walks (memory.measure)
-
-    strategy = STRATEGIES[stage](model, comm, part)     # part: a StrategyPart (below)
-
-Offload is a part of a strategy, passed to its constructor (`part.offload`, a zero.tiers.OffloadSpec):
-ShardedOptimizer / ShardGradOp / FSDPOptimizer build their tier (zero/offload.py's HostOptimizer,
-zero/infinity.py's DiskOptimizer), which then owns the fp32 masters, the gradients it steps and the
-step; the strategy's protocol is unchanged.
+Offload is part of a strategy's spec (`spec.offload`, a zero.tiers.OffloadSpec): ShardedOptimizer /
+ShardGradOp / FSDPOptimizer build their tier (zero/offload.py's HostOptimizer, zero/infinity.py's
+DiskOptimizer), which then owns the fp32 masters, the gradients it steps and the step; the protocol is
+unchanged.
 """
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from typing import Callable, NamedTuple
 
 import torch
-
 
 class Piece(NamedTuple):
     """Elements [lo, hi) of the flattened parameter `name` are tensor[offset:offset + hi - lo]."""
@@ -52,8 +45,8 @@ class Grads(NamedTuple):
     replicated: list
 
 
-class StrategyPart(NamedTuple):
-    """What a strategy is built from, resolved by the engine from the config (runtime/resolve.py)."""
+class StrategySpec(NamedTuple):
+    """What a strategy is built from: runtime/chain.strategy_spec reads it off the resolved Plan."""
     optimizer_cls: type
     optimizer_kwargs: dict
     groups: list | None          # param groups (None: one group of every trainable parameter)
@@ -62,41 +55,91 @@ class StrategyPart(NamedTuple):
     overlap: bool                # reduce during backward (DDP, ZeRO-2)
     prefetch: bool               # ZeRO-3: gather the next unit while this one computes
     persistence_threshold: int   # ZeRO-3: parameters below this many elements stay whole
-    zeropp: dict | None          # ZeRO-3: {"quantized_weights", "hpz", "quantized_gradients", "mesh"} or None
+    zeropp: object               # ZeRO-3: a zero.tiers.ZeroPPSpec, or None
+    node_mesh: object            # ZeRO++'s and hybrid sharding's nodes (a comm.Mesh), or None
     zero_init: object            # the zero.Init recorder the model was built under, or None
     offload: object              # a zero.tiers.OffloadSpec (the optimizer's tier, ZeRO-3's shards) or None
     runtime_syncs: bool = False  # a pipeline runtime calls DDP's finish_gradient_synchronization itself
 
     @property
-    def half(self) -> bool:
+    def mixed_precision(self) -> bool:
+        """fp16 or bf16 parameters with fp32 masters (precision.py)."""
         return self.dtype != torch.float32
 
 
-class Strategy:
-    """The protocol (module docstring). Subclasses fill wrapped, optimizer and the methods."""
+class Strategy(ABC):
+    """The protocol every data-parallel strategy implements; the engines and checkpoints use nothing else.
 
-    shards = True           # each rank holds a different piece of the gradient (its squares add up over the ranks)
-    has_replicated = False  # some gradients are equal on every data-parallel rank (DDP's; ZeRO-3's whole ones)
+    Attributes (set by __init__):
+        model       the module this rank trains (a pipeline stage, a TP split: what this rank has)
+        comm        the data-parallel ranks it reduces and shards over
+        spec        the StrategySpec it was built from
+        wrapped     what forward calls (the model, or the wrapper that gathers or reduces around it)
+        optimizer   a torch.optim.Optimizer: what schedulers edit and checkpoints read the state of
+        offload     the host or disk tier (zero/tiers.py) when spec.offload is set, else None
+    Class attributes:
+        shards          each rank holds a different piece of the gradients (their squares add up over ranks)
+        has_replicated  some gradients are equal on every data-parallel rank (DDP's; ZeRO-3's whole ones)
+    """
 
-    def __init__(self, model: torch.nn.Module, comm, part: StrategyPart):
-        self.model = model    # the module this strategy trains (a pipeline stage, a TP split: the part this rank has)
-        self.comm = comm      # the data-parallel ranks it reduces and shards over
-        self.part = part      # what it was built from
-        self.offload = None   # the host tier (HostOptimizer / DiskOptimizer) when part.offload is set
-        self.wrapped = model  # what forward calls
+    shards: bool = True
+    has_replicated: bool = False
+
+    def __init__(self, model: torch.nn.Module, comm, spec: StrategySpec):
+        self.model = model
+        self.comm = comm
+        self.spec = spec
+        self.offload = None
+        self.wrapped = model
         self.optimizer = None
 
+    # ------------------------------------------------------------------ the step (each strategy's own)
+    @abstractmethod
+    def reduced_grads(self) -> Grads:
+        """At the boundary: the averaged fp32 gradients this rank holds, sharded or replicated."""
+
+    @abstractmethod
+    def grad_names(self, name_of: dict) -> tuple[list, list]:
+        """Per tensor of reduced_grads(): its parameter's name, or ([(name, lo, numel)], numel) for a flat piece."""
+
+    @abstractmethod
+    def apply(self):
+        """Step what this rank owns with the reduced gradients, and make the model's parameters follow."""
+
+    @abstractmethod
+    def zero_grad(self):
+        """Forget this step's gradients."""
+
+    @abstractmethod
+    def segments(self, name_of: dict) -> list:
+        """[Segment]: the fp32 tensors the optimizer steps, piece by piece (what a checkpoint writes)."""
+
+    # ------------------------------------------------------------------ hooks with a default
     def forward_prelude(self):
         """Before a training forward (ZeRO-1 has no wrapper to broadcast rank 0's buffers)."""
 
     def backward_context(self, boundary: bool):
+        """DDP accumulates locally until the boundary (no_sync); the others reduce every backward."""
         return nullcontext()
+
+    def norm_comm(self, world):
+        """The ranks over which the sharded gradients' squares add up to the model's (None: none are sharded)."""
+        return world if self.shards else None
+
+    def writes(self, segment: Segment) -> bool:
+        """Whether this rank writes `segment` to a checkpoint (a replicated one is written once)."""
+        return not segment.replicated or self.comm.rank == 0
 
     def param_names(self, names: dict) -> dict:
         """{id(trained tensor): name}: `names` maps the model's own parameters; ZeRO-3 trains local parts."""
         return names
 
+    def expert_names(self, name_of: dict) -> set:
+        """Names of the expert parameters counted per expert-data-parallel group in the norm (MoE)."""
+        return set()
+
     def memory_objects(self) -> tuple:
+        """What the ledger walks (memory.measure)."""
         return (self.wrapped, self.optimizer)
 
     def offload_traffic(self) -> dict:
@@ -118,20 +161,20 @@ class DDPStrategy(Strategy):
     shards = False
     has_replicated = True
 
-    def __init__(self, model, comm, part):
-        super().__init__(model, comm, part)
+    def __init__(self, model, comm, spec):
+        super().__init__(model, comm, spec)
         from minizero.dp.ddp import DDP
         from minizero.precision import MixedPrecisionOptimizer
         # a pipeline of one data-parallel rank reduces nothing: no wrapper
-        self.ddp = None if part.runtime_syncs and comm.size == 1 else \
-            DDP(model, comm, bucket_numel=part.bucket_numel, overlap=part.overlap)
+        self.ddp = None if spec.runtime_syncs and comm.size == 1 else \
+            DDP(model, comm, bucket_numel=spec.bucket_numel, overlap=spec.overlap)
         self.wrapped = self.ddp or model
         self.params = self.ddp.params if self.ddp is not None else \
             list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
-        params = part.groups or self.params
-        kw = part.optimizer_kwargs
-        self.optimizer = MixedPrecisionOptimizer(params, part.optimizer_cls, None, 0.0, comm, **kw) if part.half \
-            else part.optimizer_cls(params, **kw)
+        params = spec.groups or self.params
+        kw = spec.optimizer_kwargs
+        self.optimizer = MixedPrecisionOptimizer(params, spec.optimizer_cls, None, 0.0, comm, **kw) if spec.mixed_precision \
+            else spec.optimizer_cls(params, **kw)
 
     def backward_context(self, boundary: bool):
         return self.ddp.no_sync() if self.ddp is not None and not boundary else nullcontext()
@@ -139,12 +182,12 @@ class DDPStrategy(Strategy):
     def _trained(self):
         """(model parameter, the fp32 tensor stepped for it) in order."""
         opt = self.optimizer
-        return list(zip(opt.params, opt.masters)) if self.part.half else [(p, p) for p in self.params]
+        return list(zip(opt.params, opt.masters)) if self.spec.mixed_precision else [(p, p) for p in self.params]
 
     def reduced_grads(self) -> Grads:
-        if self.ddp is not None and not self.part.runtime_syncs:
+        if self.ddp is not None and not self.spec.runtime_syncs:
             self.ddp.finish_gradient_synchronization()
-        if not self.part.half:
+        if not self.spec.mixed_precision:
             return Grads([], [p.grad for p in self.params if p.grad is not None])
         for p, m in self._trained():
             m.grad = None if p.grad is None else p.grad.float()
@@ -156,7 +199,7 @@ class DDPStrategy(Strategy):
 
     @torch.no_grad()
     def apply(self):
-        if not self.part.half:
+        if not self.spec.mixed_precision:
             self.optimizer.step()
             return
         self.optimizer.step_masters()
@@ -169,13 +212,13 @@ class DDPStrategy(Strategy):
             m.grad = None
 
     def segments(self, name_of: dict) -> list:
-        inner = self.optimizer.optimizer if self.part.half else self.optimizer
+        inner = self.optimizer.optimizer if self.spec.mixed_precision else self.optimizer
         return [Segment(t, inner, [Piece(name_of[id(p)], 0, t.numel(), 0, t in inner.state)], True)
                 for p, t in self._trained()]
 
     @torch.no_grad()
     def after_load(self, master_of, stateful, name_of):
-        if self.part.half:
+        if self.spec.mixed_precision:
             for p, m in self._trained():
                 p.copy_(m)
 
@@ -184,8 +227,9 @@ class DDPStrategy(Strategy):
 class FlatStrategy(Strategy):
     """ZeRO-1 and ZeRO-2: one flat buffer (zero/flat_layout.py), this rank steps its 1/N shard."""
 
+    @abstractmethod
     def _local_grad_shard(self) -> torch.Tensor:
-        raise NotImplementedError
+        """This rank's reduced gradient shard (ZeRO-1 reduce-scatters it now; ZeRO-2 did in backward)."""
 
     def reduced_grads(self) -> Grads:
         # fp32, where the step uses it: the device shard (a copy of a 16-bit one), or the host tier's buffer
@@ -208,7 +252,7 @@ class FlatStrategy(Strategy):
             return [Segment(opt.master, self.offload,
                             [Piece(name_of[id(opt.params[pc.index])], pc.lo, pc.hi, pc.shard_lo, True)
                              for pc in opt.layout.pieces(self.comm.rank)], False)]
-        return _run_segments(opt, name_of)
+        return run_segments(opt, name_of)
 
     @torch.no_grad()
     def after_load(self, master_of, stateful, name_of):
@@ -222,13 +266,12 @@ class FlatStrategy(Strategy):
 class Zero1Strategy(FlatStrategy):
     """Stage 1: optimizer state sharded (zero.ShardedOptimizer); the model is the user's, unwrapped."""
 
-
-    def __init__(self, model, comm, part):
-        super().__init__(model, comm, part)
+    def __init__(self, model, comm, spec):
+        super().__init__(model, comm, spec)
         from minizero.zero.sharded_optimizer import ShardedOptimizer
         comm.broadcast_tensors([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
-        self.optimizer = ShardedOptimizer(part.groups or model.parameters(), part.optimizer_cls, comm,
-                                          offload=part.offload, **part.optimizer_kwargs)
+        self.optimizer = ShardedOptimizer(spec.groups or model.parameters(), spec.optimizer_cls, comm,
+                                          offload=spec.offload, **spec.optimizer_kwargs)
         self.offload = self.optimizer.tier
         self._shard_grad = None
 
@@ -251,12 +294,11 @@ class Zero1Strategy(FlatStrategy):
 class Zero2Strategy(FlatStrategy):
     """Stage 2: gradients sharded too (zero.ShardGradOp reduce-scatters bucket by bucket in backward)."""
 
-
-    def __init__(self, model, comm, part):
-        super().__init__(model, comm, part)
+    def __init__(self, model, comm, spec):
+        super().__init__(model, comm, spec)
         from minizero.zero.shard_grad_op import ShardGradOp
-        self.wrapped = ShardGradOp(model, part.optimizer_cls, comm, bucket_numel=part.bucket_numel,
-                                   overlap=part.overlap, params=part.groups, offload=part.offload, **part.optimizer_kwargs)
+        self.wrapped = ShardGradOp(model, spec.optimizer_cls, comm, bucket_numel=spec.bucket_numel,
+                                   overlap=spec.overlap, params=spec.groups, offload=spec.offload, **spec.optimizer_kwargs)
         self.optimizer = self.wrapped.optim
         self.offload = self.optimizer.tier
         self._shard_grad = None
@@ -272,7 +314,7 @@ class Zero2Strategy(FlatStrategy):
         return (self.offload, self.wrapped) if self.offload is not None else (self.wrapped,)
 
 
-def _run_segments(opt, name_of) -> list:
+def run_segments(opt, name_of) -> list:
     """The runs of a FlatShardOptimizer's shards (zero/flat_shard_optimizer.py), one state per run."""
     return [Segment(run.tensor, opt.optim, [Piece(name_of[id(opt.params[i])], lo, hi, off, i in opt.stepped)
                                             for i, lo, hi, off in run.pieces], run.replicated) for run in opt.runs]
@@ -282,32 +324,34 @@ def _run_segments(opt, name_of) -> list:
 class Zero3Strategy(Strategy):
     """Stage 3: parameters sharded too (zero.FSDP, or zero.ZeroPP for ZeRO++), zero.FSDPOptimizer."""
 
-
-    def __init__(self, model, comm, part):
-        super().__init__(model, comm, part)
-        from minizero.zero.fsdp import FSDP
+    def __init__(self, model, comm, spec):
+        super().__init__(model, comm, spec)
         from minizero.zero.fsdp_optimizer import FSDPOptimizer
-        if part.zero_init is None:  # FSDP shards each rank's OWN copy; zero.Init replays the same seed everywhere
+        if spec.zero_init is None:  # FSDP shards each rank's OWN copy; zero.Init replays the same seed everywhere
             comm.broadcast_tensors([*model.parameters(), *model.buffers()])
-        kw = dict(compute_dtype=part.dtype if part.half else None, prefetch=part.prefetch,
-                  persistence_threshold=part.persistence_threshold)
-        if part.zeropp is not None:
-            from minizero.zero.zeropp import ZeroPP
-            pp = part.zeropp
-            self.wrapped = ZeroPP(model, pp["mesh"], quantized_weights=pp["quantized_weights"], hpz=pp["hpz"],
-                                  quantized_gradients=pp["quantized_gradients"], **kw)
-        else:
-            self.wrapped = FSDP(model, comm, **kw)
-        if part.zero_init is not None:  # buffers and frozen parameters (the local parts stay fp32 shard views)
+        self.wrapped = self._wrap(model, comm, spec, dict(
+            compute_dtype=spec.dtype if spec.mixed_precision else None, prefetch=spec.prefetch,
+            persistence_threshold=spec.persistence_threshold))
+        if spec.zero_init is not None:  # buffers and frozen parameters (the local parts stay fp32 shard views)
             trained = {id(p) for p in self.wrapped.parameters() if p.requires_grad}
             device = comm.device
             for t in [*model.buffers(), *(p for p in model.parameters() if id(p) not in trained)]:
-                t.data = t.data.to(device, part.dtype if part.half and t.is_floating_point() else None)
-        self.optimizer = FSDPOptimizer(self.wrapped, part.optimizer_cls, part.groups, offload=part.offload,
-                                       **part.optimizer_kwargs)
+                t.data = t.data.to(device, spec.dtype if spec.mixed_precision and t.is_floating_point() else None)
+        self.optimizer = FSDPOptimizer(self.wrapped, spec.optimizer_cls, spec.groups, offload=spec.offload,
+                                       **spec.optimizer_kwargs)
         self.offload = self.optimizer.tier
         self._whole = {id(u.whole) for u in self.wrapped.units if u.whole is not None}
         self.has_replicated = bool(self._whole)  # the same on every rank: the units are cut alike
+
+    def _wrap(self, model, comm, spec, kw):
+        """FSDP over the data-parallel ranks, or ZeroPP (FSDP with ZeRO++'s collectives) over its nodes."""
+        from minizero.zero.fsdp import FSDP
+        if spec.zeropp is None:
+            return FSDP(model, comm, **kw)
+        from minizero.zero.zeropp import ZeroPP
+        pp = spec.zeropp
+        return ZeroPP(model, spec.node_mesh, quantized_weights=pp.quantized_weights, hpz=pp.hpz_partition_size > 1,
+                      quantized_gradients=pp.quantized_gradients, **kw)
 
     def param_names(self, names):
         return {id(p): n for n, p in self.wrapped.named_parameters()}  # FSDP's local parts carry the original names
@@ -325,7 +369,7 @@ class Zero3Strategy(Strategy):
                      [g for (_, name), g in parts if name == "whole" and g is not None])
 
     def grad_names(self, name_of):
-        """Per gradient tensor: ([(name, lo, numel)], numel) of the unit shard or persistent part."""
+        """Per gradient tensor: ([(name, lo, numel)], numel) of the unit shard or persistent spec."""
         fsdp, rank = self.wrapped, self.comm.rank
         shards, wholes = [], []
         with_grad = (lambda u, name: True) if self.offload is not None else \
@@ -352,7 +396,7 @@ class Zero3Strategy(Strategy):
 
     def segments(self, name_of):
         if self.offload is None:
-            return _run_segments(self.optimizer, name_of)
+            return run_segments(self.optimizer, name_of)
         rank, groups = self.comm.rank, []
         for u in self.wrapped.units:  # the host optimizer steps whole flat shards, every element every step
             first = [fqns[0] for _, _, fqns in u.entries]
@@ -383,8 +427,23 @@ class Zero3Strategy(Strategy):
         return (self.optimizer, self.wrapped)  # the optimizer first: an offloaded one says where its tensors live
 
 
-# The stage table: the one place a ZeRO stage number becomes code.
-STRATEGIES = {0: DDPStrategy, 1: Zero1Strategy, 2: Zero2Strategy, 3: Zero3Strategy}
+# ---------------------------------------------------------------------------------------- hybrid sharding
+class HybridShardStrategy(Zero3Strategy):
+    """ZeRO-3 inside each node, whole replicas across nodes (zero.HybridShard; DeepSpeed's MiCS,
+    zero_optimization.mics_shard_size = the ranks per node; FSDP's HYBRID_SHARD). Everything else is
+    ZeRO-3's: what differs is where the shards' squares add up and which rank writes a shard."""
+
+    def _wrap(self, model, comm, spec, kw):
+        from minizero.zero.hybrid import HybridShard
+        self.mesh = spec.node_mesh  # mesh.node shards, mesh.cross_node replicates
+        return HybridShard(model, self.mesh, **kw)
+
+    def norm_comm(self, world):
+        return self.mesh.node  # every node holds the whole model in shards: its squares are the model's
+
+    def writes(self, segment):
+        # one node writes its shards (the others hold the same); its first rank writes the replicated parts
+        return self.mesh.cross_node.rank == 0 and (not segment.replicated or self.mesh.node.rank == 0)
 
 
 def norm_weights(grads: Grads, layout, weight_of: Callable | None, device) -> tuple[list, list]:

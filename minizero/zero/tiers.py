@@ -36,6 +36,17 @@ class OffloadSpec(NamedTuple):
     param_nvme_path: str | None = None   # where the parameter files go (params "nvme")
 
 
+class ZeroPPSpec(NamedTuple):
+    """DeepSpeed's three ZeRO++ keys (zero_optimization.zero_*), as ZeRO-3's strategy reads them (zero/zeropp.py)."""
+    quantized_weights: bool = False   # qwZ: int8 weight all-gathers
+    hpz_partition_size: int = 1       # hpZ: ranks per node holding a secondary partition (1: off)
+    quantized_gradients: bool = False  # qgZ: int4 hierarchical all-to-all gradient reduce
+
+    @property
+    def enabled(self) -> bool:
+        return self.quantized_weights or self.quantized_gradients or self.hpz_partition_size > 1
+
+
 def build_tier(spec: OffloadSpec, device_params, optimizer_cls, rank: int = 0, after_params=None,
                **optimizer_kwargs) -> OffloadedOptimizer:
     """The tier that steps `device_params` (flat fp32 or 16-bit device tensors) off the device; `rank`
