@@ -10,6 +10,7 @@ another stage; the state right after loading must equal the files' bit for bit."
 import hashlib
 import os
 import shutil
+import warnings
 
 import torch
 
@@ -133,8 +134,10 @@ def errors(comm, root, full=None):
 
     def attempt(name, load_dir, e=engine, **kw):
         try:
-            e.load_checkpoint(load_dir, **kw)
-            out[name] = {"error": None}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                returned = e.load_checkpoint(load_dir, **kw)
+            out[name] = {"error": None, "returned": returned, "warnings": [str(w.message) for w in caught]}
         except CheckpointError as ex:
             out[name] = {"error": str(ex)}
         out[name]["unchanged"] = not same(before, state(engine)) if e is engine else None

@@ -168,7 +168,7 @@ def example_configs(comm, configs, out_dir):
     out = {}
     for path in configs:
         name = os.path.splitext(os.path.basename(path))[0]
-        res = train(comm, path, steps=3, out=os.path.join(out_dir, name), progress=False)
+        res = train(comm, path, steps=5, out=os.path.join(out_dir, name), progress=False)
         out[f"config/{name}"] = [r["loss"] for r in res["records"]]
     return out
 

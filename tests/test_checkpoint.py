@@ -68,11 +68,14 @@ def test_bad_checkpoints_are_refused_and_change_nothing(saved):
     e = saved[1][0]["errors"]
     expected = {"missing_shard": "the shard of rank 1 of 2 (rank1.pt) is missing",
                 "truncated": "truncated or replaced", "corrupt": "checksum differs from meta.json",
-                "no_latest": "there is no 'latest' file", "wrong_model": "holds a different model"}
+                "wrong_model": "holds a different model"}
     for name, text in expected.items():
         assert e[name]["error"] and text in e[name]["error"], (name, e[name]["error"])
         assert "Nothing was loaded" in e[name]["error"] and e[name]["unchanged"], name
     assert "'wte.weight' [64, 32] there, 'wte.weight' [64, 48] here" in e["wrong_model"]["error"]
+    # no `latest` and no tag: DeepSpeed's answer, (None, None) and a warning (rank 0's), nothing loaded
+    assert list(e["no_latest"]["returned"]) == [None, None] and e["no_latest"]["unchanged"]
+    assert any("no 'latest' file" in w and "nothing was loaded" in w for w in e["no_latest"]["warnings"])
     assert "middle of gradient accumulation" in e["mid_accumulation"]
     for r in saved[1]:  # rank 0 could not create the directory: every rank raised, none hung
         assert "cannot write into" in r["errors"]["unwritable"], r["errors"]["unwritable"]

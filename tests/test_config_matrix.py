@@ -6,7 +6,7 @@ Plus ZeRO++ with all three flags at two persistence thresholds the defaults neve
 sharded) and 5000 (TinyGPT's root unit, embeddings, head and final norm, entirely persistent, so a unit with
 nothing to gather sits beside units with sharded weights).
 
-Checked per config: 3 steps logged with finite losses, the loss falls (the source article's fp16 config
+Checked per config: 5 steps logged with finite losses, the loss falls (the source article's fp16 config
 instead skips its first steps at loss scale 2^16 and lowers the scale as DeepSpeed does), no
 warning printed twice, and the summary says "nothing is sharded" exactly where ZeRO-3's persistence threshold
 keeps every tensor whole. fp32 configs that train the same model with the same optimizer and data and differ
@@ -31,6 +31,8 @@ SEED = "ds_config_seed001"
 SAME_AS_ZERO2_OFFLOAD = ["activation_checkpointing", "offload_nvme", "zero3_init", "zeropp_all", "zeropp_hpz",
                          "zeropp_qgz", "zeropp_qwz"]
 EXTRA = {"zeropp_all_threshold_0": 0, "zeropp_all_threshold_5000": 5000}
+# WarmupLR starts as DeepSpeed's: steps 1 and 2 run at lr 0, so a falling loss needs a few more
+STEPS = 5
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def matrix(tmp_path_factory):
         paths.append(tmp / f"{name}.json")
         paths[-1].write_text(json.dumps(cfg))
     cmd = [launch.find_mpirun(), "-n", "4", sys.executable, "-m", "minizero", "train", "--config", *map(str, paths),
-           "--steps", "3", "--out", str(tmp / "runs"), "--no-progress"]
+           "--steps", str(STEPS), "--out", str(tmp / "runs"), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "MINIZERO_WATCHDOG_S": "240"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -79,16 +81,16 @@ def test_config_trains_through_the_train_command(matrix, name):
     log = matrix["logs"][name]
     assert log is not None, f"{name}: no train_log.jsonl\n{matrix['stdout'][-3000:]}"
     losses = [r["loss"] for r in log]
-    assert [r["step"] for r in log] == [1, 2, 3] and all(math.isfinite(x) for x in losses), (name, losses)
+    assert [r["step"] for r in log] == list(range(1, STEPS + 1)) and all(math.isfinite(x) for x in losses), (name, losses)
     if name == SEED:
         # 2^16 overflows: DeepSpeed skips the step; with hysteresis 2 the first overflow keeps the scale and
         # the second halves it; a skipped step does not advance WarmupLR, whose first lr is warmup_min_lr 0
-        assert [r["skipped"] for r in log] == [True, True, False], log
-        assert [r["loss_scale"] for r in log] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15], log
-        assert [r["lr"] for r in log] == [0.0, 0.0, 0.0], log
+        assert [r["skipped"] for r in log][:3] == [True, True, False], log
+        assert [r["loss_scale"] for r in log][:3] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15], log
+        assert [r["lr"] for r in log][:3] == [0.0, 0.0, 0.0], log
     else:
-        assert losses[-1] < losses[0], f"{name}: the loss did not fall in 3 steps: {losses}"
-    assert "4 ranks" in matrix["sections"][name] and "steps 1..3" in matrix["sections"][name]  # its own summary
+        assert losses[-1] < losses[0], f"{name}: the loss did not fall in {STEPS} steps: {losses}"
+    assert "4 ranks" in matrix["sections"][name] and f"steps 1..{STEPS}" in matrix["sections"][name]  # its own summary
 
 
 def test_summary_says_when_nothing_is_sharded(matrix):

@@ -132,8 +132,9 @@ def test_example_configs_train():
     for path in EXAMPLES:
         name = os.path.splitext(os.path.basename(path))[0]
         losses = results()[0][f"config/{name}"]
-        assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), (name, losses)
-        assert losses[-1] < losses[0], f"{name}: the loss did not fall in 3 steps: {losses}"
+        assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses))), (name, losses)
+        # configs with WarmupLR run steps 1 and 2 at lr 0, as DeepSpeed does: 5 steps to see the loss fall
+        assert losses[-1] < losses[0], f"{name}: the loss did not fall in 5 steps: {losses}"
 
 
 # ---------------------------------------------------------------------------- no ranks needed

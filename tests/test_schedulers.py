@@ -18,26 +18,29 @@ def _trace(sched, n):
     return out
 
 
+# lrs[i] is the learning rate of optimizer step i + 1: DeepSpeed's schedules start at last_batch_iteration -1
+# (deepspeed/runtime/lr_schedules.py), so steps 1 and 2 both run at the start value and lrs[i] = lr(t = i - 1)
 def test_warmup_lr_log_and_linear():
-    lrs = _trace(WarmupLR(_opt(), warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=10), 13)
-    assert lrs[0] == 0.0 and lrs[9] == pytest.approx(0.1 * math.log(10) / math.log(10))
-    assert lrs[4] == pytest.approx(0.1 * math.log(5) / math.log(10))
-    assert lrs[10:] == [0.1, 0.1, 0.1]
-    lin = _trace(WarmupLR(_opt(), 0.0, 0.1, 10, warmup_type="linear"), 11)
-    assert lin[5] == pytest.approx(0.05) and lin[10] == 0.1
+    lrs = _trace(WarmupLR(_opt(), warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=10), 14)
+    assert lrs[0] == lrs[1] == 0.0 and lrs[2] == pytest.approx(0.1 * math.log(2) / math.log(10))
+    assert lrs[5] == pytest.approx(0.1 * math.log(5) / math.log(10))
+    assert lrs[10] == pytest.approx(0.1) and lrs[11:] == [0.1, 0.1, 0.1]
+    lin = _trace(WarmupLR(_opt(), 0.0, 0.1, 10, warmup_type="linear"), 12)
+    assert lin[:2] == [0.0, 0.0] and lin[6] == pytest.approx(0.05) and lin[11] == 0.1
 
 
 def test_warmup_decay_reaches_zero_at_total():
-    lrs = _trace(WarmupDecayLR(_opt(), total_num_steps=20, warmup_max_lr=0.1, warmup_num_steps=10), 22)
-    assert lrs[10] == pytest.approx(0.1) and lrs[15] == pytest.approx(0.05) and lrs[20] == 0.0 and lrs[21] == 0.0
+    lrs = _trace(WarmupDecayLR(_opt(), total_num_steps=20, warmup_max_lr=0.1, warmup_num_steps=10), 23)
+    assert lrs[11] == pytest.approx(0.1) and lrs[16] == pytest.approx(0.05) and lrs[21] == 0.0 and lrs[22] == 0.0
 
 
 def test_warmup_cosine_scales_optimizer_lr():
     s = WarmupCosineLR(_opt(lr=0.5), total_num_steps=110, warmup_num_steps=10, cos_min_ratio=0.1, warmup_type="linear")
-    lrs = _trace(s, 111)
-    assert lrs[0] == 0.0 and lrs[5] == pytest.approx(0.25)
-    assert lrs[109] == pytest.approx(0.5 * 0.1, rel=1e-6)  # the end of the cosine: cos_min_ratio
-    assert lrs[59] == pytest.approx(0.5 * (0.1 + 0.9 * 0.5), rel=1e-6)
+    lrs = _trace(s, 130)
+    assert lrs[0] == lrs[1] == 0.0 and lrs[6] == pytest.approx(0.25)
+    assert lrs[110] == pytest.approx(0.5 * 0.1, rel=1e-6)  # the end of the cosine: cos_min_ratio
+    assert lrs[60] == pytest.approx(0.5 * (0.1 + 0.9 * 0.5), rel=1e-6)
+    assert lrs[111:] == pytest.approx([0.05] * 19, rel=1e-6)  # past the end it stays there (no second cosine)
 
 
 def test_state_round_trip_and_bad_spec():

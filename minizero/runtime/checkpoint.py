@@ -180,8 +180,9 @@ def remove_interrupted_saves(save_dir) -> list[str]:
     return gone
 
 
-def save(e, save_dir, tag=None, client_state=None) -> str:
-    """Every rank writes its part; returns the checkpoint's directory. A collective."""
+def save(e, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
+    """Every rank writes its part; returns the checkpoint's directory. A collective. save_latest False (DeepSpeed's
+    switch) leaves `latest` naming the previous checkpoint."""
     acc = e.gradient_accumulation_steps()
     if e.micro_steps % acc:
         raise CheckpointError(f"save_checkpoint in the middle of gradient accumulation (micro-step "
@@ -229,7 +230,8 @@ def save(e, save_dir, tag=None, client_state=None) -> str:
                 aside = os.path.join(save_dir, f".{tag}.old-{uuid.uuid4().hex[:8]}")
                 os.rename(final, aside)
             os.rename(tmp, final)
-            _write_atomic(os.path.join(save_dir, "latest"), lambda f: f.write(tag.encode()))
+            if save_latest:
+                _write_atomic(os.path.join(save_dir, "latest"), lambda f: f.write(tag.encode()))
             if aside:
                 shutil.rmtree(aside, ignore_errors=True)
         except OSError as ex:
@@ -365,8 +367,12 @@ def _plan(e, full, scalars):
     return plan
 
 
-def load(e, load_dir, tag=None):
-    """-> (checkpoint path, client_state). A collective; see the module docstring."""
+def load(e, load_dir, tag=None, optimizer_states: bool = True, lr_scheduler_states: bool = True,
+         module_only: bool = False):
+    """-> (checkpoint path, client_state). A collective; see the module docstring. DeepSpeed's switches:
+    optimizer_states False keeps this engine's optimizer state (the fp32 masters still load); module_only loads
+    the masters alone (no optimizer state, scheduler, loss scale, counters or RNG: a warm start)."""
+    optimizer_states = optimizer_states and not module_only
     rank, err = e.comm.rank, None
     inventories = e.comm.allgather_object(_inventory(e))
     try:
@@ -384,20 +390,24 @@ def load(e, load_dir, tag=None):
     with torch.no_grad():
         for t, optim, master, state in plan:
             t.copy_(master)
-            optim.state.pop(t, None)
-            if state:
-                optim.state[t] = state
+            if optimizer_states:
+                optim.state.pop(t, None)
+                if state:
+                    optim.state[t] = state
         e.strategy.after_load(lambda name: full[e.checkpoint_key(name)]["master"],
-                              lambda name: _stateful(full, e.checkpoint_key(name)), e.param_names)
+                              (lambda name: _stateful(full, e.checkpoint_key(name))) if optimizer_states else None,
+                              e.param_names)
         saved = {n: t for rec in records for n, t in rec["extras"].items()}
         for name, t in e.extras().items():
             t.copy_(saved[name])
     r0 = records[0]
+    if module_only:
+        return path, r0["client_state"]
     for k, v in r0["counters"].items():
         setattr(e, k, v)
     if e.loss_scaler is not None and r0["loss_scaler"] is not None:
         e.loss_scaler.load_state_dict(r0["loss_scaler"])
-    if e.lr_scheduler is not None and r0["lr_scheduler"] is not None:
+    if lr_scheduler_states and e.lr_scheduler is not None and r0["lr_scheduler"] is not None:
         e.lr_scheduler.load_state_dict(r0["lr_scheduler"])
     if meta["world_size"] == e.comm.size:
         torch.set_rng_state(records[rank]["rng"])

@@ -65,6 +65,7 @@ def build_engine(model: torch.nn.Module, config, comm=None, model_parameters=Non
 
 class Engine(BaseEngine):
     def __init__(self, model: torch.nn.Module, plan: Plan, comm, mesh=None):
+        super().__init__()           # an nn.Module, as DeepSpeed's engine (runtime/trainer.py)
         self.plan = plan             # the resolved config (runtime/resolve.py): the chain below is a function of it
         self.world = comm            # every rank of the job: votes (fp16 overflow), norms, checkpoints
         self.comm = comm             # the same (DeepSpeed scripts and the tests read engine.comm)

@@ -56,6 +56,7 @@ def _named(model, parts) -> torch.nn.Module:
 
 class PipelineEngine(BaseEngine):
     def __init__(self, model, plan: Plan, comm):
+        super().__init__()                # an nn.Module, as DeepSpeed's engine (runtime/trainer.py)
         self.plan = plan                  # the resolved config (runtime/resolve.py)
         self.world = comm                 # every rank of the job
         self.comm = comm                  # the same, as in Engine
@@ -80,8 +81,8 @@ class PipelineEngine(BaseEngine):
         self.checkpointed_blocks = chain.apply_activation_checkpointing(torch.nn.ModuleList(parts.blocks), plan)
         self.dp_comm = self.mesh.dp       # the data-parallel ranks of this stage
         self.dp_rank, self.dp_size = self.dp_comm.rank, self.dp_comm.size  # which rows of the batch are this rank's
-        self.pipeline = PipelineStage(parts, self.mesh, (plan.micro_batch_size, *parts.hidden_shape),
-                                      num_chunks=plan.pipeline.chunks)
+        self._hold("pipeline", PipelineStage(parts, self.mesh, (plan.micro_batch_size, *parts.hidden_shape),
+                                             num_chunks=plan.pipeline.chunks))  # this rank's part of module
         self.pipeline.to(self.device)
         self.module = model               # the plain model, as the user built it (split over tp in 3D)
         self.tied_names = {self.name_of[id(q)] for q in self.pipeline.tied} if not self.mesh.is_first_stage else set()
@@ -92,13 +93,14 @@ class PipelineEngine(BaseEngine):
         strategy = chain.select_strategy(plan, self.pipeline, self.dp_comm, runtime_syncs=True)
         self._attach(strategy, [self.mesh.pp] + ([self.mesh.tp] if self.mesh.tp_size > 1 else []))
         # DDP of the stage, whose no_sync the schedule drives (None: ZeRO-1 wraps nothing, nor one dp rank)
-        self.wrapped = strategy.wrapped if strategy.wrapped is not self.pipeline else None
+        self._hold("wrapped", strategy.wrapped if strategy.wrapped is not self.pipeline else None)
         self.runtime = PipelineRuntime(self.pipeline, plan.pipeline.schedule, plan.gradient_accumulation_steps,
                                        data_parallel=self.wrapped)
         self.timings = {"pipeline": 0.0, "step": 0.0}
         self.outputs = None
 
     def train(self, mode: bool = True):
+        self.training = mode
         self.pipeline.train(mode)  # this rank's stage: the rest of the user's model is not here
         return self
 

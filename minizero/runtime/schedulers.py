@@ -24,7 +24,10 @@ class _Schedule:
         self.optimizer = optimizer
         self.warmup_num_steps = max(2, int(warmup_num_steps))  # log(1) = 0 would divide by zero
         self.warmup_type = warmup_type
-        self.last_batch_iteration = 0
+        # DeepSpeed's start (deepspeed/runtime/lr_schedules.py, last_batch_iteration=-1): the first optimizer step
+        # runs at the start value (min lr, ratio 0) and the engine's scheduler.step() after it moves to t = 0,
+        # so the learning rates of steps 1, 2, 3 are lr(-1), lr(0), lr(1): 0, 0, then the warm-up's first rise
+        self.last_batch_iteration = -1
         self._apply()
 
     def _warmup_gamma(self, t):
@@ -61,6 +64,8 @@ class WarmupLR(_Schedule):
         super().__init__(optimizer, warmup_num_steps, warmup_type)
 
     def _gamma(self, t):
+        if t < 0:  # before the first scheduler step: the minimum (DeepSpeed's get_lr)
+            return 0.0
         return self._warmup_gamma(t) if t < self.warmup_num_steps else 1.0
 
     def get_lr(self):
@@ -75,6 +80,8 @@ class WarmupDecayLR(WarmupLR):
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type)
 
     def _gamma(self, t):
+        if t < 0:
+            return 0.0
         if t < self.warmup_num_steps:
             return self._warmup_gamma(t)
         return max(0.0, (self.total_num_steps - t) / max(1.0, self.total_num_steps - self.warmup_num_steps))
@@ -89,9 +96,12 @@ class WarmupCosineLR(_Schedule):
 
     def ratio(self, t):
         warmup = self.warmup_num_steps
+        if t < 0:  # before the first scheduler step: 0, as DeepSpeed's get_lr_ratio
+            return 0.0
         if t < warmup:
             return self.warmup_min_ratio + (1 - self.warmup_min_ratio) * self._warmup_gamma(t)
-        progress = (t - warmup + 1) / max(1, self.total_num_steps - warmup)
+        # clamped at the end: past total_num_steps the ratio stays at cos_min_ratio (DeepSpeed clamps too)
+        progress = min(1.0, (t - warmup + 1) / max(1, self.total_num_steps - warmup))
         return max(0.0, self.cos_min_ratio + (1 - self.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
 
     def get_lr(self):

@@ -151,7 +151,8 @@ class Strategy(ABC):
             self.offload.finish()
 
     def after_load(self, master_of: Callable, stateful: Callable, name_of: dict):
-        """After a checkpoint wrote the fp32 masters: make the model's parameters follow."""
+        """After a checkpoint wrote the fp32 masters: make the model's parameters follow. stateful(name): whether
+        the checkpoint gave that parameter optimizer state (None: the optimizer state was not loaded)."""
 
 
 # ---------------------------------------------------------------------------------------- DDP
@@ -259,7 +260,7 @@ class FlatStrategy(Strategy):
         opt = self.optimizer  # every rank holds the full (16-bit) flat parameters
         for p, v in zip(opt.params, opt.layout.views(opt.flat)):
             v.copy_(master_of(name_of[id(p)]).view(v.shape))
-        if self.offload is None:  # which parameters have state now (the host optimizer steps every element)
+        if self.offload is None and stateful is not None:  # which have state now (the host tier steps every element)
             opt.stepped = {i for i, p in enumerate(opt.params) if stateful(name_of[id(p)])}
 
 
@@ -419,7 +420,7 @@ class Zero3Strategy(Strategy):
                 self.offload.sync_masters_from_device()
             else:
                 self.offload.params_to_device()
-        else:
+        elif stateful is not None:
             opt = self.optimizer
             opt.stepped = {i for i, p in enumerate(opt.params) if stateful(name_of[id(p)])}
 

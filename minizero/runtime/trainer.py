@@ -15,6 +15,11 @@ that formula; this module only calls it with the engine's groups.
 """
 from __future__ import annotations
 
+import os
+import warnings
+
+import torch
+
 from minizero import memory
 from minizero.precision import clip_grad_norm_
 from minizero.runtime import checkpoint
@@ -112,18 +117,26 @@ def shares_core(cls):
 
 
 @shares_core
-class BaseEngine:
+class BaseEngine(torch.nn.Module):
     """What the plain and the pipeline engine share, around one data-parallel strategy (strategies.Strategy).
-    A subclass sets plan, world, comm, device, mesh, dp_comm, dp_rank, dp_size, module and the names a
-    checkpoint maps back to (name_of, aliases, state_dict_keys, param_shapes, local_shapes, tp_split,
-    tied_names), then calls _attach(strategy, model_comms)."""
+
+    An nn.Module, as DeepSpeed's engine: `engine.module` is the user's model (registered, so parameters(),
+    named_parameters(), state_dict() and to() are the module's, under "module."), and train()/eval() switch it.
+    A subclass calls BaseEngine.__init__ first, sets plan, world, comm, device, mesh, dp_comm, dp_rank, dp_size,
+    module and the names a checkpoint maps back to (name_of, aliases, state_dict_keys, param_shapes,
+    local_shapes, tp_split, tied_names), then calls _attach(strategy, model_comms). Wrappers and stages that
+    share the module's parameters are held, not registered (`_hold`): the state dict names each tensor once."""
 
     tied_names: set = frozenset()  # a pipeline's later-stage copies of a tied weight (saved as name@pp{s})
 
+    def _hold(self, name: str, value):
+        """An attribute nn.Module must not register as a submodule (it shares the module's parameters)."""
+        object.__setattr__(self, name, value)
+
     def _attach(self, strategy: Strategy, model_comms: list, loss_scaler=None):
         """model_comms: the groups over which replicated gradients differ (pp stages, tp ranks)."""
-        self.strategy = strategy
-        self.wrapped = strategy.wrapped
+        self._hold("strategy", strategy)
+        self._hold("wrapped", strategy.wrapped)
         self.offload = strategy.offload
         self.optimizer = strategy.optimizer  # a torch.optim.Optimizer (offloaded: it drives the tier)
         self.param_names = strategy.param_names(self.name_of)  # checkpoints name each trained tensor
@@ -131,11 +144,92 @@ class BaseEngine:
         self.core = TrainerCore(self.plan, self.optimizer, loss_scaler)
 
     def train(self, mode: bool = True):
+        self.training = mode
         self.module.train(mode)
         return self
 
     def eval(self):
         return self.train(False)
+
+    def destroy(self):
+        """DeepSpeed's: release what the engine holds (its strategy, optimizer and hooks' targets)."""
+        self.strategy.finish_offload()
+        self.strategy.zero_grad()
+        for name in ("strategy", "wrapped", "optimizer", "offload"):
+            self._hold(name, None)
+
+    # ------------------------------------------------------------------ DeepSpeed's accessors
+    @property
+    def global_rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.size
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index on its node: the launcher's LOCAL_RANK (torchrun, DeepSpeed's launcher), MPI's
+        local rank under mpirun, else the global rank (one node)."""
+        for var in ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+            if os.environ.get(var, "").isdigit():
+                return int(os.environ[var])
+        return self.world.rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.dp_size
+
+    @property
+    def mp_world_size(self) -> int:
+        """Model-parallel ranks: pipeline x tensor (DeepSpeed's mpu)."""
+        return self.plan.pp_size * self.plan.tp_size
+
+    def fp16_enabled(self) -> bool:
+        return self.plan.dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.plan.dtype == torch.bfloat16
+
+    def zero_optimization(self) -> bool:
+        return self.plan.stage > 0
+
+    def zero_optimization_stage(self) -> int:
+        return self.plan.stage
+
+    def zero_offload_optimizer(self):
+        return self.plan.config["zero_optimization"]["offload_optimizer"] if self.plan.offload is not None else None
+
+    def zero_offload_param(self):
+        offloaded = self.plan.offload is not None and self.plan.offload.params != "none"
+        return self.plan.config["zero_optimization"]["offload_param"] if offloaded else None
+
+    def gradient_clipping(self) -> float:
+        return self.plan.gradient_clipping
+
+    def steps_per_print(self):
+        return self.plan.config["steps_per_print"]
+
+    def wall_clock_breakdown(self) -> bool:
+        return bool(self.plan.config["wall_clock_breakdown"])
+
+    def get_mom(self) -> list:
+        """Per param group: SGD's momentum, Adam's betas (DeepSpeed's get_mom)."""
+        return [g["momentum"] if "momentum" in g else g.get("betas") for g in self.optimizer.param_groups]
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool):
+        raise NotImplementedError("set_gradient_accumulation_boundary: minizero's engine counts micro-steps and steps "
+                                  "every gradient_accumulation_steps() calls of engine.step(); set that in the config")
+
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        """The model's state dict, as DeepSpeed's (under ZeRO-3 the parameters are this rank's shards: use
+        full_state_dict() for the whole model, as DeepSpeed's zero_to_fp32)."""
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for n, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    sd.pop(prefix + n, None)
+        return sd
 
     # ------------------------------------------------------------------ the step's shared parts
     def weight_of(self):
@@ -158,7 +252,7 @@ class BaseEngine:
         self.core.stepped(micro_steps)
         self.strategy.zero_grad()
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none: bool = True):
         self.strategy.zero_grad()
 
     # ------------------------------------------------------------------ measurements
@@ -175,17 +269,40 @@ class BaseEngine:
         return self.world.stats.as_dict()
 
     # ------------------------------------------------------------------ checkpoints (runtime/checkpoint.py)
-    def save_checkpoint(self, save_dir, tag=None, client_state=None):
-        """Every rank writes its shard; a collective. client_state: plain data (numbers, strings, lists,
-        dicts, tensors), handed back by load_checkpoint."""
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False):
+        """Every rank writes its shard; a collective (DeepSpeed's signature). client_state: plain data (numbers,
+        strings, lists, dicts, tensors), handed back by load_checkpoint. save_latest False: `latest` keeps
+        naming the previous checkpoint."""
+        if exclude_frozen_parameters:
+            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True): minizero's checkpoints "
+                                      "always hold the frozen parameters (they are small here); leave it False")
         self._check_checkpointable()
         self.strategy.finish_offload()  # DPU: the checkpoint holds the update in flight
-        return checkpoint.save(self, save_dir, tag, client_state)
+        return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None):
-        """-> (path, client_state), as DeepSpeed. Validates everything on every rank before changing anything."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False, custom_load_fn=None):
+        """-> (path, client_state), as DeepSpeed's. Validates everything on every rank before changing anything.
+        As DeepSpeed: with no tag and no `latest` file in load_dir, a warning and (None, None), nothing loaded.
+        load_optimizer_states False keeps this engine's optimizer state; load_module_only loads the weights
+        alone (no optimizer state, scheduler, loss scale or counters)."""
+        if not load_module_strict:
+            raise NotImplementedError("load_checkpoint(load_module_strict=False): minizero's checkpoints load only "
+                                      "into the same model (every name and shape checked); leave it True")
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...): not implemented in minizero; load the "
+                                      "state dict yourself from engine.full_state_dict() or `minizero consolidate`")
         self._check_checkpointable()
-        out = checkpoint.load(self, load_dir, tag)
+        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and \
+                not os.path.isfile(os.path.join(load_dir, "checkpoints", "latest")):
+            if self.world.rank == 0:
+                warnings.warn(f"load_checkpoint: no 'latest' file in {os.path.abspath(load_dir)}: nothing was loaded "
+                              "(DeepSpeed returns (None, None) here too); pass tag=... to load a named checkpoint",
+                              stacklevel=2)
+            return None, None
+        out = checkpoint.load(self, load_dir, tag, optimizer_states=load_optimizer_states,
+                              lr_scheduler_states=load_lr_scheduler_states, module_only=load_module_only)
         if self.offload is not None:
             self.offload.steps = self.global_steps - self.skipped_steps  # DPU's warm-up resumes where it was
         return out
@@ -226,4 +343,4 @@ class BaseEngine:
 
     def extras(self) -> dict:
         """Frozen parameters and buffers (replicated, not trained, still the model's), by name."""
-        raise NotImplementedError
+        raise NotImplementedError  # each engine knows where they live
