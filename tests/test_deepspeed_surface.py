@@ -323,3 +323,47 @@ def test_against_real_deepspeed():
         ours = list(inspect.signature(resolve(deepspeed, path)).parameters)
         theirs = list(inspect.signature(resolve(real, path)).parameters)
         assert ours[:len(theirs)] == theirs[:len(ours)], path
+
+
+# ----------------------------------------------------------------------------- config keys DeepSpeed accepts
+
+BASE = {"train_micro_batch_size_per_gpu": 2}
+
+
+def test_deepspeeds_defaults_and_disabled_values_are_accepted():
+    from minizero.runtime.config import load_config
+    cfg = load_config({**BASE, "prescale_gradients": False, "steps_per_print": float("inf"),
+                       "torch_autocast": {"enabled": False, "dtype": "bfloat16"},
+                       "fp16": {"enabled": False, "fp16_master_weights_and_grads": False},
+                       "bf16": {"bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}})
+    assert cfg["steps_per_print"] == float("inf") and cfg["bf16"] == {"enabled": False}
+    assert "prescale_gradients" not in cfg and "torch_autocast" not in cfg
+    assert load_config(json.loads('{"train_micro_batch_size_per_gpu": 2, "steps_per_print": Infinity}'))[
+        "steps_per_print"] == float("inf")
+
+
+@pytest.mark.parametrize("given,says", [
+    ({"prescale_gradients": True}, "'prescale_gradients': true is not implemented"),
+    ({"torch_autocast": {"enabled": True}}, "'torch_autocast.enabled': true is not implemented"),
+    ({"torch_autocast": {"enabeld": False}}, "keys among enabled, dtype, lower_precision_safe_modules"),
+    ({"fp16": {"fp16_master_weights_and_grads": True}}, "'fp16.fp16_master_weights_and_grads': true"),
+    ({"bf16": {"bf16_optimizer_states": True}}, "'bf16.bf16_optimizer_states': true"),
+    ({"steps_per_print": -float("inf")}, "'steps_per_print' must be"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
+     "give one of them, not both"),
+])
+def test_other_values_are_refused_naming_the_key(given, says):
+    from minizero.runtime.config import load_config
+    with pytest.raises(ConfigError) as e:
+        load_config({**BASE, **given})
+    assert says in str(e.value)
+
+
+def test_deprecated_cpu_offload_is_mapped_with_deepspeeds_warning():
+    from minizero.runtime.config import ConfigWarning, load_config
+    with pytest.warns(ConfigWarning, match="Config parameter cpu_offload is deprecated use offload_optimizer instead"):
+        cfg = load_config({**BASE, "zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    with pytest.warns(ConfigWarning):
+        cfg = load_config({**BASE, "zero_optimization": {"stage": 2, "cpu_offload": False}})
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "none"
