@@ -7,7 +7,8 @@ The device is the one minizero's communicator picks (comm.select_backend_and_dev
 one GPU per local rank, else the CPU. The method names and results are DeepSpeed's CUDA_Accelerator's and
 CPU_Accelerator's (deepspeed/accelerator/cuda_accelerator.py, cpu_accelerator.py): on the CPU,
 current_device() is the local rank and the memory queries read this process's resident memory (Linux's
-/proc and getrusage), as DeepSpeed's CPU accelerator reads it through psutil. Streams, events and graphs are not covered.
+/proc and getrusage), as DeepSpeed's CPU accelerator reads it through psutil. Streams, events and graphs
+are not covered.
 """
 from __future__ import annotations
 

@@ -71,7 +71,8 @@ class PipelineModule(nn.Module):
                           ("activation_checkpoint_interval", activation_checkpoint_interval != 0)):
             if bad:
                 raise ValueError(f"PipelineModule: {name} is not implemented by minizero; leave it at DeepSpeed's "
-                                 "default (activation checkpointing: the config's \"activation_checkpointing\" section)")
+                                 "default (activation checkpointing: the config's "
+                                 "\"activation_checkpointing\" section)")
         if str(partition_method).lower() not in ("parameters", "uniform"):
             raise ValueError(f"PipelineModule: partition_method {partition_method!r} is not implemented: minizero cuts "
                              "the blocks into runs of equal count; use 'uniform' (or 'parameters' for equal blocks)")

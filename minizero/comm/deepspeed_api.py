@@ -126,7 +126,8 @@ def all_gather(tensor_list, tensor, group=None, async_op=False, prof=False, log_
     """torch's list form: tensor_list[r] receives rank r's tensor."""
     group = _group(group)
     if len(tensor_list) != group.size:
-        raise ValueError(f"deepspeed.comm.all_gather: tensor_list has {len(tensor_list)} tensors for {group.size} ranks")
+        raise ValueError(f"deepspeed.comm.all_gather: tensor_list has {len(tensor_list)} tensors for "
+                         f"{group.size} ranks")
     flat = torch.empty(group.size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     group.all_gather(flat, tensor.contiguous())
     for out, part in zip(tensor_list, flat.chunk(group.size)):

@@ -6,3 +6,6 @@
     rank.py     what each rank runs first: DeepSpeed's per-rank environment (RANK, LOCAL_RANK, WORLD_SIZE,
                 MASTER_ADDR, MASTER_PORT) and `--local_rank=K` appended to the script's arguments, then the script
 """
+from minizero.launcher.runner import main
+
+__all__ = ["main"]
