@@ -30,7 +30,7 @@ SURFACE = ["initialize", "add_config_arguments", "init_distributed", "accelerato
            "comm.broadcast", "comm.all_gather", "comm.all_gather_into_tensor", "comm.reduce_scatter_tensor",
            "comm.all_to_all_single", "comm.ReduceOp", "comm.new_group", "comm.is_initialized",
            "comm.init_distributed", "pipe.PipelineModule", "pipe.LayerSpec", "utils.RepeatingLoader", "utils.logger",
-           "utils.log_dist", "runtime.utils.set_random_seed", "moe.layer.MoE",
+           "utils.log_dist", "runtime.utils.set_random_seed", "runtime.utils.see_memory_usage", "moe.layer.MoE",
            "moe.utils.split_params_into_different_moe_groups_for_optimizer", "moe.utils.is_moe_param",
            "ops.adam.DeepSpeedCPUAdam", "ops.adam.FusedAdam", "checkpointing.checkpoint", "checkpointing.configure",
            "zero.Init", "zero.GatheredParameters"]
@@ -157,6 +157,22 @@ def test_set_random_seed_seeds_every_generator():
     assert draw() == first
     deepspeed.runtime.utils.set_random_seed(8)
     assert draw() != first
+
+
+def test_see_memory_usage_reports_only_when_forced(caplog):
+    import logging
+    logger = logging.getLogger("minizero")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="minizero"):
+            deepspeed.runtime.utils.see_memory_usage("before", force=False)
+            assert caplog.messages == []
+            deepspeed.runtime.utils.see_memory_usage("after the model", force=True)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert caplog.messages[0] == "after the model" and caplog.messages[1].startswith("MA ")
+    allocated_gb = float(caplog.messages[1].split()[1])
+    assert allocated_gb == pytest.approx(deepspeed.accelerator.get_accelerator().memory_allocated() / 2**30, abs=0.05)
 
 
 def _adam_steps(make, steps=3):

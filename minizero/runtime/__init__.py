@@ -7,7 +7,7 @@
     config.py       the DeepSpeed config subset: defaults, types, "auto", clear errors
     checkpoint.py   sharded "universal" checkpoints that reshard across world sizes and stages
     schedulers.py   DeepSpeed's LR schedulers (WarmupLR, ...)
-    utils.py        set_random_seed (deepspeed.runtime.utils's)
+    utils.py        set_random_seed, see_memory_usage (deepspeed.runtime.utils's)
 """
 
 
