@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from minizero.comm.launcher import local_rank
+from minizero.comm.launcher import local_rank, local_world_size
 
 
 class Accelerator:
@@ -49,8 +49,8 @@ class Accelerator:
     def device_count(self) -> int:
         if self._name == "cuda":
             return torch.cuda.device_count()
-        import os
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        # DeepSpeed's CPU accelerator: the launcher's ranks on this node (its LOCAL_SIZE), else one
+        return local_world_size() or 1
 
     def is_available(self) -> bool:
         return torch.cuda.is_available() if self._name == "cuda" else True

@@ -13,7 +13,8 @@ layers between are the blocks, cut into num_stages runs of equal count ('uniform
 'parameters' is accepted and means the same for equal blocks). minizero's stages allocate what they receive
 from one sample's hidden shape, so the layers between the first and the last must keep one shape, given as
 `hidden_shape` (a minizero keyword; DeepSpeed sends shapes at run time). The config's `pipeline.stages`
-chooses the stage count in minizero's engine: give the same number as num_stages (a mismatch is an error).
+chooses the stage count in minizero's engine: give the same number as num_stages (the engine does not read
+num_stages yet, so a different number cuts the model into the config's count).
 A callable that is not a module (DeepSpeed allows `lambda x: x.view(...)`) runs as a layer without parameters.
 Refused with a clear error: TiedLayerSpec, topology, seed_layers, activation_checkpoint_interval > 0 (use the
 config's "activation_checkpointing" section), partition_method other than 'parameters' / 'uniform'.

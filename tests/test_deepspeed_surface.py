@@ -74,6 +74,7 @@ def test_launcher_gives_each_rank_deepspeeds_arguments_and_environment(launched)
 def test_accelerator_and_comm_in_the_job(launched):
     out, _ = launched
     assert (out["device_name"], out["current_device_name"], out["is_available"]) == ("cpu", "cpu", True)
+    assert out["device_count"] == 2  # DeepSpeed's CPU accelerator: the ranks the launcher put on this node
     assert out["memory_allocated"] > 10 * 2**20  # a Python process with torch holds more than 10 MiB
     assert out["all_reduce_sum"] == [3.0] * 4 and out["all_reduce_avg"] == 1.5 and out["all_reduce_max"] == 2.0
     assert out["broadcast_from_1"] == 10.0
@@ -130,7 +131,7 @@ def test_accelerator_on_this_machine():
     assert acc.on_accelerator(torch.zeros(1, device=kind)) and acc.device(0).type == kind
     assert 0 < acc.available_memory() <= acc.total_memory()
     if kind == "cpu":
-        assert acc.current_device_name() == "cpu" and acc.device_name(3) == "cpu"
+        assert acc.current_device_name() == "cpu" and acc.device_name(3) == "cpu" and acc.device_count() == 1
         before = acc.memory_allocated()
         block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
         assert acc.memory_allocated() - before > 32 * 2**20

@@ -74,7 +74,7 @@ def main():
     out = {"world": world, "local_rank_args": gathered(world, args.local_rank),
            "ranks_env": gathered(world, int(os.environ["RANK"])), "local_rank_env": int(os.environ["LOCAL_RANK"]),
            "deepspeed_flag": args.deepspeed, "get_local_rank": deepspeed.comm.get_local_rank(),
-           "device_name": acc.device_name(), "current_device": acc.current_device(),
+           "device_name": acc.device_name(), "current_device": acc.current_device(), "device_count": acc.device_count(),
            "current_device_name": acc.current_device_name(), "is_available": acc.is_available(),
            "memory_allocated": acc.memory_allocated(), "backend": acc.communication_backend_name()}
     acc.synchronize()
