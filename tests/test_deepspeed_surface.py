@@ -28,7 +28,7 @@ DS_INSTALL = "deepspeed is not installed: pip install deepspeed==0.19.8 (the pee
 SURFACE = ["initialize", "add_config_arguments", "init_distributed", "accelerator.get_accelerator",
            "comm.get_rank", "comm.get_world_size", "comm.get_local_rank", "comm.barrier", "comm.all_reduce",
            "comm.broadcast", "comm.all_gather", "comm.all_gather_into_tensor", "comm.reduce_scatter_tensor",
-           "comm.all_to_all_single", "comm.ReduceOp", "comm.new_group", "comm.is_initialized",
+           "comm.all_to_all_single", "comm.all_gather_object", "comm.log_summary", "comm.ReduceOp", "comm.new_group", "comm.is_initialized",
            "comm.init_distributed", "pipe.PipelineModule", "pipe.LayerSpec", "utils.RepeatingLoader", "utils.logger",
            "utils.log_dist", "runtime.utils.set_random_seed", "runtime.utils.see_memory_usage", "moe.layer.MoE",
            "moe.utils.split_params_into_different_moe_groups_for_optimizer", "moe.utils.is_moe_param",
@@ -79,6 +79,8 @@ def test_accelerator_and_comm_in_the_job(launched):
     assert out["all_reduce_sum"] == [3.0] * 4 and out["all_reduce_avg"] == 1.5 and out["all_reduce_max"] == 2.0
     assert out["broadcast_from_1"] == 10.0
     assert out["all_gather_into_tensor"] == [0.0, 0.5, 1.0, 1.5]
+    assert out["all_gather_object"] == ["rank0", "rank1"]
+    assert out["summary_ops"] == ["all_gather", "all_reduce", "barrier", "broadcast"]  # what ran since the reset
     # counted by minizero's Communicator: three all-reduces of 16, 4 and 4 bytes
     assert out["all_reduce_bytes"] == sum(ring_bytes_sent("all_reduce", b, 2) for b in (16, 4, 4))
 

@@ -22,9 +22,10 @@ from minizero.comm.backends import Work, init_torch_distributed
 from minizero.comm.launcher import launched_rank, launched_world_size, launcher, local_rank
 from minizero.comm.mesh import Mesh, MeshError
 from minizero.comm.stats import CommStats, OpStats, ring_bytes_sent, ring_bytes_split
-from minizero.comm.deepspeed_api import (DEEPSPEED_NAMES, ReduceOp, all_gather, all_gather_into_tensor, all_reduce,
-                                         all_to_all_single, allgather_fn, barrier, broadcast, get_global_rank,
-                                         get_local_rank, get_rank, get_world_group, get_world_size,
+from minizero.comm.deepspeed_api import (DEEPSPEED_NAMES, ReduceOp, all_gather, all_gather_into_tensor,
+                                         all_gather_object, all_reduce, all_to_all_single, allgather_fn, barrier,
+                                         broadcast, get_all_ranks_from_group, get_global_rank, get_local_rank,
+                                         get_rank, get_world_group, get_world_size,
                                          inference_all_reduce, init_distributed, irecv, isend, log_summary, new_group,
                                          recv, reduce, reduce_scatter_fn, reduce_scatter_tensor, send)
 

@@ -94,7 +94,7 @@ def new_group(ranks):
     return get().new_group(ranks)
 
 
-def barrier(group=None, async_op=False, device_ids=None):
+def barrier(group=None, async_op=False, device_ids=None, prof=False, log_name="barrier", debug=None):
     _group(group).barrier()
 
 
@@ -119,7 +119,8 @@ def all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False, pr
     return _group(group).all_gather(output_tensor, tensor, async_op=async_op)
 
 
-allgather_fn = all_gather_into_tensor
+def allgather_fn(output_tensor, input_tensor, group=None, async_op=False, debug=None):
+    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False, prof=False, log_name="all_gather", debug=None):
@@ -134,12 +135,25 @@ def all_gather(tensor_list, tensor, group=None, async_op=False, prof=False, log_
         out.copy_(part.view_as(out))
 
 
+def all_gather_object(object_list, obj, group=None, prof=False, log_name="all_gather_object", debug=None):
+    """object_list[r] = rank r's obj (pickled, a metadata exchange: not counted as tensor bytes)."""
+    gathered = _group(group).allgather_object(obj)
+    object_list[:len(gathered)] = gathered
+
+
+def get_all_ranks_from_group(group=None) -> list[int]:
+    """The world ranks of `group`'s members, in its rank order."""
+    group = _group(group)
+    return [get_global_rank(group, r) for r in range(group.size)]
+
+
 def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False,
-                          debug=None):
+                          log_name="reduce_scatter_tensor", debug=None):
     return _group(group).reduce_scatter(output_tensor, tensor, _op(op), async_op=async_op)
 
 
-reduce_scatter_fn = reduce_scatter_tensor
+def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, debug=None):
+    return reduce_scatter_tensor(output_tensor, tensor, op, group=group, async_op=async_op)
 
 
 def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False,
@@ -170,14 +184,18 @@ def irecv(tensor, src=None, group=None, tag=0, prof=False, log_name="irecv", deb
     return _group(group).irecv(tensor, src, tag)
 
 
-def log_summary(show_straggler=False):
-    """DeepSpeed's comms summary: here the bytes this rank's world communicator counted, per op (rank 0 prints)."""
+def log_summary(show_straggler=False, return_dict=False):
+    """DeepSpeed's comms summary: here the bytes this rank's world communicator counted, per op (rank 0 prints);
+    return_dict=True returns them ({op: {calls, payload_bytes, sent_bytes, ...}}) on every rank. Latencies and
+    straggler analysis are DeepSpeed's comms logger's, not measured here."""
     world = get()
     if world.rank == 0:
         print(world.stats)
+    return world.stats.as_dict() if return_dict else None
 
 
-DEEPSPEED_NAMES = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all_single",
-                   "allgather_fn", "barrier", "broadcast", "get_global_rank", "get_local_rank", "get_rank",
-                   "get_world_group", "get_world_size", "inference_all_reduce", "init_distributed", "irecv", "isend",
-                   "log_summary", "new_group", "recv", "reduce", "reduce_scatter_fn", "reduce_scatter_tensor", "send"]
+DEEPSPEED_NAMES = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+                   "all_to_all_single", "allgather_fn", "barrier", "broadcast", "get_all_ranks_from_group",
+                   "get_global_rank", "get_local_rank", "get_rank", "get_world_group", "get_world_size",
+                   "inference_all_reduce", "init_distributed", "irecv", "isend", "log_summary", "new_group", "recv",
+                   "reduce", "reduce_scatter_fn", "reduce_scatter_tensor", "send"]

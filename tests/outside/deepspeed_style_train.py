@@ -99,6 +99,10 @@ def main():
     whole = torch.zeros(2 * world)
     deepspeed.comm.all_gather_into_tensor(whole, torch.tensor([rank, rank + 0.5]))
     out["all_gather_into_tensor"] = whole.tolist()
+    names = [None] * world
+    deepspeed.comm.all_gather_object(names, f"rank{rank}")
+    out["all_gather_object"] = names
+    out["summary_ops"] = sorted(deepspeed.comm.log_summary(return_dict=True))
 
     # set_random_seed: the same draws on every rank, and again after reseeding
     set_random_seed(1234)
