@@ -297,6 +297,12 @@ def _ranks(argv, gpus=0):
         return errors[0]
 
 
+def test_the_scripts_own_flags_stay_the_scripts():
+    args = runner.parser().parse_args(["--num_gpus", "2", "train.py", "--a", "--num_gpus", "3", "--deepspeed"])
+    assert (args.num_gpus, args.user_script, args.user_args) == (2, "train.py", ["--a", "--num_gpus", "3",
+                                                                                  "--deepspeed"])
+
+
 def test_launcher_counts_ranks_as_deepspeed(tmp_path):
     assert _ranks([]) == (1, None) and _ranks(["--num_gpus", "3"]) == (3, None)
     assert _ranks(["--include", "localhost:0,2"]) == (2, None)
@@ -321,6 +327,7 @@ def test_launcher_counts_ranks_as_deepspeed(tmp_path):
     (["--num_gpus", "2", "missing_script.py"], "user_script missing_script.py: no such file"),
     (["--force_multi", "tests/conftest.py"], "--force_multi is a DeepSpeed launcher flag minizero does not implement"),
     (["--num_gpus", "0", "tests/outside/__init__.py"], "--num_gpus 0: give a positive number"),
+    (["--enable_each_rank_log", "logs", "tests/conftest.py"], "--enable_each_rank_log is a DeepSpeed launcher flag"),
 ])
 def test_launcher_bad_input_is_one_message_and_exit_2(argv, says, capsys):
     with pytest.raises(SystemExit) as e:

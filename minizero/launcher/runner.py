@@ -30,7 +30,8 @@ MPI_NAMES = ("openmpi", "mpich", "impi", "mvapich")  # DeepSpeed's MPI launchers
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minizero.launcher",
+    # allow_abbrev=False: the script's own flags (--a, --num_gpus) after user_script stay the script's
+    p = argparse.ArgumentParser(prog="python -m minizero.launcher", allow_abbrev=False,
                                 description="DeepSpeed's launcher on one machine (minizero.launcher)")
     p.add_argument("-H", "--hostfile", default=None,
                    help="DeepSpeed's hostfile ('host slots=N' lines); one host only (minizero runs one node here)")
@@ -46,12 +47,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--module", action="store_true", help="user_script is a module (python -m)")
     p.add_argument("--no_python", action="store_true", help="user_script is an executable, not a Python file")
     p.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank to the script")
+    # DeepSpeed's multi-node and tooling flags, parsed as DeepSpeed parses them and refused when set (_refused)
     for flag, kind in (("--launcher_args", str), ("--ssh_port", int), ("--node_rank", int),
                        ("--min_elastic_nodes", int), ("--max_elastic_nodes", int), ("--bind_core_list", str),
-                       ("--autotuning", str), ("--save_pid", int)):
+                       ("--autotuning", str), ("--enable_each_rank_log", str), ("--comment", str), ("--account", str)):
         p.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
-    for flag in ("--no_ssh_check", "--force_multi", "--elastic_training", "--bind_cores_to_rank",
-                 "--enable_each_rank_log"):
+    for flag in ("--no_ssh", "--no_ssh_check", "--force_multi", "--elastic_training", "--bind_cores_to_rank",
+                 "--save_pid"):
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     p.add_argument("user_script", help="the training script, then its own arguments")
     p.add_argument("user_args", nargs=argparse.REMAINDER)
@@ -131,9 +133,10 @@ def ranks_and_devices(args, error, gpus: int) -> tuple[int, list[int] | None]:
 
 def _refused(args, error):
     for flag in ("launcher_args", "ssh_port", "node_rank", "min_elastic_nodes", "max_elastic_nodes", "bind_core_list",
-                 "autotuning", "save_pid", "no_ssh_check", "force_multi", "elastic_training", "bind_cores_to_rank",
-                 "enable_each_rank_log"):
-        if getattr(args, flag) not in (None, False):
+                 "autotuning", "enable_each_rank_log", "comment", "account", "no_ssh", "no_ssh_check", "force_multi",
+                 "elastic_training", "bind_cores_to_rank", "save_pid"):
+        # DeepSpeed's defaults, written out by a script, are no request: -1, "", "None"
+        if getattr(args, flag) not in (None, False, -1, "", "None"):
             error(f"--{flag} is a DeepSpeed launcher flag minizero does not implement (it runs one machine with "
                   "mpirun or torchrun); leave it out")
     if args.module and args.no_python:
