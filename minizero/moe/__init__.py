@@ -8,6 +8,7 @@
     expert_data_parallel.py reduce_gradients: dense over mesh.dp, experts over mesh.expert_dp
     moe.py                  MoE: DeepSpeed's deepspeed.moe.layer.MoE(hidden_size, expert, num_experts, ep_size,
                             k, capacity_factor, ...) -> (out, l_aux, exp_counts); the engine sets its ep group
+    layer.py, utils.py      DeepSpeed's import paths: layer.MoE, utils.split_params_into_different_moe_groups_...
 
 The groups come from the Mesh: `Mesh(comm, ep=2)` cuts each dp group into slices of 2 ranks
 (mesh.ep, the all-to-all group) and gives mesh.expert_dp (the ranks holding the same experts).
@@ -18,6 +19,7 @@ from minizero.moe.experts import Experts
 from minizero.moe.moe import MoE
 from minizero.moe.moe_layer import MoELayer
 from minizero.moe.router import Routing, TopKRouter, capacity, load_balancing_loss
+from minizero.moe import layer, utils  # noqa: F401  deepspeed.moe.layer / deepspeed.moe.utils as attributes
 
 __all__ = ["Experts", "MoE", "MoELayer", "Routing", "TopKRouter", "all_to_all_bytes", "capacity", "gradient_bytes",
            "is_expert", "load_balancing_loss", "reduce_gradients"]

@@ -61,7 +61,10 @@ class Experts(nn.Module):
         self.num_local = self.num_experts // ep_size
         self.first_expert = ep_rank * self.num_local
         for name in ("w1", "b1", "w2", "b2"):
-            param = nn.Parameter(getattr(self, name)[self.first_expert:self.first_expert + self.num_local].clone())
+            old = getattr(self, name)
+            param = nn.Parameter(old[self.first_expert:self.first_expert + self.num_local].clone())
+            if hasattr(old, "group_name"):  # DeepSpeed's expert-group tag (MoE sets it; moe/utils.py reads it)
+                param.group_name = old.group_name
             param.expert_parallel = True
             param.expert_parallel_dim = 0
             setattr(self, name, param)

@@ -69,6 +69,8 @@ class MoE(nn.Module):
                               aux_loss_coef=1.0)
         self.layer.router.min_capacity = min_capacity
         self.ep_size = ep_size                            # the ranks sharing the experts out (the engine's Mesh ep)
+        for p in self.layer.experts.parameters():  # DeepSpeed's tag: the optimizer param group of these experts
+            p.group_name = f"ep_size_{ep_size}"
         self.num_experts = num_experts                    # E
         self.capacity_factor = capacity_factor            # cf in training
         self.eval_capacity_factor = eval_capacity_factor  # cf in eval mode

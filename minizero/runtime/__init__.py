@@ -7,4 +7,13 @@
     config.py       the DeepSpeed config subset: defaults, types, "auto", clear errors
     checkpoint.py   sharded "universal" checkpoints that reshard across world sizes and stages
     schedulers.py   DeepSpeed's LR schedulers (WarmupLR, ...)
+    utils.py        set_random_seed, see_memory_usage (deepspeed.runtime.utils's)
 """
+
+
+def __getattr__(name):
+    # `deepspeed.runtime.utils.set_random_seed` reached as an attribute (import minizero as deepspeed)
+    if name == "utils":
+        import importlib
+        return importlib.import_module("minizero.runtime.utils")
+    raise AttributeError(f"module 'minizero.runtime' has no attribute {name!r}")

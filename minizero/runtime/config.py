@@ -142,13 +142,11 @@ NOT_IMPLEMENTED = {
     "sparse_attention": "not part of this course",
     "sparse_gradients": "not part of this course",
     "communication_data_type": "remove it: gradients are communicated in the training dtype",
-    "prescale_gradients": "remove it: minizero averages after the reduction",
     "gradient_predivide_factor": "remove it: minizero averages after the reduction",
     "zero_allow_untested_optimizer": "remove it: any elementwise torch optimizer is allowed",
     "zero_force_ds_cpu_optimizer": "remove it",
     "checkpoint": "use engine.save_checkpoint / load_checkpoint arguments",
     "data_types": "remove it",
-    "torch_autocast": "use the fp16 or bf16 sections",
     "dump_state": "remove it",
     "memory_breakdown": "engine.memory() returns the ledger",
     "zero_optimization.round_robin_gradients": "remove it (an ordering optimization for offload)",
@@ -162,6 +160,27 @@ NOT_IMPLEMENTED = {
     "zero_optimization.offload_optimizer.pipeline_write": "remove it",
     "fp16.auto_cast": "remove it: inputs are cast by the engine",
     "bf16.immediate_grad_update": "remove it",
+}
+
+# Real DeepSpeed keys minizero accepts at DeepSpeed's default (or disabled) value only, where they change nothing;
+# any other value is refused, naming the key, the value accepted and why. torch_autocast is a section: accepted
+# with "enabled": false (DeepSpeed's default), its other keys then unread.
+AT_DEFAULT_ONLY = {
+    "prescale_gradients": (False, "minizero averages the gradients after the reduction"),
+    "fp16.fp16_master_weights_and_grads": (False, "the optimizer always keeps fp32 masters and gradients"),
+    "bf16.bf16_master_weights_and_grads": (False, "the optimizer always keeps fp32 masters and gradients"),
+    "bf16.bf16_optimizer_states": (False, "the optimizer state is always fp32"),
+    "bf16.check_grad_overflow": (False, "bf16 training does not check for overflow here"),
+}
+DISABLED_SECTIONS = {"torch_autocast": (("enabled", "dtype", "lower_precision_safe_modules"),
+                                        "use the fp16 or bf16 sections")}
+# A number DeepSpeed reads without a type check, where JSON's Infinity means "never" (steps_per_print).
+INFINITY_ALLOWED = {"steps_per_print"}
+# DeepSpeed's deprecated keys, mapped as DeepSpeed maps them (config_utils._process_deprecated_field), with its
+# warning: old key -> (new key in the same section, the new key's value for the old one's, or None for none).
+DEPRECATED = {
+    "zero_optimization.cpu_offload": ("offload_optimizer", lambda v: {"device": "cpu"} if v else None),
+    "zero_optimization.cpu_offload_params": ("offload_param", lambda v: {"device": "cpu"} if v else None),
 }
 
 # activation_checkpointing keys whose DeepSpeed meaning minizero does not implement: only the default is accepted.
@@ -298,6 +317,8 @@ class ConfigError(ValueError):
 def _check_keys(given: dict, schema: dict, where: str, out: dict):
     for key, value in given.items():
         path = f"{where}.{key}" if where else key
+        if _accepted_as_deepspeed(path, key, value, given, out):
+            continue
         if path in NOT_IMPLEMENTED or (not where and key in NOT_IMPLEMENTED):
             raise ConfigError(f"'{path}' is a DeepSpeed key minizero does not implement: "
                               f"{NOT_IMPLEMENTED[path]}.")
@@ -333,6 +354,39 @@ def _check_keys(given: dict, schema: dict, where: str, out: dict):
             if path in NO_EFFECT and value != default:
                 warn(f"'{path}': {value!r} has no effect in minizero: {NO_EFFECT[path]}.")
             out[key] = copy.deepcopy(value)
+
+
+def _accepted_as_deepspeed(path: str, key: str, value, given: dict, out: dict) -> bool:
+    """A key DeepSpeed accepts that minizero takes at its default, maps (deprecated) or reads as Infinity: True when
+    handled here, a ConfigError when the value is one minizero does not implement."""
+    if path in AT_DEFAULT_ONLY:
+        accepted, why = AT_DEFAULT_ONLY[path]
+        if type(value) is type(accepted) and value == accepted:
+            return True
+        raise ConfigError(f"'{path}': {json.dumps(value)} is not implemented by minizero ({why}); only DeepSpeed's "
+                          f"default {json.dumps(accepted)} is accepted: set that or remove the key.")
+    if path in DISABLED_SECTIONS:
+        keys, instead = DISABLED_SECTIONS[path]
+        if not isinstance(value, dict) or set(value) - set(keys):
+            raise ConfigError(f"'{path}' must be a JSON object with keys among {', '.join(keys)}, got {value!r}")
+        if value.get("enabled", False) is False:
+            return True
+        raise ConfigError(f"'{path}.enabled': true is not implemented by minizero: {instead}; "
+                          f"\"enabled\": false (DeepSpeed's default) is accepted.")
+    if path in INFINITY_ALLOWED and value == float("inf"):
+        out[key] = float("inf")  # `step % inf` is never 0 after step 0: never
+        return True
+    if path in DEPRECATED:
+        new_key, mapped = DEPRECATED[path]
+        check_type(path, value, "bool")
+        if new_key in given:
+            raise ConfigError(f"'{path}' is DeepSpeed's deprecated spelling of '{path.rpartition('.')[0]}.{new_key}': "
+                              "give one of them, not both (DeepSpeed refuses both too)")
+        warn(f"Config parameter {key} is deprecated use {new_key} instead")  # DeepSpeed's words
+        if mapped(value) is not None:
+            out[new_key] = mapped(value)
+        return True
+    return False
 
 
 def _fill_defaults(schema: dict, out: dict, where=""):

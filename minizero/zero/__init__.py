@@ -21,10 +21,13 @@ is named after what it shards (the stage numbers are DeepSpeed's `zero_optimizat
     tiers.py                OffloadSpec: where a strategy's fp32 state lives, passed to its constructor
                             (ShardedOptimizer / ShardGradOp / FSDPOptimizer(offload=OffloadSpec("cpu")))
     init.py                 Init: `with zero.Init(): model = ...` builds a ZeRO-3 model on the meta device
+    gathered.py             GatheredParameters: DeepSpeed's context; broadcasts modifier_rank's edits of whole
+                            parameters, refuses FSDP's shards (they are whole only inside forward)
 """
 from minizero.zero.flat_layout import FlatLayout
 from minizero.zero.infinity import DiskOptimizer
 from minizero.zero.init import Init
+from minizero.zero.gathered import GatheredParameters
 from minizero.zero.offload import HostOptimizer, Traffic
 from minizero.zero.fsdp import FSDP
 from minizero.zero.fsdp_optimizer import FSDPOptimizer
@@ -36,5 +39,5 @@ from minizero.zero.zeropp import ZeroPP
 
 STAGES = {1: ShardedOptimizer, 2: ShardGradOp, 3: FSDP}
 
-__all__ = ["DiskOptimizer", "FSDP", "FSDPOptimizer", "FlatLayout", "HostOptimizer", "HybridShard", "Init",
-           "OffloadSpec", "ReduceBucket", "STAGES", "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]
+__all__ = ["DiskOptimizer", "FSDP", "FSDPOptimizer", "FlatLayout", "GatheredParameters", "HostOptimizer", "HybridShard",
+           "Init", "OffloadSpec", "ReduceBucket", "STAGES", "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]

@@ -1,0 +1,5 @@
+import sys
+
+from minizero.launcher.runner import main
+
+sys.exit(main())

@@ -1,0 +1,111 @@
+"""DeepSpeed's `deepspeed.pipe`: PipelineModule and LayerSpec on minizero's pipeline (minizero.pipeline).
+
+    from minizero.pipe import PipelineModule, LayerSpec        # DeepSpeed: from deepspeed.pipe import ...
+    net = PipelineModule(layers=[LayerSpec(Embed, V, d), *[LayerSpec(Block, d) for _ in range(4)],
+                                 LayerSpec(Head, d, V)],
+                         num_stages=2, loss_fn=nn.CrossEntropyLoss(), hidden_shape=(T, d))
+    engine, _, _, _ = minizero.initialize(model=net, config={..., "pipeline": {"stages": 2}})
+    loss = engine.train_batch(data_iter)                       # data_iter yields (inputs, labels)
+
+How the layer list maps onto minizero's PipelineModel (pipeline/stage.py): the first layer is the embed
+(stage 0 runs it before its blocks), the last the head (the last stage runs it after its blocks), and the
+layers between are the blocks, cut into num_stages runs of equal count ('uniform'; DeepSpeed's default
+'parameters' is accepted and means the same for equal blocks). minizero's stages allocate what they receive
+from one sample's hidden shape, so the layers between the first and the last must keep one shape, given as
+`hidden_shape` (a minizero keyword; DeepSpeed sends shapes at run time). The config's `pipeline.stages`
+chooses the stage count in minizero's engine: give the same number as num_stages (the engine does not read
+num_stages yet, so a different number cuts the model into the config's count).
+A callable that is not a module (DeepSpeed allows `lambda x: x.view(...)`) runs as a layer without parameters.
+Refused with a clear error: TiedLayerSpec, topology, seed_layers, activation_checkpoint_interval > 0 (use the
+config's "activation_checkpointing" section), partition_method other than 'parameters' / 'uniform'.
+Outside a pipeline (pipeline.stages 1), the module's forward runs every layer in order.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn as nn
+
+
+class LayerSpec:
+    """A layer's class and arguments, built when the PipelineModule is (DeepSpeed builds only its stage's)."""
+
+    def __init__(self, typename, *module_args, **module_kwargs):
+        if not isinstance(typename, type) or not issubclass(typename, nn.Module):
+            raise RuntimeError("LayerSpec only supports torch.nn.Module types.")
+        self.typename = typename
+        self.module_args = module_args
+        self.module_kwargs = module_kwargs
+
+    def __repr__(self):
+        return f"LayerSpec({self.typename.__name__})"
+
+    def build(self, log=False) -> nn.Module:
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+
+class TiedLayerSpec(LayerSpec):
+    def __init__(self, key, typename, *module_args, **module_kwargs):
+        raise NotImplementedError("TiedLayerSpec is not implemented by minizero's PipelineModule: tie the weights "
+                                  "in your own model and give it pipeline_parts() (TinyGPT's way, docs/pipeline.md)")
+
+
+class _Function(nn.Module):
+    """A plain callable in the layer list (DeepSpeed allows `lambda x: x.view(...)`)."""
+
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+class PipelineModule(nn.Module):
+    def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seed_layers=False, seed_fn=None,
+                 base_seed=1234, partition_method="parameters", activation_checkpoint_interval=0,
+                 activation_checkpoint_func=None, checkpointable_layers=None, dynamic_shape=False, *,
+                 hidden_shape=None):
+        super().__init__()
+        for name, bad in (("topology", topology is not None), ("seed_layers", bool(seed_layers)),
+                          ("seed_fn", seed_fn is not None), ("dynamic_shape", bool(dynamic_shape)),
+                          ("activation_checkpoint_interval", activation_checkpoint_interval != 0)):
+            if bad:
+                raise ValueError(f"PipelineModule: {name} is not implemented by minizero; leave it at DeepSpeed's "
+                                 "default (activation checkpointing: the config's "
+                                 "\"activation_checkpointing\" section)")
+        if str(partition_method).lower() not in ("parameters", "uniform"):
+            raise ValueError(f"PipelineModule: partition_method {partition_method!r} is not implemented: minizero cuts "
+                             "the blocks into runs of equal count; use 'uniform' (or 'parameters' for equal blocks)")
+        if num_stages is None or num_stages < 1:
+            raise ValueError("PipelineModule: give num_stages (a positive int; topology= is not implemented)")
+        layers = [layer.build() if isinstance(layer, LayerSpec) else layer for layer in layers]
+        layers = [layer if isinstance(layer, nn.Module) else _Function(layer) for layer in layers]
+        if len(layers) < 3:
+            raise ValueError(f"PipelineModule: minizero needs at least 3 layers (first: embed, last: head, blocks "
+                             f"between), got {len(layers)}")
+        for i, layer in enumerate(layers):
+            self.add_module(str(i), layer)  # DeepSpeed's parameter names: "<index>.<name>"
+        self._layers = layers  # the stage order; loss_fn (often a module) is not one of them
+        self.num_stages = num_stages
+        self.loss_fn = loss_fn
+        self.hidden_shape = None if hidden_shape is None else tuple(hidden_shape)
+
+    def forward(self, x):
+        for layer in self._layers:
+            x = layer(x)
+        return x
+
+    def pipeline_parts(self):
+        """This model as minizero.pipeline cuts it (module docstring); the engine calls it."""
+        from minizero.pipeline import PipelineModel
+        from minizero.runtime.config import ConfigError
+        if self.hidden_shape is None:
+            raise ConfigError("PipelineModule: give hidden_shape=, one sample's shape between the layers after "
+                              "the first and before the last (e.g. (T, d)): minizero's stages allocate what they "
+                              "receive from it")
+        if self.loss_fn is None:
+            raise ConfigError("PipelineModule: give loss_fn= (loss_fn(outputs, labels)): the last stage computes "
+                              "the loss")
+        layers = self._layers
+        return PipelineModel(layers[0], layers[1:-1], layers[-1], self.loss_fn, self.hidden_shape)
