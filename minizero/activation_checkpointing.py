@@ -9,7 +9,17 @@ of about 33%; `python -m minizero bench --checkpointing` measures it).
 
     checkpoint_blocks(model)                 # every element of every nn.ModuleList (TinyGPT: h.0, h.1, ...)
     checkpoint_blocks(model, ["h.0"])        # or the blocks you name
+    checkpoint_blocks(model, granularity="selective")  # only each block's core attention
     uncheckpoint_blocks(model)               # back to plain forwards
+
+Selective recomputation (Korthikanti et al. 2022, Sec. 5; Megatron-LM's `--recompute-granularity
+selective`, whose `--recompute-modules` default is `core_attn`): keep everything the linear layers
+produce, and recompute only the core attention, softmax(q·kᵀ/√d)·v, in backward. That part is
+Korthikanti's 5·a·s/h term (the a·s² scores, softmax output and dropout), the larger the longer the
+sequence, while its recompute costs only the two attention matmuls (no weights to multiply). A block
+has a core attention when a submodule has a `core_attention(q, k, v)` method (models.CausalSelfAttention);
+that bound method is replaced on the instance, as `forward` is for full checkpointing. Under context
+parallelism TinyGPT's attention runs ring or Ulysses attention instead, which selective leaves alone.
 
 The recompute is torch's own (torch.utils.checkpoint, use_reentrant=False: a well-kept library,
 and the non-reentrant form works with inputs that need no grad, kwargs and nested autograd). What
@@ -44,6 +54,7 @@ class CheckpointedForward:
         self.recomputing = False            # True while backward re-runs this block
         self.recomputes = 0                 # how many times backward re-ran it (a test reads it)
         self.recompute_s = 0.0              # seconds spent re-running it (lesson 11 times the recompute)
+        self.recompute_cpu_s = 0.0          # this thread's CPU seconds in it (lesson 11)
 
     def __call__(self, *args, **kwargs):
         if self.recomputing:
@@ -63,18 +74,21 @@ class CheckpointedForward:
 
 
 class _Recomputing:
-    """While torch recomputes a region: `forward.recomputing` is True (re-enterable)."""
+    """While torch recomputes a region: `forward.recomputing` is True (re-enterable). `forward`: a
+    CheckpointedForward or a SelectiveCore."""
 
-    def __init__(self, forward: CheckpointedForward):
+    def __init__(self, forward):
         self.forward = forward
 
     def __enter__(self):
         self.forward.recomputing = True
-        self._t0 = time.perf_counter()
+        self._t0, self._cpu0 = time.perf_counter(), time.thread_time()
 
     def __exit__(self, *exc):
         # also reached when torch stops the recompute early, once it has every tensor backward needs
         self.forward.recompute_s += time.perf_counter() - self._t0
+        # this thread's CPU seconds: what the recompute computed, without the waits for a core a loaded machine adds
+        self.forward.recompute_cpu_s += time.thread_time() - self._cpu0
         self.forward.recomputing = False
 
 
@@ -84,9 +98,16 @@ def repeated_blocks(model: torch.nn.Module) -> list[str]:
             if isinstance(module, torch.nn.ModuleList) for i in range(len(module))]
 
 
-def checkpoint_blocks(model: torch.nn.Module, blocks: list[str] | None = None) -> list[str]:
+GRANULARITIES = ("full", "selective")
+
+
+def checkpoint_blocks(model: torch.nn.Module, blocks: list[str] | None = None, granularity: str = "full") -> list[str]:
     """Checkpoint each named block of `model` (default: repeated_blocks(model)); returns the names.
-    A model without repeated blocks, or a name it does not have, is a ValueError."""
+    granularity "full": the whole block, only its input kept; "selective": only the core attention
+    inside it (every submodule's `core_attention`). A model without repeated blocks, a name it does
+    not have, another granularity, or "selective" on a block without a core attention is a ValueError."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
     names = repeated_blocks(model) if blocks is None else list(blocks)
     if not names:
         raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to checkpoint: "
@@ -97,20 +118,59 @@ def checkpoint_blocks(model: torch.nn.Module, blocks: list[str] | None = None) -
             modules.append(model.get_submodule(name))
         except AttributeError:
             raise ValueError(f"{type(model).__name__} has no submodule {name!r} to checkpoint") from None
+    if granularity == "selective":
+        cores = [[m for m in module.modules() if callable(getattr(m, "core_attention", None))] for module in modules]
+        if not all(cores):
+            missing = [n for n, c in zip(names, cores) if not c]
+            raise ValueError(f"{type(model).__name__}: blocks {missing} have no submodule with a core_attention(q, k, v) "
+                             "to recompute selectively; use granularity 'full'")
+        for attention in (m for found in cores for m in found):
+            if not isinstance(attention.__dict__.get("core_attention"), SelectiveCore):
+                attention.core_attention = SelectiveCore(attention.core_attention)
+        return names
     for module in modules:
         if not isinstance(module.__dict__.get("forward"), CheckpointedForward):
             module.forward = CheckpointedForward(module)
     return names
 
 
+class SelectiveCore:
+    """Replaces an attention module's `core_attention`: it runs under torch.utils.checkpoint, so
+    autograd keeps only q, k and v (the fused linear's output, kept anyway for c_attn's backward) and
+    recomputes the scores, the mask and the softmax when backward reaches them."""
+
+    def __init__(self, original):
+        self.original = original            # the module's own bound core_attention
+        self.recomputes = 0                 # how many times backward re-ran it (a test reads it)
+        self.recompute_s = 0.0              # seconds spent re-running it (lesson 11 times it)
+        self.recompute_cpu_s = 0.0          # this thread's CPU seconds in it (lesson 11)
+        self.recomputing = False            # True while backward re-runs it
+
+    def __call__(self, q, k, v):
+        return checkpoint(self._region, q, k, v, use_reentrant=False, context_fn=self._contexts)
+
+    def _region(self, q, k, v):
+        if self.recomputing:
+            self.recomputes += 1
+        return self.original(q, k, v)
+
+    def _contexts(self):
+        return nullcontext(), _Recomputing(self)
+
+
 def uncheckpoint_blocks(model: torch.nn.Module) -> None:
-    """Undo checkpoint_blocks: every block gets its own forward back."""
+    """Undo checkpoint_blocks (either granularity): every block gets its own forward and core attention back."""
     for module in model.modules():
         if isinstance(module.__dict__.get("forward"), CheckpointedForward):
             del module.forward
+        if isinstance(module.__dict__.get("core_attention"), SelectiveCore):
+            del module.core_attention
 
 
-def checkpointed(model: torch.nn.Module) -> dict[str, CheckpointedForward]:
-    """name -> CheckpointedForward for every checkpointed block of `model`."""
-    return {name: module.__dict__["forward"] for name, module in model.named_modules()
-            if isinstance(module.__dict__.get("forward"), CheckpointedForward)}
+def checkpointed(model: torch.nn.Module) -> dict:
+    """name -> CheckpointedForward for every checkpointed block of `model`, and name -> SelectiveCore for
+    every attention module whose core attention is recomputed selectively."""
+    return {name: module.__dict__.get("forward", module.__dict__.get("core_attention"))
+            for name, module in model.named_modules()
+            if isinstance(module.__dict__.get("forward"), CheckpointedForward)
+            or isinstance(module.__dict__.get("core_attention"), SelectiveCore)}

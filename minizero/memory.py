@@ -187,17 +187,24 @@ def activation_bytes(batch, seq, hidden, layers, heads, bytes_per=2, checkpointi
     the second linear's input (12w, split by TP); per head a·s²·b: the softmax output (w), its
     dropout mask (1) and the dropout output (w), split by TP. For w = 2: 34, 10 + 24/t, 5·a·s/h.
     dropout=False drops the masks, and attention-times-V keeps the softmax output itself: w·a·s²·b.
-    With full activation checkpointing only each layer's input is kept: w·s·b·h per layer (÷t with
-    SP; plus one layer recomputed during backward, not counted). Embeddings and the LM head are
-    ignored, as are the LayerNorm statistics (see tensor's lesson for what they add).
+    With full activation checkpointing (checkpointing=True or "full") only each layer's input is
+    kept: w·s·b·h per layer (÷t with SP; plus one layer recomputed during backward, not counted).
+    Selective recomputation (checkpointing="selective", Sec. 5) recomputes the core attention and
+    keeps the rest: the a·s² term goes, s·b·h·34 per layer for w = 2 with dropout (s·b·h·16·w without).
+    Embeddings and the LM head are ignored, as are the LayerNorm statistics (see tensor's lesson for
+    what they add).
     """
     s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
     split_by_sp = t if sequence_parallel else 1
-    if checkpointing:
+    if checkpointing not in (False, True, "full", "selective"):
+        raise ValueError(f"checkpointing={checkpointing!r}: expected False, True, 'full' or 'selective'")
+    if checkpointing is True or checkpointing == "full":
         return layers * bytes_per * s * b * h / split_by_sp
     mask = 1 if dropout else 0
     whole = s * b * h * (4 * bytes_per + 2 * mask)  # what TP leaves whole on every rank, SP splits
-    split = 12 * bytes_per * s * b * h + a * s * s * b * (bytes_per + mask * (bytes_per + 1))
+    split = 12 * bytes_per * s * b * h
+    if checkpointing != "selective":  # the softmax output, its dropout mask and output: recomputed when selective
+        split += a * s * s * b * (bytes_per + mask * (bytes_per + 1))
     return layers * (whole / split_by_sp + split / t)
 
 

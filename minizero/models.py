@@ -83,13 +83,20 @@ class CausalSelfAttention(nn.Module):
             from minizero.context.ulysses import ulysses_attention
             y = ulysses_attention(q, k, v, self.cp_comm, causal=True)
         else:
-            # Written out (not F.scaled_dot_product_attention) so students see every
-            # step, and so there is no backend choice that could change the bits.
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            y = att.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
+            y = self.core_attention(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, nh * self.head_dim)
         return self.c_proj(y)
+
+    def core_attention(self, q, k, v):
+        """softmax(q·kᵀ/√d, causal)·v on (B, heads, T, d). Its own method so that selective activation
+        recomputation (activation_checkpointing, granularity "selective") can recompute just this part:
+        the a·s² scores and softmax, Korthikanti's 5as/h term. Written out (not
+        F.scaled_dot_product_attention) so students see every step, and so there is no backend choice
+        that could change the bits."""
+        T = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        return att.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
 
 
 class GPTMLP(nn.Module):

@@ -54,6 +54,43 @@ def test_checkpointed_model_has_the_same_gradients_and_keeps_one_input_per_block
     assert peaks[3][1] < peaks[3][0] / 3
 
 
+def test_selective_keeps_the_linear_outputs_and_drops_the_attention_scores():
+    """Per layer, measured against Korthikanti's formulas (fp32, no dropout) plus the ledger's known extras
+    (experiments.tensor.unmodelled_bytes: LayerNorm statistics, and the causal mask unless recomputed)."""
+    from minizero.experiments.tensor import unmodelled_bytes
+    model = TinyGPT(GPTConfig(n_layer=2, n_head=2, n_embd=C, block_size=T))
+    x, y = SyntheticTokens(64, T).batch(0, B)
+    saved, grads = {}, {}
+    for mode in ("none", "selective", "full"):
+        uncheckpoint_blocks(model)
+        if mode != "none":
+            checkpoint_blocks(model, granularity=mode)
+        with memory.SavedTensors({"h.0": model.h[0]}, exclude=model) as meter:
+            loss = model(x, y)[1]
+        loss.backward()
+        saved[mode], grads[mode] = meter.bytes["h.0"], [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        if mode == "selective":
+            assert {k: f.recomputes for k, f in checkpointed(model).items()} == {"h.0.attn": 1, "h.1.attn": 1}
+    formula = {m: memory.activation_bytes(B, T, C, 1, 2, bytes_per=4, dropout=False, checkpointing=c)
+               for m, c in (("none", False), ("selective", "selective"), ("full", "full"))}
+    mask = T * T  # the boolean causal mask, made inside the core attention: recomputed under selective
+    assert saved["none"] == formula["none"] + unmodelled_bytes(T, B)
+    assert saved["selective"] == formula["selective"] + unmodelled_bytes(T, B) - mask
+    assert formula["selective"] == 16 * 4 * B * T * C  # 34·s·b·h at w = 2 with dropout; 16·w·s·b·h without
+    s, h, a = 2048, 12288, 96  # the paper's form for its own layer (bf16, dropout): 34 + 5as/h, 34, 2 (× s·b·h)
+    assert [memory.activation_bytes(1, s, h, 1, a, checkpointing=c) / (s * h) for c in (False, "selective", True)] \
+        == [34 + 5 * a * s / h, 34, 2]
+    assert saved["full"] == formula["full"]
+    assert all(torch.equal(a, b) for m in ("selective", "full") for a, b in zip(grads["none"], grads[m]))
+    uncheckpoint_blocks(model)
+    assert checkpointed(model) == {} and "core_attention" not in model.h[0].attn.__dict__
+    with pytest.raises(ValueError, match="granularity 'partial'"):
+        checkpoint_blocks(model, granularity="partial")
+    with pytest.raises(ValueError, match="core_attention"):
+        checkpoint_blocks(build_model("mlp"), ["layers.0"], granularity="selective")
+
+
 def test_checkpointing_can_be_undone_and_names_stay():
     model = TinyGPT(GPTConfig(n_layer=2, n_head=2, n_embd=C, block_size=T))
     keys = list(model.state_dict())

@@ -165,3 +165,46 @@ def lesson(comm, steps=4):
     out["maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["loop"] = loops.zero2_offload(comm, steps=3)  # the loop a student writes (experiments/loops.py)
     return out
+
+
+# ------------------------------------------------------------------------------ lesson 07's conclusions
+def describe_dpu(tail: dict, same: dict, warmups: dict) -> str:
+    """Section 5's conclusion from its own run: `tail` = mean loss of the last steps per run ("no DPU" and the
+    two DPU runs, short warm-up first), `same` = whether each DPU run's losses equal no DPU's through its
+    warm-up, `warmups` = each DPU run's warm-up steps."""
+    short, long_ = [n for n in tail if n != "no DPU"]
+    s = " ".join(f"{n}'s losses {'equal' if same[n] else 'do NOT equal'} no DPU's through its warm-up and the step "
+                 "after it" + (" (the delayed update changes nothing before then)." if same[n] else
+                               ": the delayed update changed something before it should have.") for n in (short, long_))
+    gap_short, gap_long = tail[short] - tail["no DPU"], tail[long_] - tail["no DPU"]
+    s += (f" At the end, warm-up {warmups[short]} is {gap_short:+.4f} from no DPU and warm-up {warmups[long_]} "
+          f"{gap_long:+.4f}. ")
+    if gap_short <= 0:
+        s += ("The short warm-up did not end above no DPU, so on this run the stale gradients cost nothing the mean of "
+              "the last steps can see; the paper's argument for a warm-up is not tested here.")
+    elif gap_long < gap_short:
+        s += (f"The longer warm-up left {gap_long / gap_short:.2f} of the short one's gap"
+              + (" (it even ended below no DPU)" if gap_long < 0 else "")
+              + ": what the paper's argument predicts (a gradient one update old costs less once the parameters move "
+              "slowly), on one seed and a short run.")
+    else:
+        s += (f"The longer warm-up did not help here: its gap is {gap_long / gap_short:.2f}× the short one's, so on this "
+              "run the paper's argument (a one-step-old gradient is close to a fresh one late in training) is not what "
+              "the numbers show.")
+    return s
+
+
+def describe_ten_x(ddp_b: float, offload_b: float, symmetric_b: float, paper=(1.4, 13.0)) -> str:
+    """Section 4's conclusion: the largest model (billions of parameters) that fits at micro-batch 4, DDP without
+    checkpointing (ddp_b), ZeRO-Offload with it (offload_b), DDP with it (symmetric_b), against the paper's two."""
+    err = max(abs(ddp_b / paper[0] - 1), abs(offload_b / paper[1] - 1))
+    s = (f"At micro-batch 4 the largest model is {ddp_b:.2f} B for DDP and {offload_b:.2f} B for ZeRO-Offload: "
+         f"{offload_b / ddp_b:.1f}×, against the paper's {paper[0]} B and {paper[1]} B ({paper[1] / paper[0]:.1f}×); the "
+         f"worse of the two is off by {err:.0%}. ")
+    s += ("That match is a consequence of the stated assumptions, not a derivation of the paper's figures: "
+          if err <= 0.2 else "So these stated assumptions do not reproduce the paper's figures: ")
+    s += (f"it needs checkpointing on the ZeRO-Offload side only. With checkpointing on both sides DDP reaches "
+          f"{symmetric_b:.2f} B and the ratio is {offload_b / symmetric_b:.1f}×, "
+          + ("closer to the 8× of model states alone." if abs(offload_b / symmetric_b - 8) < abs(offload_b / ddp_b - 8)
+             else "no closer to the 8× of model states alone."))
+    return s
