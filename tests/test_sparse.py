@@ -132,6 +132,9 @@ def test_score_bytes_and_flops_are_the_formulas():
         scores = [nbytes for shape, _, nbytes in saved.shapes["other"] if shape[-2:] == (block, block) and len(shape) == 4]
         assert sum(scores) == score_bytes(layout, b, block, 4, config.causal)
         assert not [s for s, _, _ in saved.shapes["other"] if s[-2:] == (n, n)]
+        # and besides them only q, k, v, the output and the kept blocks' (h, i, j): the gathers are redone in backward
+        nnz = int((layout.tril() if config.causal else layout).sum())
+        assert saved.total == score_bytes(layout, b, block, 4, config.causal) + 4 * b * h * n * d * 4 + 3 * nnz * 8
         assert flops.get_total_flops() == attention_flops(layout, b, block, d, config.causal)
         assert score_bytes(layout, b, block, 4, config.causal) < dense_score_bytes(b, h, n, 4)
     with SavedTensors() as saved, FlopCounterMode(display=False) as flops:

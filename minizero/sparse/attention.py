@@ -5,16 +5,17 @@ block i and key/value block j of head h are gathered for each, so the scores are
 block] (DeepSpeed's block-sparse "sdd" product has this shape: deepspeed/ops/sparse_attention/
 matmul.py), never [batch, heads, n, n]. The softmax runs over a query row's blocks, which sit at
 different places in that list: its maximum and its sum are reduced per row (scatter_reduce, index_add),
-and the row's output is the sum of its blocks' P_ij V_j divided by the row's sum. Autograd gives
-the backward, through the same gathers.
+and the row's output is the sum of its blocks' P_ij V_j. The backward is written out (_BlockSparseAttention)
+so that only q, k, v, the output and P are kept, not the gathered blocks.
 
 Per layer, with b the batch, nnz the kept blocks over all heads, B the block, d the head size:
     score bytes   b·nnz·B²·bytes_per     (dense: b·heads·n²·bytes_per; the probabilities kept for backward)
     FLOPs         4·b·nnz·B²·d            (Q·Kᵀ and P·V, forward; dense 4·b·heads·n²·d)
 Dense causal attention computes every score and masks half of them; a causal layout keeps only
 blocks on or below the diagonal, so a dense layout (all nb(nb+1)/2 of them) costs about half the
-dense FLOPs. The gathered query/key/value blocks (b·nnz·B·d each) are kept too: copies the Triton
-kernels DeepSpeed uses avoid by reading the blocks in place.
+dense FLOPs. Kept for backward besides P: q, k, v and the output, 4·b·heads·n·d·bytes_per, as dense
+attention keeps q, k, v. The gathered blocks (b·nnz·B·d each) live only inside forward and backward:
+copies that the Triton kernels DeepSpeed uses avoid by reading the blocks in place.
 """
 from __future__ import annotations
 
@@ -53,27 +54,66 @@ def block_sparse_attention(q, k, v, layout: torch.Tensor, block: int, causal: bo
     and a bool layout [heads, n/block, n/block]."""
     B, H, T, d = q.shape
     check_layout(layout, H, T, block)
-    nb = T // block
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     h, i, j = kept_blocks(layout.to(q.device), causal)
+    return _BlockSparseAttention.apply(q, k, v, h, i, j, block, causal, scale)
+
+
+def sparse_forward(q, k, v, h, i, j, block: int, causal: bool, scale: float):
+    """(out [batch, heads, n, d], probabilities [batch, nnz, block, block]) for the kept blocks (h, i, j),
+    the causal ones' diagonal blocks first (kept_blocks)."""
+    B, H, T, d = q.shape
+    nb = T // block
     as_blocks = lambda t: t.view(B, H, nb, block, d)  # noqa: E731
     # BEGIN SOLUTION: block-sparse forward: gather the kept blocks, scores per block, softmax per query row.
     qg, kg, vg = as_blocks(q)[:, h, i], as_blocks(k)[:, h, j], as_blocks(v)[:, h, j]  # [B, nnz, block, d]
     scores = (qg @ kg.transpose(-2, -1)) * scale                                      # [B, nnz, block, block]
-    if causal:
+    if causal:  # a diagonal block: query t sees keys up to t only
         diagonal = int((i == j).sum())
         future = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)
-        scores = torch.cat([scores[:, :diagonal].masked_fill(future, float("-inf")), scores[:, diagonal:]], 1)
+        scores[:, :diagonal].masked_fill_(future, float("-inf"))
     row = h * nb + i  # which query row of blocks each kept block belongs to
-    # The row maximum only keeps exp() in range; it cancels in the ratio, so no gradient flows through it.
+    # The row maximum only keeps exp() in range: it cancels in the ratio.
     row_max = torch.full((B, H * nb, block), float("-inf"), dtype=q.dtype, device=q.device)
-    row_max = row_max.scatter_reduce(1, row[None, :, None].expand(B, -1, block), scores.detach().amax(-1), "amax")
-    p = (scores - row_max[:, row, :, None]).exp()
-    row_sum = torch.zeros(B, H * nb, block, dtype=q.dtype, device=q.device).index_add(1, row, p.sum(-1))
-    out = torch.zeros(B, H * nb, block, d, dtype=q.dtype, device=q.device).index_add(1, row, p @ vg)
-    out = out / row_sum[..., None]
+    row_max = row_max.scatter_reduce(1, row[None, :, None].expand(B, -1, block), scores.amax(-1), "amax")
+    p = (scores - row_max[:, row, :, None]).exp_()
+    row_sum = torch.zeros(B, H * nb, block, dtype=q.dtype, device=q.device).index_add_(1, row, p.sum(-1))
+    p /= row_sum[:, row, :, None]
+    out = torch.zeros(B, H * nb, block, d, dtype=q.dtype, device=q.device).index_add_(1, row, p @ vg)
     # END SOLUTION
-    return out.view(B, H, T, d)
+    return out.view(B, H, T, d), p
+
+
+class _BlockSparseAttention(torch.autograd.Function):
+    """Keeps for backward only q, k, v, the output and the probabilities P (the kept blocks'): the gathered
+    blocks are gathered again in backward, as FlashAttention recomputes rather than stores. Backward per
+    kept block (FlashAttention's Algorithm 4 with D = rowsum(dO * O)):
+        dV_j += Pᵀ dO_i    dP = dO_i V_jᵀ    dS = P * (dP - D_i)    dQ_i += dS K_j · scale    dK_j += dSᵀ Q_i · scale"""
+
+    @staticmethod
+    def forward(ctx, q, k, v, h, i, j, block, causal, scale):
+        out, p = sparse_forward(q, k, v, h, i, j, block, causal, scale)
+        ctx.save_for_backward(q, k, v, out, p, h, i, j)
+        ctx.block, ctx.scale = block, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, p, h, i, j = ctx.saved_tensors
+        B, H, T, d = q.shape
+        block, scale = ctx.block, ctx.scale
+        nb = T // block
+        as_blocks = lambda t: t.reshape(B, H, nb, block, d)  # noqa: E731
+        rows, cols = h * nb + i, h * nb + j  # query block and key block of each kept block, over all heads
+        do_g = as_blocks(grad_out)[:, h, i]
+        qg, kg, vg = as_blocks(q)[:, h, i], as_blocks(k)[:, h, j], as_blocks(v)[:, h, j]
+        D = (grad_out * out).sum(-1).view(B, H * nb, block)
+        dS = p * (do_g @ vg.transpose(-2, -1) - D[:, rows, :, None]) * scale
+        zeros = lambda: torch.zeros(B, H * nb, block, d, dtype=q.dtype, device=q.device)  # noqa: E731
+        dq = zeros().index_add_(1, rows, dS @ kg)
+        dk = zeros().index_add_(1, cols, dS.transpose(-2, -1) @ qg)
+        dv = zeros().index_add_(1, cols, p.transpose(-2, -1) @ do_g)
+        return dq.view(B, H, T, d), dk.view(B, H, T, d), dv.view(B, H, T, d), None, None, None, None, None, None
 
 
 def dense_mask(layout: torch.Tensor, block: int, causal: bool) -> torch.Tensor:
