@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from minizero.memory import SavedTensors
+from minizero.memory import SavedTensors, activation_bytes
 from minizero.models import GPTConfig, TinyGPT
 from minizero.sparse import (BigBirdSparsityConfig, BSLongformerSparsityConfig, DenseSparsityConfig,
                              FixedSparsityConfig, VariableSparsityConfig, apply_sparse_attention, attention_flops,
@@ -137,6 +137,11 @@ def test_score_bytes_and_flops_are_the_formulas():
         assert saved.total == score_bytes(layout, b, block, 4, config.causal) + 4 * b * h * n * d * 4 + 3 * nnz * 8
         assert flops.get_total_flops() == attention_flops(layout, b, block, d, config.causal)
         assert score_bytes(layout, b, block, 4, config.causal) < dense_score_bytes(b, h, n, 4)
+        # the estimator, told the layout's kept scores, differs from dense by exactly the scores not kept
+        kept = score_bytes(layout, 1, block, 1, config.causal)
+        assert activation_bytes(b, n, h * d, 1, h, 4, dropout=False) - activation_bytes(
+            b, n, h * d, 1, h, 4, dropout=False, attention_scores=kept) == dense_score_bytes(b, h, n, 4) - score_bytes(
+            layout, b, block, 4, config.causal)
     with SavedTensors() as saved, FlopCounterMode(display=False) as flops:
         masked_dense_attention(q, k, v, torch.ones(h, n, n, dtype=torch.bool))
     assert sum(nb for s, dt, nb in saved.shapes["other"] if s == (b, h, n, n) and "float" in dt) == \

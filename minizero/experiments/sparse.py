@@ -125,7 +125,12 @@ def dense_layout_check(n=256, block=16):
     return float((out - ref).abs().max().detach())
 
 
-def main():
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m minizero.experiments.sparse",
+                                 description="dense vs block-sparse attention, one layer: bytes, FLOPs, time")
+    ap.add_argument("--cap-mib", type=float, default=64.0, help="the saved-bytes cap of the longest-sequence search")
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"one attention layer, fp32, batch {SHAPE['batch']}, {SHAPE['heads']} heads, head_dim "
           f"{SHAPE['head_dim']}, block 16, causal; torch {torch.__version__}")
@@ -135,13 +140,13 @@ def main():
         print(f"{r['kind']:8} {r['n']:6d} {r['density']:8.3f} {r['score_bytes'] / 2**20:9.3f} "
               f"{r['score_bytes_formula'] / 2**20:9.3f} {r['flops'] / 1e9:8.4f} {r['flops_formula'] / 1e9:8.4f} "
               f"{r['saved_bytes'] / 2**20:9.3f}")
-    cap = 64 * 2**20
+    cap = int(args.cap_mib * 2**20)
     longest = {"dense": longest_under_cap("dense", None, cap)}
     for name, config in configs().items():
         longest[name] = longest_under_cap("sparse", config, cap)
     print(f"longest sequence whose saved bytes fit in {cap / 2**20:.0f} MiB: "
           + ", ".join(f"{k} {v}" for k, v in longest.items())
-          + f"; ratio to dense: " + ", ".join(f"{k} {v / longest['dense']:.1f}x" for k, v in longest.items()))
+          + "; ratio to dense: " + ", ".join(f"{k} {v / longest['dense']:.1f}x" for k, v in longest.items()))
     for n in (1024, 2048, 4096):
         dense = step_seconds("dense", None, n)
         sparse = {name: step_seconds("sparse", c, n) for name, c in configs().items()}

@@ -66,6 +66,9 @@ def sparse_forward(q, k, v, h, i, j, block: int, causal: bool, scale: float):
     nb = T // block
     as_blocks = lambda t: t.view(B, H, nb, block, d)  # noqa: E731
     # BEGIN SOLUTION: block-sparse forward: gather the kept blocks, scores per block, softmax per query row.
+    #   Kept block n pairs query block i[n] with key/value block j[n] of head h[n]: scores [B, nnz, block, block].
+    #   Causal: the first (i == j).sum() kept blocks are diagonal; mask their future keys. One softmax per query
+    #   row over all its kept blocks (max and sum reduced per row h*nb + i); return out and the probabilities p.
     qg, kg, vg = as_blocks(q)[:, h, i], as_blocks(k)[:, h, j], as_blocks(v)[:, h, j]  # [B, nnz, block, d]
     scores = (qg @ kg.transpose(-2, -1)) * scale                                      # [B, nnz, block, block]
     if causal:  # a diagonal block: query t sees keys up to t only

@@ -95,10 +95,13 @@ def _random_blocks(layout, count, generator, causal):
     """`count` distinct random key blocks per query row (among 0..row when causal)."""
     nb = layout.shape[0]
     _check(count <= nb, f"num_random_blocks {count} is more than the {nb} blocks in a row")
+    # BEGIN SOLUTION: random blocks (stretch): `count` distinct key blocks per row, drawn from `generator`.
+    #   Every rank must draw the same ones: use the generator, never the global RNG. Causal: among 0..row.
     for row in range(nb):
         choices = row + 1 if causal else nb
         picked = torch.randperm(choices, generator=generator)[:count]
         layout[row, picked] = True
+    # END SOLUTION
 
 
 def _window(layout, start, end, causal):
@@ -138,6 +141,9 @@ class FixedSparsityConfig(SparsityConfig):
     def head_layout(self, h, nb, generator):
         layout = torch.zeros(nb, nb, dtype=torch.bool)
         L, G = self.num_local_blocks, self.num_global_blocks
+        # BEGIN SOLUTION: the fixed layout of head h: local windows, then the global blocks of each window.
+        #   Windows of L blocks from block 0 (_window); the global blocks: the last G of each window (for head h,
+        #   (h mod num_different_global_patterns) x G earlier), the short last window's clipped into the sequence.
         for start in range(0, nb, L):
             _window(layout, start, min(start + L, nb), self.causal)
         offset = L - (1 + h % self.num_different_global_patterns) * G  # first global block of a window
@@ -146,9 +152,10 @@ class FixedSparsityConfig(SparsityConfig):
         if full_windows_end < nb:  # a short last window: its global blocks, kept inside the sequence
             starts.append(min(full_windows_end + offset, nb - G))
         for g in starts:
-            layout[g if self.causal else 0:, g:g + G] = True
+            layout[g if self.causal else 0:, g:g + G] = True  # causal: only later query blocks see it
             if self.horizontal_global_attention:
                 layout[g:g + G, :] = True
+        # END SOLUTION
         return layout
 
 
@@ -231,9 +238,7 @@ class BigBirdSparsityConfig(SparsityConfig):
                f"num_sliding_window_blocks {self.num_sliding_window_blocks} and num_global_blocks "
                f"{self.num_global_blocks} must be at most the {nb} blocks of the sequence")
         layout = torch.zeros(nb, nb, dtype=torch.bool)
-        # BEGIN SOLUTION: BigBird's random blocks (stretch): num_random_blocks per row from `generator`.
         _random_blocks(layout, self.num_random_blocks, generator, self.causal)
-        # END SOLUTION
         _sliding_window(layout, self.num_sliding_window_blocks)
         layout[:self.num_global_blocks, :] = True
         layout[:, :self.num_global_blocks] = True
