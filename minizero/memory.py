@@ -173,7 +173,7 @@ def zero_paper_table1(num_params=7.5e9, k=12) -> list[Table1Row]:
 
 
 def activation_bytes(batch, seq, hidden, layers, heads, bytes_per=2, checkpointing=False,
-                     tensor_parallel=1, sequence_parallel=False, dropout=True) -> float:
+                     tensor_parallel=1, sequence_parallel=False, dropout=True, attention_scores=None) -> float:
     """Activation bytes a GPT-style transformer keeps for backward, per rank.
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
@@ -193,6 +193,8 @@ def activation_bytes(batch, seq, hidden, layers, heads, bytes_per=2, checkpointi
     keeps the rest: the a·s² term goes, s·b·h·34 per layer for w = 2 with dropout (s·b·h·16·w without).
     Embeddings and the LM head are ignored, as are the LayerNorm statistics (see tensor's lesson for
     what they add).
+    attention_scores: the score elements per sequence a layer keeps, a·s² by default; block-sparse
+    attention keeps only its layout's kept blocks, nnz·block² (minizero.sparse.score_bytes / bytes_per).
     """
     s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
     split_by_sp = t if sequence_parallel else 1
@@ -202,9 +204,10 @@ def activation_bytes(batch, seq, hidden, layers, heads, bytes_per=2, checkpointi
         return layers * bytes_per * s * b * h / split_by_sp
     mask = 1 if dropout else 0
     whole = s * b * h * (4 * bytes_per + 2 * mask)  # what TP leaves whole on every rank, SP splits
+    scores = a * s * s if attention_scores is None else attention_scores
     split = 12 * bytes_per * s * b * h
     if checkpointing != "selective":  # the softmax output, its dropout mask and output: recomputed when selective
-        split += a * s * s * b * (bytes_per + mask * (bytes_per + 1))
+        split += scores * b * (bytes_per + mask * (bytes_per + 1))
     return layers * (whole / split_by_sp + split / t)
 
 

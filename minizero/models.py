@@ -65,6 +65,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.cp_comm = None  # the context-parallel group (TinyGPT.set_context_parallel): attention over it
         self.cp_ring = False  # True: ring attention on two mirrored chunks per rank; False: Ulysses
+        self.sparse_attention = None  # a minizero.sparse SparsityConfig: block-sparse attention (apply_sparse_attention)
 
     def forward(self, x):
         qkv = self.c_attn(x)
@@ -82,6 +83,9 @@ class CausalSelfAttention(nn.Module):
         elif self.cp_comm is not None:  # T = this rank's s/cp tokens: DeepSpeed-Ulysses over the cp group
             from minizero.context.ulysses import ulysses_attention
             y = ulysses_attention(q, k, v, self.cp_comm, causal=True)
+        elif self.sparse_attention is not None:  # only the layout's blocks are computed (minizero/sparse)
+            from minizero.sparse import sparse_self_attention
+            y = sparse_self_attention(q, k, v, self.sparse_attention)
         else:
             y = self.core_attention(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, nh * self.head_dim)
@@ -168,6 +172,9 @@ class TinyGPT(nn.Module):
         engine averages over dp x cp."""
         if attention not in ("ulysses", "ring"):
             raise ValueError(f"set_context_parallel: attention {attention!r} is not 'ulysses' or 'ring'")
+        if any(block.attn.sparse_attention is not None for block in self.h):
+            raise ValueError("sparse_attention does not compose with context parallelism "
+                             "(sequence_parallel_size > 1): use one or the other")
         if attention == "ulysses":
             from minizero.context.ulysses import check_heads
             check_heads(self.config.n_head, comm.size)

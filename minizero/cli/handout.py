@@ -35,7 +35,18 @@ STUDENT_TESTS = ("tests/test_lessons.py::test_committed_without_outputs",
 # runs the package's code of its topic and of the topics before it, so a handout marks it "after lab N" for
 # the last chosen lab up to its own: a conservative rule (a lesson may not call every earlier lab's code).
 LESSON_TOPIC = {"00": 0, "01": 1, "02": 2, "03": 3, "04": 4, "05": 5, "06": 6, "07": 7, "08": 8, "09": 9,
-                "10": 10, "11": 10, "12": 11, "13": 12}
+                "10": 10, "11": 10, "12": 11, "13": 12, "15": 14}
+
+
+def _all_labs() -> str:
+    """Every lab as --labs takes it: runs of consecutive numbers as a-b (a number may be missing: 1-12,14)."""
+    runs, numbers = [], sorted(LABS)
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def parse_labs(text: str) -> list[int]:
@@ -49,7 +60,7 @@ def parse_labs(text: str) -> list[int]:
         labs |= set(range(lo, hi + 1))
     unknown = sorted(labs - set(LABS))
     if unknown or not labs:
-        raise ValueError(f"--labs {text!r}: no lab {unknown or text}; the labs are {min(LABS)}-{max(LABS)}")
+        raise ValueError(f"--labs {text!r}: no lab {unknown or text}; the labs are {_all_labs()}")
     return sorted(labs)
 
 
@@ -203,8 +214,8 @@ def build(out: str, labs: list[int], root: str = REPO) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minizero handout", description=__doc__.splitlines()[0])
     ap.add_argument("out", help="the folder to write (must not exist)")
-    ap.add_argument("--labs", default=f"{min(LABS)}-{max(LABS)}",
-                    help=f"the labs the student writes, e.g. 1-6 or 1,3,8 (default: all, {min(LABS)}-{max(LABS)})")
+    ap.add_argument("--labs", default=_all_labs(),
+                    help=f"the labs the student writes, e.g. 1-6 or 1,3,8 (default: all, {_all_labs()})")
     args = ap.parse_args(argv)
     try:
         labs = parse_labs(args.labs)
