@@ -107,3 +107,26 @@ def test_checkpoint_keywords_as_deepspeed(world_of_one, tmp_path):
         warnings.simplefilter("error")
         assert other.module_state_dict().keys() == other.module.state_dict().keys()
     assert os.path.isdir(tmp_path / "global_step2")
+
+
+def test_sparse_attention_section_runs_the_layout_through_the_engine(world_of_one):
+    """DeepSpeed's sparse_attention section: every attention of the model runs the layout (minizero/sparse/);
+    the engine's first loss equals the same model with apply_sparse_attention by hand, and differs from dense."""
+    from minizero.runtime.config import ConfigError
+    from minizero.sparse import apply_sparse_attention, from_section
+    section = {"mode": "fixed", "block": 4, "num_local_blocks": 2, "num_global_blocks": 1,
+               "attention": "unidirectional"}
+    engine, *_ = minizero.initialize(model=build_model("tiny-gpt", seed=0, **GPT),
+                                     config=_config(0, sparse_attention=section))
+    layouts = [m.sparse_attention for m in engine.module.modules() if hasattr(m, "sparse_attention")]
+    assert len(layouts) == GPT["n_layer"] and all(c == from_section(section, GPT["n_head"]) for c in layouts)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    by_hand, dense = build_model("tiny-gpt", seed=0, **GPT), build_model("tiny-gpt", seed=0, **GPT)
+    apply_sparse_attention(by_hand, from_section(section, GPT["n_head"]))
+    loss = engine(x, x).item()
+    assert loss == pytest.approx(by_hand(x, x)[1].item(), rel=1e-6) and loss != pytest.approx(dense(x, x)[1].item())
+    for bad, words in (({**section, "attention": "bidirectional"}, "unidirectional"),
+                       ({**section, "num_sliding": 2}, "num_sliding"),
+                       ({**section, "mode": "nope"}, "mode")):
+        with pytest.raises(ConfigError, match=words):
+            minizero.initialize(model=build_model("tiny-gpt", seed=0, **GPT), config=_config(0, sparse_attention=bad))

@@ -3,6 +3,7 @@ docs/design.md draws it; runtime/engine.py calls it in this order:
 
     mesh  = build_mesh(plan, world)                     # dp x cp x tp (ep slices of dp), or None
     model = apply_tensor_parallel(model, plan, mesh)    # split over mesh.tp (Megatron)
+    apply_sparse_attention(model, plan)                 # block-sparse layouts (DeepSpeed's sparse attention)
     apply_context_parallel(model, plan, mesh)           # whole sequences in, s/cp tokens per rank
     apply_expert_parallel(model, plan, mesh)            # each MoE layer keeps E/ep experts
     blocks = apply_activation_checkpointing(model, plan)
@@ -39,6 +40,13 @@ def apply_tensor_parallel(model, plan: Plan, mesh):
         return model
     from minizero.tensor import TensorParallelGPT
     return TensorParallelGPT(model, mesh.tp, plan.sequence_parallel)
+
+
+def apply_sparse_attention(model, plan: Plan):
+    """Every attention runs the plan's block-sparse layout (sparse/; DeepSpeed's sparse_attention section)."""
+    if plan.sparse_attention is not None:
+        from minizero.sparse import apply_sparse_attention as apply
+        apply(model, plan.sparse_attention)
 
 
 def apply_context_parallel(model, plan: Plan, mesh):

@@ -36,6 +36,9 @@ SCHEMA = {
     "seed": 0,                                # minizero extra: model init and data order
     "model": "tiny-gpt",                      # minizero extra: what `minizero train` builds (a models.MODELS name)
     "zero_init": False,                       # minizero extra: `minizero train` builds it under zero.Init (stage 3)
+    # DeepSpeed's block-sparse attention section ({"mode": "fixed", "block": 16, ...}; minizero/sparse/): every
+    # attention of the model runs the layout; its keys are checked per mode by sparse.from_section (resolve.py)
+    "sparse_attention": None,
     "optimizer": {
         "type": REQUIRED,                     # Adam, AdamW or SGD
         "params": {},
@@ -139,7 +142,6 @@ NOT_IMPLEMENTED = {
     "compression_training": "not part of this course",
     "data_efficiency": "not part of this course",
     "curriculum_learning": "not part of this course",
-    "sparse_attention": "not part of this course",
     "sparse_gradients": "not part of this course",
     "communication_data_type": "remove it: gradients are communicated in the training dtype",
     "gradient_predivide_factor": "remove it: minizero averages after the reduction",
@@ -232,6 +234,7 @@ TYPES = {
     # the batch triple: null (or "auto") = derived from the other two (_resolve_batch)
     "train_batch_size": "int?", "train_micro_batch_size_per_gpu": "int?", "gradient_accumulation_steps": "int?",
     "optimizer.type": "str", "scheduler.type": "str", "optimizer.params": "object", "scheduler.params": "object",
+    "sparse_attention": "object?",
     "fp16.loss_scale": "number", "fp16.min_loss_scale": "number",
     "zero_optimization.overlap_comm": "bool",
     **{f"zero_optimization.{k}": "int" for k in (

@@ -78,6 +78,7 @@ class Engine(BaseEngine):
         _, self.aliases, self.state_dict_keys, self.param_shapes = chain.model_names(model)
         self.mesh = chain.build_mesh(plan, comm)
         model = chain.apply_tensor_parallel(model, plan, self.mesh)
+        chain.apply_sparse_attention(model, plan)
         chain.apply_context_parallel(model, plan, self.mesh)
         chain.apply_expert_parallel(model, plan, self.mesh)
         self.module = model          # the plain model (DeepSpeed's engine.module); with TP its parallel version

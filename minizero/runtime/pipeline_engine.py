@@ -73,6 +73,7 @@ class PipelineEngine(BaseEngine):
             parts = pipeline_parts(model)
             _, self.aliases, self.state_dict_keys, self.param_shapes = chain.model_names(_named(model, parts))
         named = _named(model, parts)
+        chain.apply_sparse_attention(named, plan)
         self.name_of, _, _, _ = chain.model_names(named)
         self.tp_split = {n: [p.tensor_parallel_dim, p.tensor_parallel_chunks]  # how TP cut what it splits
                          for n, p in named.named_parameters(remove_duplicate=False) if hasattr(p, "tensor_parallel_dim")}

@@ -62,6 +62,7 @@ class Plan(NamedTuple):
     scheduler: dict | None = None         # DeepSpeed's scheduler section (schedulers.build_scheduler)
     seed: int = 0                         # the data loader's shuffle seed
     pipeline: PipelineSpec = PipelineSpec()
+    sparse_attention: object = None       # a sparse.SparsityConfig (DeepSpeed's sparse_attention section), or None
 
     @property
     def mixed_precision(self) -> bool:
@@ -338,6 +339,7 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
             raise ConfigError("zero_init: true, but the model was built without zero.Init: build it inside "
                               "`with minizero.zero.Init(): model = ...` (python -m minizero train does), or remove "
                               "the key")
+    sparse = _sparse_attention(model, cfg) if model is not None else None
     mics = zero["mics_shard_size"] if zero["mics_shard_size"] > 0 else None
     if mics is not None:
         _check_hybrid(mics, cfg, world_size, ep, zero_init)
@@ -357,7 +359,32 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
                 gradient_clipping=cfg["gradient_clipping"], train_batch_size=cfg["train_batch_size"],
                 micro_batch_size=cfg["train_micro_batch_size_per_gpu"],
                 gradient_accumulation_steps=cfg["gradient_accumulation_steps"], scheduler=cfg["scheduler"],
-                seed=cfg["seed"], pipeline=PipelineSpec(pipe["stages"], pipe["schedule"], pipe["chunks"]))
+                seed=cfg["seed"], pipeline=PipelineSpec(pipe["stages"], pipe["schedule"], pipe["chunks"]),
+                sparse_attention=sparse)
+
+
+def _sparse_attention(model, cfg: dict):
+    """DeepSpeed's sparse_attention section -> a sparse.SparsityConfig for the model's heads (checked here, once)."""
+    section = cfg["sparse_attention"]
+    if section is None:
+        return None
+    if cfg["sequence_parallel_size"] > 1:
+        raise ConfigError(f"sparse_attention with sequence_parallel_size={cfg['sequence_parallel_size']}: not "
+                          "implemented (context parallelism runs its own attention over the cp group); use one")
+    heads = getattr(getattr(model, "config", None), "n_head", None)
+    if heads is None or not any(hasattr(m, "sparse_attention") for m in model.modules()):
+        raise ConfigError(f"sparse_attention: {type(model).__name__} has no attention module that takes a layout "
+                          "(minizero.models.TinyGPT's does); remove the section")
+    from minizero.sparse import from_section
+    try:
+        config = from_section(section, heads)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"sparse_attention: {e}".replace("sparse_attention: sparse_attention:", "sparse_attention:")) \
+            from None
+    if not config.causal:
+        raise ConfigError("sparse_attention.attention must be \"unidirectional\" for a causal model like "
+                          f"{type(model).__name__} (DeepSpeed's default, bidirectional, lets tokens see the future)")
+    return config
 
 
 def _check_hybrid(k: int, cfg: dict, world_size: int, ep: int, zero_init):
