@@ -149,3 +149,58 @@ def convergence(comm, steps=150, lr=3e-3, micro=4, variants=tuple(VARIANTS), see
 def tail_loss(losses, last=10):
     """The mean loss over the last `last` steps: the run's end, less one batch's noise."""
     return sum(losses[-last:]) / len(losses[-last:])
+
+
+def report(runs: dict, ranks: int) -> list[str]:
+    """The docs' table: per variant its freeze step, loss at the end, bytes per step in each phase and
+    the whole run's bytes against Adam's (end_to_end_reduction)."""
+    from minizero.compression import end_to_end_reduction
+    adam = runs["Adam"]
+    lines = [f"| variant ({ranks} ranks) | freeze_step | loss, last 10 steps | B/step warm-up | B/step 1-bit | "
+             "run's bytes vs Adam |", "|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        steps = len(r["loss"])
+        e2e = end_to_end_reduction(steps, r["freeze_step"], r["bytes_warmup"], r["bytes_compressed"])
+        lines.append(f"| {name} | {min(r['freeze_step'], steps)} | {tail_loss(r['loss']):.3f} | "
+                     f"{r['bytes_warmup']:,.0f} | {r['bytes_compressed']:,.0f} | {e2e:.2f}x fewer |")
+    lines.append(f"\nAdam's step-to-step loss spread over its last 20 steps: {torch.tensor(adam['loss'][-20:]).std():.3f}")
+    return lines
+
+
+def plot(runs: dict, path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in runs.items():
+        ax.plot(range(len(r["loss"])), r["loss"], label=name, lw=1)
+    freeze = runs["1-bit Adam"]["freeze_step"]
+    ax.axvline(freeze, color="grey", ls=":", lw=1)
+    ax.text(freeze + 1, 4.0, "freeze_step", color="grey")
+    ax.set_ylim(0.8, 4.6)
+    ax.set_xlabel("step")
+    ax.set_ylabel("TinyGPT loss (mean over ranks)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    import argparse
+    from minizero import launch
+    parser = argparse.ArgumentParser(prog="python -m minizero.experiments.onebit",
+                                     description="1-bit Adam against Adam on TinyGPT: the table and plot of docs/onebit.md")
+    parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--per-tensor", action="store_true", help="one compressed all-reduce per tensor (DeepSpeed's)")
+    parser.add_argument("--plot", default=None, help="write the loss curves to this PNG")
+    args = parser.parse_args(argv)
+    runs = launch.run("minizero.experiments.onebit:convergence", nprocs=args.ranks, timeout=1800,
+                      args={"steps": args.steps, "per_tensor": args.per_tensor})[0]
+    print("\n".join(report(runs, args.ranks)))
+    if args.plot:
+        plot(runs, args.plot)
+
+
+if __name__ == "__main__":
+    main()
