@@ -5,6 +5,8 @@
     feedback_average    the running average of compressed all-reduces of fixed inputs, with and
                         without error feedback, against the true average
     convergence         TinyGPT trained side by side: Adam, 1-bit Adam, no warm-up, no error feedback
+    lesson_worker       lesson 14's one job: all of the above but the warm-up check
+    main                python -m minizero.experiments.onebit: docs/onebit.md's table and plot
 """
 from __future__ import annotations
 
@@ -149,6 +151,17 @@ def convergence(comm, steps=150, lr=3e-3, micro=4, variants=tuple(VARIANTS), see
 def tail_loss(losses, last=10):
     """The mean loss over the last `last` steps: the run's end, less one batch's noise."""
     return sum(losses[-last:]) / len(losses[-last:])
+
+
+def lesson_worker(comm, steps=150) -> dict:
+    """Lesson 14, one 2-rank job: the bytes per phase (per tensor and flat), the error-feedback average and
+    the four variants trained side by side."""
+    t0 = time.perf_counter()
+    out = {"bytes": {kind: phase_bytes(comm, per_tensor=kind == "per_tensor") for kind in ("per_tensor", "flat")},
+           "feedback": feedback_average(comm, numel=1001)}
+    out["convergence"] = convergence(comm, steps=steps)
+    out["seconds"] = time.perf_counter() - t0
+    return out
 
 
 def report(runs: dict, ranks: int) -> list[str]:
