@@ -1,5 +1,5 @@
 """The layers flow one way: mechanisms import only comm, memory, precision, env and their own
-subpackage; nothing under comm/, dp/, zero/, pipeline/, tensor/, context/, sparse/ or runtime/ imports the tools
+subpackage; nothing under comm/, dp/, zero/, pipeline/, tensor/, context/, compression/, sparse/ or runtime/ imports the tools
 above them (bench, experiments, cli, autograde) or the course's models and data."""
 import ast
 import pathlib
@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "minizero"
-MECHANISMS = ("comm", "dp", "zero", "pipeline", "tensor", "context", "moe", "sparse")
+MECHANISMS = ("comm", "dp", "zero", "pipeline", "tensor", "context", "moe", "compression", "sparse")
 SHARED = ("minizero.comm", "minizero.memory", "minizero.precision",
           "minizero.env")  # env: the one place MINIZERO_* variables are read and checked
 ABOVE = ("minizero.bench", "minizero.experiments", "minizero.cli", "minizero.autograde",

@@ -84,7 +84,7 @@ def lab_hours(tasks: int, lines: int) -> float:
     return round((2 + 0.5 * tasks + 0.1 * lines) * 2) / 2
 
 
-WEEKS = 12  # the term plan's weeks (docs/syllabus.md)
+WEEKS = 14  # the term plan's weeks (docs/syllabus.md)
 LESSON_HOURS = 1.5  # reading a lesson, running it and answering its questions (the estimate on the page)
 
 

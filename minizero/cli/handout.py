@@ -35,7 +35,7 @@ STUDENT_TESTS = ("tests/test_lessons.py::test_committed_without_outputs",
 # runs the package's code of its topic and of the topics before it, so a handout marks it "after lab N" for
 # the last chosen lab up to its own: a conservative rule (a lesson may not call every earlier lab's code).
 LESSON_TOPIC = {"00": 0, "01": 1, "02": 2, "03": 3, "04": 4, "05": 5, "06": 6, "07": 7, "08": 8, "09": 9,
-                "10": 10, "11": 10, "12": 11, "13": 12, "15": 14}
+                "10": 10, "11": 10, "12": 11, "13": 12, "14": 13, "15": 14}
 
 
 def _all_labs() -> str:
