@@ -73,7 +73,8 @@ def test_every_family_is_a_config():
     names = {os.path.splitext(os.path.basename(p))[0] for p in CONFIGS}
     assert {"zero0_fp32", "zero1_bf16", "zero2_fp16", "zero3_fp32", "offload_optimizer_cpu", "offload_nvme",
             SEED, "zero3_init", "zeropp_qwz", "zeropp_hpz", "zeropp_qgz", "zeropp_all", "pipeline_1f1b",
-            "tensor_parallel", "context_ulysses", "context_ring", "moe", "activation_checkpointing"} <= names
+            "tensor_parallel", "context_ulysses", "context_ring", "moe", "activation_checkpointing", "mics_hybrid",
+            "sparse_attention", "onebit_adam"} <= names
 
 
 @pytest.mark.parametrize("name", [os.path.splitext(os.path.basename(p))[0] for p in CONFIGS] + list(EXTRA))
@@ -126,3 +127,15 @@ def test_zeropp_with_every_threshold_sends_fewer_bytes_when_sharded(matrix):
     sent = {name: matrix["logs"][name][-1]["sent_bytes"] for name in ("zeropp_all", *EXTRA)}
     assert sent["zeropp_all_threshold_0"] < sent["zeropp_all"], sent
     assert sent["zeropp_all_threshold_0"] < sent["zeropp_all_threshold_5000"] < sent["zeropp_all"], sent
+
+
+def test_onebit_adam_sends_the_formulas_bytes_in_each_phase(matrix):
+    """configs/onebit_adam.json (freeze_step 2, 4 ranks): steps 1-2 all-reduce the fp32 gradients, 2(N-1)/N x 4 B
+    per parameter; from step 3 only the momentum's signs and scales travel (compression.bytes_compressed)."""
+    from minizero.compression import bytes_allreduce, bytes_compressed
+    log = matrix["logs"]["onebit_adam"]
+    psi = log[0]["memory"]["parameters"] // 4  # fp32: the ledger's bytes / 4
+    sent = [r["sent_bytes"] for r in log]
+    assert sent[:2] == [bytes_allreduce(psi, 4)] * 2, sent
+    assert sent[2:] == [bytes_compressed(psi, 4)] * (STEPS - 2), sent
+    assert sent[0] / sent[-1] > 30  # 1 bit per element and a scale, against 32 bits

@@ -130,3 +130,18 @@ def test_sparse_attention_section_runs_the_layout_through_the_engine(world_of_on
                        ({**section, "mode": "nope"}, "mode")):
         with pytest.raises(ConfigError, match=words):
             minizero.initialize(model=build_model("tiny-gpt", seed=0, **GPT), config=_config(0, sparse_attention=bad))
+
+
+def test_onebit_adam_is_refused_where_deepspeed_and_minizero_do_not_run_it():
+    from minizero.runtime.config import ConfigError
+    from minizero.runtime.resolve import resolve
+    opt = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 10, "cuda_aware": False,
+                                            "comm_backend_name": "nccl"}}
+    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": opt}
+    assert resolve({**base, "zero_optimization": {"stage": 0}}, 4).optimizer_kwargs["freeze_step"] == 10
+    for extra, words in (({"zero_optimization": {"stage": 1}}, "stage > 0"), ({"fp16": {"enabled": True}}, "fp16"),
+                         ({"tensor_parallel": {"autotp_size": 2}}, "autotp_size")):
+        with pytest.raises(ConfigError, match=f"OneBitAdam' with .*{words}"):
+            resolve({**base, **extra}, 4)
+    with pytest.raises(ConfigError, match="comm_backend_name"):
+        resolve({**base, "optimizer": {**opt, "params": {**opt["params"], "comm_backend_name": "gloo"}}}, 4)

@@ -18,6 +18,7 @@ from minizero.runtime.resolve import Plan
 from minizero.runtime.strategies import (
     DDPStrategy,
     HybridShardStrategy,
+    OneBitAdamStrategy,
     Strategy,
     StrategySpec,
     Zero1Strategy,
@@ -98,6 +99,9 @@ def select_strategy(plan: Plan, model, comm, mesh=None, node_mesh=None, runtime_
         from minizero.runtime.expert_strategy import ExpertDDPStrategy, ExpertZero1Strategy
         cls = ExpertDDPStrategy if plan.stage == 0 else ExpertZero1Strategy
         return cls(model, mesh, strategy_spec(plan))
+    from minizero.compression import OneBitAdam
+    if issubclass(plan.optimizer_cls, OneBitAdam):  # stage 0 (resolve): the optimizer reduces, no wrapper
+        return OneBitAdamStrategy(model, comm, strategy_spec(plan))
     if plan.stage == 3 and plan.mics_shard_size is not None:
         from minizero.comm import Mesh
         return HybridShardStrategy(model, comm, strategy_spec(plan, Mesh(comm, node_size=plan.mics_shard_size)))

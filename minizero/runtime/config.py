@@ -253,6 +253,7 @@ PARAM_TYPES = {
     "betas": "pair", "nesterov": "bool", "amsgrad": "bool", "adam_w_mode": "bool", "torch_adam": "bool",
     "warmup_min_lr": "number", "warmup_max_lr": "number", "warmup_min_ratio": "number", "cos_min_ratio": "number",
     "warmup_num_steps": "int", "total_num_steps": "int", "warmup_type": "str",
+    "freeze_step": "int", "cuda_aware": "bool", "comm_backend_name": "str", "bias_correction": "bool",
 }
 # Lower bounds of the values whose range the config alone decides: (bound, inclusive).
 MINIMUM = {
@@ -309,7 +310,7 @@ def warn(message: str, stacklevel: int = 3):
         warnings.warn(message, ConfigWarning, stacklevel=stacklevel)
 
 
-OPTIMIZERS = ("Adam", "AdamW", "SGD")
+OPTIMIZERS = ("Adam", "AdamW", "SGD", "OneBitAdam")  # OneBitAdam: compression/onebit_adam.py, stage 0
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 

@@ -77,6 +77,9 @@ def optimizer_spec(section: dict):
         raise ConfigError("'max_grad_norm' is not an optimizer parameter (as in DeepSpeed): use gradient_clipping")
     if section["type"] == "SGD":
         return torch.optim.SGD, params
+    if section["type"] == "OneBitAdam":  # DeepSpeed's keys as they are (freeze_step, cuda_aware, comm_backend_name)
+        from minizero.compression import OneBitAdam
+        return OneBitAdam, params
     adam_w_mode = params.pop("adam_w_mode", True)  # DeepSpeed: "Adam" is AdamW unless told otherwise
     params.pop("torch_adam", None)                 # DeepSpeed's switch to torch's Adam: always torch here
     params.setdefault("weight_decay", 0.0)          # FusedAdam's default (torch's AdamW says 0.01)
@@ -98,6 +101,8 @@ def check_config(cfg: dict, client_optimizer=None, client_scheduler: bool = Fals
         raise ConfigError("the engine needs an 'optimizer' section, "
                           "e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}, or initialize(optimizer=...)")
     cls, kw = client_optimizer if client_optimizer is not None else optimizer_spec(cfg["optimizer"])
+    if _is_onebit(cls):
+        _check_onebit(cfg)
     if cfg["zero_optimization"]["stage"] > 0:
         from minizero.zero.flat_shard_optimizer import check_optimizer_class
         try:
@@ -105,7 +110,8 @@ def check_config(cfg: dict, client_optimizer=None, client_scheduler: bool = Fals
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e)) from None
     try:
-        build_scheduler(cls([torch.zeros(1, requires_grad=True)], **kw), cfg["scheduler"])
+        dummy = [torch.zeros(1, requires_grad=True)]
+        build_scheduler(cls(dummy, None, **kw) if _is_onebit(cls) else cls(dummy, **kw), cfg["scheduler"])
     except (TypeError, ValueError) as e:
         raise ConfigError(f"optimizer/scheduler params: {e}") from None
     if cfg["fp16"]["enabled"]:  # the loss scaler's own checks, on a throwaway one: before the model is cast
@@ -118,6 +124,24 @@ def check_config(cfg: dict, client_optimizer=None, client_scheduler: bool = Fals
     if cfg["pipeline"]["stages"] > 1:
         _check_pipeline_modes(cfg)
     return cls, kw
+
+
+def _is_onebit(cls) -> bool:
+    from minizero.compression import OneBitAdam
+    return isinstance(cls, type) and issubclass(cls, OneBitAdam)
+
+
+def _check_onebit(cfg: dict):
+    """1-bit Adam (compression/onebit_adam.py) where DeepSpeed and minizero run it: ZeRO stage 0 (DeepSpeed asserts
+    it in engine.py's _configure_basic_optimizer), fp32, one data-parallel group."""
+    for what, on in (("zero_optimization.stage > 0", cfg["zero_optimization"]["stage"] > 0),
+                     ("fp16", cfg["fp16"]["enabled"]), ("bf16", cfg["bf16"]["enabled"]),
+                     ("pipeline.stages > 1", cfg["pipeline"]["stages"] > 1),
+                     ("tensor_parallel.autotp_size > 1", cfg["tensor_parallel"]["autotp_size"] > 1),
+                     ("sequence_parallel_size > 1", cfg["sequence_parallel_size"] > 1)):
+        if on:
+            raise ConfigError(f"optimizer.type 'OneBitAdam' with {what}: not available. 1-bit Adam runs at ZeRO stage "
+                              "0 (as in DeepSpeed), in fp32, over one data-parallel group; remove one")
 
 
 def _check_pipeline_modes(cfg: dict):

@@ -150,6 +150,9 @@ class Strategy(ABC):
         if self.offload is not None:
             self.offload.finish()
 
+    def check_checkpointable(self):
+        """Raise (the same on every rank, before any collective) if this strategy's state cannot be saved."""
+
     def after_load(self, master_of: Callable, stateful: Callable, name_of: dict):
         """After a checkpoint wrote the fp32 masters: make the model's parameters follow. stateful(name): whether
         the checkpoint gave that parameter optimizer state (None: the optimizer state was not loaded)."""
@@ -426,6 +429,56 @@ class Zero3Strategy(Strategy):
 
     def memory_objects(self):
         return (self.optimizer, self.wrapped)  # the optimizer first: an offloaded one says where its tensors live
+
+
+# ---------------------------------------------------------------------------------------- 1-bit Adam
+class OneBitAdamStrategy(Strategy):
+    """Stage 0 with 1-bit Adam (compression/onebit_adam.py; Tang et al. 2021): every rank holds everything. During
+    the warm-up the gradients are all-reduced at the boundary, as DeepSpeed's engine does until freeze_step; then
+    they stay this rank's own and the optimizer all-reduces the momentum in 1 bit per element (one flat buffer:
+    2 collectives a step). A clip then clips each rank's own gradients, as DeepSpeed's clip_fp32_gradients does."""
+
+    shards = False
+    has_replicated = True
+
+    def __init__(self, model, comm, spec):
+        super().__init__(model, comm, spec)
+        comm.broadcast_tensors([*model.parameters(), *model.buffers()])  # one start on every rank, as DDP's
+        self.params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+        self.optimizer = spec.optimizer_cls(spec.groups or self.params, comm, per_tensor=False, grads_averaged=True,
+                                            **spec.optimizer_kwargs)
+
+    def forward_prelude(self):
+        if torch.is_grad_enabled():  # no wrapper: rank 0's buffers, as DDP does
+            self.comm.broadcast_tensors(list(self.model.buffers()))
+
+    def reduced_grads(self) -> Grads:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not self.optimizer.compressing and self.comm.size > 1 and grads:  # the warm-up: one flat all-reduce
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.comm.all_reduce(flat, op="avg")
+            for g, v in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(v.view_as(g))
+        return Grads([], grads)  # after the warm-up: this rank's own (the momentum is reduced inside the step)
+
+    def grad_names(self, name_of):
+        return [], [name_of[id(p)] for p in self.params if p.grad is not None]
+
+    @torch.no_grad()
+    def apply(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def segments(self, name_of):
+        return [Segment(p, self.optimizer, [Piece(name_of[id(p)], 0, p.numel(), 0, p in self.optimizer.state)], True)
+                for p in self.params]
+
+    def check_checkpointable(self):
+        raise NotImplementedError("checkpoints with optimizer.type 'OneBitAdam' are not implemented: its worker and "
+                                  "server error buffers differ on every rank and the format keeps one copy of a "
+                                  "replicated parameter's state")
 
 
 # ---------------------------------------------------------------------------------------- hybrid sharding

@@ -315,6 +315,7 @@ class BaseEngine(torch.nn.Module):
 
     def _check_checkpointable(self):
         """Every rank alike, before any collective: the checkpoint format has no key for an expert slice."""
+        self.strategy.check_checkpointable()
         if self.plan.ep_size > 1:
             raise NotImplementedError(f"checkpoints of an engine with expert parallelism (ep_size={self.plan.ep_size}) "
                                       "are not implemented: each ep rank holds other experts under the same names, "
