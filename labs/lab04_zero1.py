@@ -153,6 +153,11 @@ class ShardedOptimizer(FlatShardOptimizer):
             slot.copy_(p.grad)
             p.grad = slot  # autograd's own tensor is freed now
 
+    @property
+    def grad_shard(self) -> torch.Tensor | None:
+        """This rank's reduced gradient shard since the last zero_grad (None before the reduce-scatter)."""
+        return self._grad_shard
+
     @torch.no_grad()
     def reduce_gradients(self) -> torch.Tensor:
         """This rank's shard of the AVERAGED gradient (computed once per step; step() and
