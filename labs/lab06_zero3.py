@@ -505,8 +505,19 @@ class FSDP(nn.Module):
             # (p.grad.norm(), comparing with DDP's gradients) run on every rank alike
             if p.grad is None and (j in unit.used or (numel and bool(grad[offset:offset + numel].any()))):
                 # a ShardedGrad: its norm is the full parameter's (torch's clip line), as FSDP2's DTensors
-                p.grad = sharded_grad(flat[offset:offset + numel].view(p.shape),
-                                      self.comm if part == "shard" else None)
+                p.grad = sharded_grad(flat[offset:offset + numel].view(p.shape), self.comm if part == "shard" else None,
+                                      full=(lambda unit=unit, j=j: self._full_grad(unit, j)) if part == "shard" else None)
+
+    @torch.no_grad()
+    def _full_grad(self, unit, j: int) -> torch.Tensor:
+        """Sharded entry j's whole averaged gradient (p.grad.full_tensor()): the unit's gradient shards
+        all-gathered (equal pieces, whatever each rank holds of j), then j's slice."""
+        full = torch.zeros(unit.gathered_numel, device=self.comm.device)
+        flat = self.unit_grad(unit, "shard")
+        self.comm.all_gather(full, flat.contiguous() if flat is not None else torch.zeros(unit.layout.shard_numel,
+                                                                                           device=self.comm.device))
+        a, n = unit.layout.offsets[j], unit.layout.numels[j]
+        return full[a:a + n].view(unit.entries[j][0]).clone()
 
     def unit_grad(self, unit, part: str):
         """The flat fp32 gradient of unit's shard ("shard") or persistent part ("whole"), or None once

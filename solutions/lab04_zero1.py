@@ -142,7 +142,8 @@ class ShardedOptimizer(FlatShardOptimizer):
             # p.grad is this rank's unreduced gradient; as a ShardedGrad its norm (torch's clip line) is the
             # averaged gradient's and its mul_ scales the reduced shard too (sharded_grad.py)
             self.grad_views = [sharded_grad(v, self.comm, lambda i=i: self.averaged_pieces(i),
-                                            lambda f, div, i=i: self._scale_reduced(i, f, div))
+                                            lambda f, div, i=i: self._scale_reduced(i, f, div),
+                                            lambda i=i: self.full_grad(self.reduce_gradients(), i))
                                for i, v in enumerate(self.layout.views(self.flat_grad))]
             self._hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: self._into_flat_grad(i))
                            for i, p in enumerate(self.params)]
@@ -192,6 +193,14 @@ class ShardedOptimizer(FlatShardOptimizer):
     def averaged_pieces(self, i: int) -> list:
         """The elements of params[i]'s averaged gradient this rank holds (reduces first: a collective)."""
         return self._pieces_of(self.reduce_gradients(), i)
+
+    @torch.no_grad()
+    def full_grad(self, shard: torch.Tensor, i: int) -> torch.Tensor:
+        """params[i]'s whole averaged gradient from every rank's gradient shard (an all-gather of the shards)."""
+        full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(full, shard.contiguous())
+        a = self.layout.offsets[i]
+        return full[a:a + self.layout.numels[i]].view(self.params[i].shape).clone()
 
     def _scale_reduced(self, i: int, factor, divide: bool):
         """p.grad.mul_ after the reduce: the reduced shard the step uses follows (before it, the reduce does)."""

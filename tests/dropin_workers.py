@@ -233,6 +233,7 @@ def torch_clip_and_consolidate(comm, tmp_dir):
     ref.finish_gradient_synchronization()
     out["reference_norm"] = torch.nn.utils.clip_grad_norm_(ref.module.parameters(), 1e9).item()
     out["reference_inf"] = torch.nn.utils.get_total_norm([p.grad for p in ref.module.parameters()], "inf").item()
+    reference = {n: p.grad for n, p in ref.module.named_parameters()}
     for how in ("zero1", "zero2", "zero3"):
         model = build_model("tiny-gpt", seed=0, **GPT)
         if how == "zero1":
@@ -243,6 +244,10 @@ def torch_clip_and_consolidate(comm, tmp_dir):
             model = FSDP(model, comm)
         model(x, y)[1].backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
+        # FSDP2's gather: each parameter's gradient, full shape, on every rank (DTensor.full_tensor)
+        full = {n.removeprefix("module."): p.grad.full_tensor() for n, p in model.named_parameters()}
+        out[f"{how}/full_tensor_vs_ddp"] = max((full[n] - g).abs().max().item() if full[n].shape == g.shape
+                                               else float("inf") for n, g in reference.items())
         out[f"{how}/foreach_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, foreach=True).item()
         out[f"{how}/inf_norm"] = torch.nn.utils.get_total_norm(grads, "inf").item()
         out[f"{how}/norm_over_dim"] = error_of(lambda: grads[0].norm(dim=0))

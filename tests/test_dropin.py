@@ -89,6 +89,7 @@ def test_torch_clip_line_reaches_the_averaged_gradient_and_zero1_state_consolida
             assert abs(out[f"{how}/foreach_norm"] - reference) <= 1e-6 * reference, (how, out[f"{how}/foreach_norm"])
             assert abs(out[f"{how}/inf_norm"] - reference_inf) <= 1e-6 * reference_inf, how
             assert "only the norm of the whole tensor (dim=None)" in out[f"{how}/norm_over_dim"]
+            assert out[f"{how}/full_tensor_vs_ddp"] <= 1e-6, (how, out[f"{how}/full_tensor_vs_ddp"])  # shapes too
         assert out["zero1/sum"] is None and out["zero3/sum"] is None  # real values: this rank's local gradient / part
         assert "holds no values" in out["zero2/sum"] and "model.grad_shard" in out["zero2/sum"]
         # p.grad.div_(2) reached the reduced shard the step uses: its norm halved too

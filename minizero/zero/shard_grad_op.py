@@ -293,21 +293,24 @@ class ShardGradOp(nn.Module):
         for i, p in enumerate(self.params):  # torch's clip line on model.parameters() reaches grad_shard
             if p.grad is None:
                 p.grad = placeholder_grad(p, self.comm, lambda i=i: self._shard_pieces(i),
-                                          lambda f, div, i=i: self._scale_shard(i, f, div), self._WHERE)
+                                          lambda f, div, i=i: self._scale_shard(i, f, div),
+                                          lambda i=i: self.optim.full_grad(self._shard(), i), self._WHERE)
 
-    _WHERE = ("ShardGradOp reduced it into this rank's shard of the averaged gradient (model.grad_shard; "
-              "gather it with model.comm.all_gather) during backward")
+    _WHERE = "ShardGradOp reduced it into this rank's shard of the averaged gradient (model.grad_shard) during backward"
 
     def _drop_placeholders(self):
         for p in self.params:
             if is_placeholder(p.grad):
                 p.grad = None
 
-    def _shard_pieces(self, i: int) -> list:
-        """The elements of params[i]'s averaged gradient this rank holds (where the step reads them)."""
+    def _shard(self) -> torch.Tensor:
+        """This rank's averaged gradient shard, where the step reads it (offloaded: the host's buffer)."""
         self._check_grad("clip_grad_norm_")
-        shard = self.optim.gradient_for_step(self.grad_shard) if self.optim.tier is not None else self.grad_shard
-        return self.optim._pieces_of(shard, i)
+        return self.optim.gradient_for_step(self.grad_shard) if self.optim.tier is not None else self.grad_shard
+
+    def _shard_pieces(self, i: int) -> list:
+        """The elements of params[i]'s averaged gradient this rank holds."""
+        return self.optim._pieces_of(self._shard(), i)
 
     def _scale_shard(self, i: int, factor, divide: bool):
         for piece in self._shard_pieces(i):

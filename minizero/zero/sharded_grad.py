@@ -14,6 +14,7 @@ does the same for the two operations the clip uses (a __torch_function__ subclas
     clip_grad_norm_ does one all-reduce in all. A norm over `dim` is refused: the tensor is a shard.
   * mul_ / div_ (the clip's scaling; a manual unscale) scale the averaged elements this rank holds, where
     they are not the tensor itself (ZeRO-1's reduced shard, ZeRO-2's gradient shard), and the tensor.
+  * full_tensor() (DTensor's name) all-gathers the parameter's whole averaged gradient, full shape.
   * everything else runs on the tensor as it is (ZeRO-1: this rank's local gradient; FSDP: its local
     part), except on ZeRO-2's placeholder, which holds no values (one element of storage, expanded): there
     any other use is an error naming the wrapper's gradient shard.
@@ -34,6 +35,14 @@ _METADATA = {"__get__", "size", "dim", "numel", "stride", "is_floating_point", "
 
 class ShardedGrad(torch.Tensor):
     """Made by sharded_grad(); see the module docstring."""
+
+    def full_tensor(self) -> torch.Tensor:
+        """DTensor's name: the parameter's whole averaged gradient, full shape, on every rank (a collective
+        when the elements are spread over the ranks)."""
+        if self._mz_full is None:  # every rank holds all of it
+            with torch._C.DisableTorchFunctionSubclass():
+                return self.clone()
+        return self._mz_full()
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -61,27 +70,28 @@ class ShardedGrad(torch.Tensor):
             if getattr(func, "__name__", "") not in _METADATA:
                 raise RuntimeError(f"{getattr(func, '__name__', func)} on p.grad: this .grad holds no values, "
                                    f"{args[0]._mz_where}. torch.nn.utils.clip_grad_norm_ and p.grad.mul_ / "
-                                   "div_ work on it (they reach the shard).")
+                                   "div_ work on it (they reach the shard), and p.grad.full_tensor() gathers it.")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 
-def sharded_grad(tensor: torch.Tensor, comm, elements=None, scale=None, placeholder: bool = False,
+def sharded_grad(tensor: torch.Tensor, comm, elements=None, scale=None, full=None, placeholder: bool = False,
                  where: str = "") -> ShardedGrad:
     """`tensor` as a ShardedGrad. comm: whose ranks hold the other elements (None: every rank holds them all,
     a replicated gradient, no collective). elements(): this rank's averaged elements of the parameter (default
     [the tensor]). scale(factor, divide): scales those elements when they are not the tensor itself.
-    placeholder: the tensor holds no values; `where` says where they are."""
+    full(): the whole averaged gradient (full_tensor(); None: the tensor is it). placeholder: the tensor
+    holds no values; `where` says where they are."""
     g = tensor.as_subclass(ShardedGrad)
-    g._mz_comm, g._mz_elements, g._mz_scale = comm, elements, scale
+    g._mz_comm, g._mz_elements, g._mz_scale, g._mz_full = comm, elements, scale, full
     g._mz_placeholder, g._mz_where = placeholder, where
     return g
 
 
-def placeholder_grad(param: torch.Tensor, comm, elements, scale, where: str) -> ShardedGrad:
+def placeholder_grad(param: torch.Tensor, comm, elements, scale, full, where: str) -> ShardedGrad:
     """A .grad of param's shape, dtype and device on one element of storage (expanded)."""
     base = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
-    return sharded_grad(base, comm, elements, scale, placeholder=True, where=where)
+    return sharded_grad(base, comm, elements, scale, full, placeholder=True, where=where)
 
 
 def is_placeholder(t) -> bool:
