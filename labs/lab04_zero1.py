@@ -67,9 +67,11 @@ import torch
 
 from minizero import comm as comm_mod
 from minizero import memory, precision
+from minizero.zero.consolidate import consolidate, load_consolidated
 from minizero.zero.flat_layout import FlatLayout
 from minizero.zero.flat_shard_optimizer import FlatShardOptimizer
 from minizero.zero.offload import HostGradShard
+from minizero.zero.sharded_grad import sharded_grad
 from minizero.zero.tiers import build_tier
 
 
@@ -134,9 +136,15 @@ class ShardedOptimizer(FlatShardOptimizer):
                            data_end, False)], self.tier)
         self.had_grad = [False] * len(self.params)  # this rank produced params[i].grad since zero_grad
         self.flat_grad, self._grad_shard = None, None
+        self._consolidated = None  # (rank it went to, the whole state there) since the last step
         if not gradients_reduced:
             self.flat_grad = torch.zeros_like(self.flat)
-            self.grad_views = self.layout.views(self.flat_grad)
+            # p.grad is this rank's unreduced gradient; as a ShardedGrad its norm (torch's clip line) is the
+            # averaged gradient's and its mul_ scales the reduced shard too (sharded_grad.py)
+            self.grad_views = [sharded_grad(v, self.comm, lambda i=i: self.averaged_pieces(i),
+                                            lambda f, div, i=i: self._scale_reduced(i, f, div),
+                                            lambda i=i: self.full_grad(self.reduce_gradients(), i))
+                               for i, v in enumerate(self.layout.views(self.flat_grad))]
             self._hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: self._into_flat_grad(i))
                            for i, p in enumerate(self.params)]
 
@@ -183,6 +191,28 @@ class ShardedOptimizer(FlatShardOptimizer):
         self._grad_shard = shard
         return shard
 
+    def _pieces_of(self, shard: torch.Tensor, i: int) -> list:
+        return [shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo] for pc in self.layout.pieces(self.comm.rank)
+                if pc.index == i]
+
+    def averaged_pieces(self, i: int) -> list:
+        """The elements of params[i]'s averaged gradient this rank holds (reduces first: a collective)."""
+        return self._pieces_of(self.reduce_gradients(), i)
+
+    @torch.no_grad()
+    def full_grad(self, shard: torch.Tensor, i: int) -> torch.Tensor:
+        """params[i]'s whole averaged gradient from every rank's gradient shard (an all-gather of the shards)."""
+        full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(full, shard.contiguous())
+        a = self.layout.offsets[i]
+        return full[a:a + self.layout.numels[i]].view(self.params[i].shape).clone()
+
+    def _scale_reduced(self, i: int, factor, divide: bool):
+        """p.grad.mul_ after the reduce: the reduced shard the step uses follows (before it, the reduce does)."""
+        if self._grad_shard is not None:
+            for piece in self._pieces_of(self._grad_shard, i):
+                piece.div_(factor) if divide else piece.mul_(factor)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global-norm clipping over all shards (call after backward, before step)."""
         return clip_shard_grad_norm_(self.comm, self.reduce_gradients(), max_norm, norm_type)
@@ -194,6 +224,7 @@ class ShardedOptimizer(FlatShardOptimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_shard = self.reduce_gradients()
+        self._consolidated = None
         if self.tier is None:
             self.step_shard(grad_shard)
         else:
@@ -218,6 +249,8 @@ class ShardedOptimizer(FlatShardOptimizer):
     def step_gradient(self, grad: torch.Tensor):
         """Step with gradient_for_step()'s gradient: on the device (step_shard), or on the host tier, which
         steps (in a thread under DPU), copies the parameters up and all-gathers them."""
+        self._consolidated = None
+        self._opt_called = True  # what torch's LR schedulers record in their wrapper of step(): the engine steps here
         if self.tier is None:
             self.step_shard(grad)
         else:
@@ -267,19 +300,45 @@ class ShardedOptimizer(FlatShardOptimizer):
             memory.transient.free("zero1.grad_shard")
 
     # ------------------------------------------------------------------ torch conventions
-    def state_dict(self) -> dict:
-        """This rank's shard only, in torch's format (flat_shard_optimizer.py); the engine's
-        checkpoints reshard. fp32: the master IS the model's parameters, so it is not saved."""
-        sd = super().state_dict()
+    def local_state_dict(self) -> dict:
+        """This rank's shard only, in torch's format (flat_shard_optimizer.py); loads back on the same layout.
+        fp32: the master IS the model's parameters, so it is not saved."""
+        sd = super().local_state_dict()
         if self.mixed:
             sd["master"] = self.master.clone()
         return sd
 
-    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """The WHOLE optimizer state, on the rank consolidate_state_dict(to=) sent it to (torch's
+        ZeroRedundancyOptimizer convention); anywhere else, or before it, an error: this rank holds 1/N."""
+        if self._consolidated is None or self._consolidated[0] != self.comm.rank:
+            where = "" if self._consolidated is None else \
+                f" (the last one consolidated to rank {self._consolidated[0]}, this is rank {self.comm.rank})"
+            raise RuntimeError(f"{type(self).__name__}.state_dict(): this rank holds 1/{self.comm.size} of the optimizer "
+                               f"state{where}. Call optimizer.consolidate_state_dict(to=0) on every rank after the "
+                               "last step (as torch's ZeroRedundancyOptimizer), then state_dict() on rank 0; "
+                               "optimizer.local_state_dict() is this rank's shard")
+        return self._consolidated[1]
+
+    def consolidate_state_dict(self, to: int = 0):
+        """A collective: rank `to` gets the whole state in torch's per-parameter format (zero/consolidate.py)
+        for state_dict(); valid until the next step."""
+        if self.tier is not None:
+            raise ValueError(f"{type(self).__name__}.consolidate_state_dict: the optimizer state is offloaded; save it "
+                             "with the engine's save_checkpoint (it reshards), or local_state_dict() per rank")
+        if not 0 <= to < self.comm.size:
+            raise ValueError(f"consolidate_state_dict(to={to}): to must be a rank in [0, {self.comm.size})")
+        self._consolidated = (to, consolidate(self, to))
+
     def load_state_dict(self, state_dict: dict):
+        """This rank's local_state_dict(), or a consolidated state_dict() (every rank takes its shard of it)."""
+        if state_dict.get("consolidated"):
+            load_consolidated(self, state_dict)
+            return
         super().load_state_dict(state_dict)
         if self.mixed:
-            self.master.copy_(state_dict["master"])
+            with torch.no_grad():
+                self.master.copy_(state_dict["master"])
 
     def memory_tensors(self):
         """For memory.measure: the full flat parameters, the full flat gradients (ZeRO-1 keeps

@@ -87,6 +87,7 @@ from minizero import memory, precision
 from minizero.comm.labels import labelled
 from minizero.zero.flat_layout import FlatLayout
 from minizero.zero.init import built_with_init
+from minizero.zero.sharded_grad import sharded_grad
 
 _IDS = itertools.count()
 
@@ -110,6 +111,15 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return (None, None) + ctx.fsdp._reduce_grads(ctx.unit, g.contiguous())
+
+
+def _refuse_shard_state_dict(module, prefix, keep_vars):
+    """A state_dict() pre-hook on every module that holds a sharded local part: its own state_dict() would
+    return this rank's 1-D pieces under the full names (nanoGPT's `raw_model.state_dict()`)."""
+    raise RuntimeError(f"state_dict() of {type(module).__name__} {prefix.rstrip('.') or '(the wrapped model)'}: its "
+                       "parameters are this rank's FSDP shards. Call model.state_dict() on the FSDP wrapper on "
+                       "EVERY rank (a collective: full tensors under these names, torch FSDP's FULL_STATE_DICT), "
+                       "then save on rank 0")
 
 
 class _Unit:
@@ -239,6 +249,9 @@ class FSDP(nn.Module):
             self._replaced[id(unit.originals[j]())] = (unit.originals[j], p)
             for mod, attr in slots:
                 mod._parameters[attr] = p  # named_parameters() and the owner's state_dict() see it
+                if j < unit.n_sharded and not getattr(mod, "_zero3_refuses_state_dict", False):
+                    mod.register_state_dict_pre_hook(_refuse_shard_state_dict)  # it would save local parts
+                    mod._zero3_refuses_state_dict = True
 
     @staticmethod
     def _local_part(original, view):
@@ -491,7 +504,20 @@ class FSDP(nn.Module):
             # a 0-element local part used here gets an empty gradient, never None: per-parameter loops
             # (p.grad.norm(), comparing with DDP's gradients) run on every rank alike
             if p.grad is None and (j in unit.used or (numel and bool(grad[offset:offset + numel].any()))):
-                p.grad = flat[offset:offset + numel].view(p.shape)
+                # a ShardedGrad: its norm is the full parameter's (torch's clip line), as FSDP2's DTensors
+                p.grad = sharded_grad(flat[offset:offset + numel].view(p.shape), self.comm if part == "shard" else None,
+                                      full=(lambda unit=unit, j=j: self._full_grad(unit, j)) if part == "shard" else None)
+
+    @torch.no_grad()
+    def _full_grad(self, unit, j: int) -> torch.Tensor:
+        """Sharded entry j's whole averaged gradient (p.grad.full_tensor()): the unit's gradient shards
+        all-gathered (equal pieces, whatever each rank holds of j), then j's slice."""
+        full = torch.zeros(unit.gathered_numel, device=self.comm.device)
+        flat = self.unit_grad(unit, "shard")
+        self.comm.all_gather(full, flat.contiguous() if flat is not None else torch.zeros(unit.layout.shard_numel,
+                                                                                           device=self.comm.device))
+        a, n = unit.layout.offsets[j], unit.layout.numels[j]
+        return full[a:a + n].view(unit.entries[j][0]).clone()
 
     def unit_grad(self, unit, part: str):
         """The flat fp32 gradient of unit's shard ("shard") or persistent part ("whole"), or None once

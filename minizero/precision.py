@@ -238,6 +238,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def step_masters(self):
         """The masters' optimizer step, with the hyperparameters of param_groups (a scheduler's lr)."""
+        self._opt_called = True  # what torch's LR schedulers record in their wrapper of step(): the engine steps here
         for inner, outer in zip(self.optimizer.param_groups, self.param_groups):
             inner.update((k, v) for k, v in outer.items() if k != "params")
         self.optimizer.step()

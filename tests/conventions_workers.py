@@ -210,7 +210,7 @@ def state_dict_round_trip(comm):
             for s, batch in enumerate(batches):
                 if resume and s == 2:  # a fresh copy of everything, from the saved state dicts
                     weights, buf = wrapped.state_dict(), io.BytesIO()
-                    torch.save(optim.state_dict(), buf)
+                    torch.save(optim.local_state_dict(), buf)  # this rank's shard
                     model = build_model("edge", seed=1)  # other weights: loading must overwrite them
                     wrapped, optim = _zero(strategy, model, comm, nanogpt_groups(model, 0.1))
                     wrapped.load_state_dict(weights)

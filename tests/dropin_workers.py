@@ -223,7 +223,107 @@ def offload_groups(comm, tmp_dir):
     return out
 
 
+def torch_clip_and_consolidate(comm, tmp_dir):
+    """torch's own clip (its foreach path too) and p.grad's other uses under ZeRO-1/2/3; ZeRO-1's state
+    consolidated to rank 0, saved there, loaded on every rank: into a fresh ZeRO-1 and into torch's AdamW."""
+    out = {}
+    x, y = batch(comm, 0)
+    ref = DDP(build_model("tiny-gpt", seed=0, **GPT), comm)
+    ref(x, y)[1].backward()
+    ref.finish_gradient_synchronization()
+    out["reference_norm"] = torch.nn.utils.clip_grad_norm_(ref.module.parameters(), 1e9).item()
+    out["reference_inf"] = torch.nn.utils.get_total_norm([p.grad for p in ref.module.parameters()], "inf").item()
+    reference = {n: p.grad for n, p in ref.module.named_parameters()}
+    for how in ("zero1", "zero2", "zero3"):
+        model = build_model("tiny-gpt", seed=0, **GPT)
+        if how == "zero1":
+            opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, comm, lr=1e-2)
+        elif how == "zero2":
+            model = ShardGradOp(model, torch.optim.AdamW, comm, lr=1e-2)
+        else:
+            model = FSDP(model, comm)
+        model(x, y)[1].backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        # FSDP2's gather: each parameter's gradient, full shape, on every rank (DTensor.full_tensor)
+        full = {n.removeprefix("module."): p.grad.full_tensor() for n, p in model.named_parameters()}
+        out[f"{how}/full_tensor_vs_ddp"] = max((full[n] - g).abs().max().item() if full[n].shape == g.shape
+                                               else float("inf") for n, g in reference.items())
+        out[f"{how}/foreach_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, foreach=True).item()
+        out[f"{how}/inf_norm"] = torch.nn.utils.get_total_norm(grads, "inf").item()
+        out[f"{how}/norm_over_dim"] = error_of(lambda: grads[0].norm(dim=0))
+        out[f"{how}/sum"] = error_of(lambda: grads[0].sum())
+        if how == "zero1":  # ZeRO-1: a manual unscale before the clip reaches the reduced shard
+            for p in model.parameters():
+                p.grad.div_(2.0)
+            out["zero1/halved_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()
+            out["zero1/shard_norm"] = opt.clip_grad_norm_(1e9).item()  # the shard the step uses
+    # ZeRO-1's state: consolidated to rank 0, saved there, loaded everywhere (nanoGPT's resume)
+    path = f"{tmp_dir}/zero1_optimizer.pt"
+
+    def zero1(seed):
+        model = build_model("tiny-gpt", seed=seed, **GPT)
+        return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, comm, lr=1e-2)
+
+    def train(model, opt, steps):
+        for step in steps:
+            model(*batch(comm, step))[1].backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = zero1(0)
+    train(model, opt, range(2))
+    out["before_consolidate"] = error_of(opt.state_dict)
+    opt.consolidate_state_dict(to=0)
+    out["other_rank"] = error_of(opt.state_dict) if comm.rank == 1 else None
+    if comm.rank == 0:
+        full = opt.state_dict()
+        out["numel"] = sum(v.numel() for st in full["state"].values() for v in st.values() if v.dim())
+        torch.save({"model": model.state_dict(), "optimizer": full}, path)
+    comm.barrier()
+    saved = torch.load(path, weights_only=False)
+    resumed, resumed_opt = zero1(1)  # other weights: loading must overwrite them
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["optimizer"])
+    plain = build_model("tiny-gpt", seed=1, **GPT)  # torch's own AdamW takes the consolidated state too
+    plain.load_state_dict(saved["model"])
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    plain_opt.load_state_dict(saved["optimizer"])
+    plain_ddp = DDP(plain, comm)
+    train(model, opt, [2])
+    out["after_step"] = error_of(opt.state_dict)  # the consolidated state is stale after a step
+    train(resumed, resumed_opt, [2])
+    plain_ddp(*batch(comm, 2))[1].backward()
+    plain_ddp.finish_gradient_synchronization()
+    plain_opt.step()
+    final = model.state_dict()
+    out["resumed_vs_continued"] = max((resumed.state_dict()[k] - v).abs().max().item() for k, v in final.items())
+    out["torch_adamw_vs_continued"] = max((plain.state_dict()[k] - v).abs().max().item() for k, v in final.items())
+    out["moved"] = max((saved["model"][k] - v).abs().max().item() for k, v in final.items())
+    out["model_numel"] = sum(p.numel() for p in model.parameters())
+    # bf16 parameters: the fp32 masters travel in the consolidated state too
+    models = []
+    for seed in (0, 1, 0):
+        m = build_model("tiny-gpt", seed=seed, **GPT).to(torch.bfloat16)
+        models.append((m, ShardedOptimizer(m.parameters(), torch.optim.AdamW, comm, lr=1e-2)))
+    (model, opt), (resumed, resumed_opt), (control, control_opt) = models
+    train(model, opt, range(2))
+    opt.consolidate_state_dict(to=0)
+    if comm.rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    comm.barrier()
+    saved = torch.load(path, weights_only=False)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["optimizer"])
+    control.load_state_dict(saved["model"])  # the weights without the optimizer state: Adam restarts
+    for m, o in ((model, opt), (resumed, resumed_opt), (control, control_opt)):
+        train(m, o, [2, 3])
+    final = model.state_dict()
+    out["bf16/resumed_vs_continued"] = max((resumed.state_dict()[k] - v).abs().max().item() for k, v in final.items())
+    out["bf16/control"] = max((control.state_dict()[k] - v).float().abs().max().item() for k, v in final.items())
+    return out
+
+
 def run_all(comm, tmp_dir):
     return {"ddp": ddp_idioms(comm), "zero2": zero2_inner_optimizer(comm), "fsdp": fsdp_idioms(comm),
             "zero1": zero1_buffers(comm), "initialize": deepspeed_initialize(comm, tmp_dir),
-            "offload_groups": offload_groups(comm, tmp_dir)}
+            "offload_groups": offload_groups(comm, tmp_dir), "sharded_grads": torch_clip_and_consolidate(comm, tmp_dir)}

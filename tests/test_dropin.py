@@ -79,3 +79,28 @@ def test_offload_with_two_param_groups_trains_like_the_device_and_resumes_bitwis
             assert out[f"{stage}/groups"] == 2
             assert out[f"{stage}/vs_device"] <= 1e-6, f"rank {rank} stage {stage}: {out[f'{stage}/vs_device']}"
             assert out[f"{stage}/resumed"] == 0.0, f"rank {rank} stage {stage}: resumed {out[f'{stage}/resumed']}"
+
+
+def test_torch_clip_line_reaches_the_averaged_gradient_and_zero1_state_consolidates(res):
+    for rank, out in enumerate(r["sharded_grads"] for r in res):
+        reference, reference_inf = out["reference_norm"], out["reference_inf"]  # torch's clip over DDP's grads
+        assert reference > 0.1
+        for how in ("zero1", "zero2", "zero3"):
+            assert abs(out[f"{how}/foreach_norm"] - reference) <= 1e-6 * reference, (how, out[f"{how}/foreach_norm"])
+            assert abs(out[f"{how}/inf_norm"] - reference_inf) <= 1e-6 * reference_inf, how
+            assert "only the norm of the whole tensor (dim=None)" in out[f"{how}/norm_over_dim"]
+            assert out[f"{how}/full_tensor_vs_ddp"] <= 1e-6, (how, out[f"{how}/full_tensor_vs_ddp"])  # shapes too
+        assert out["zero1/sum"] is None and out["zero3/sum"] is None  # real values: this rank's local gradient / part
+        assert "holds no values" in out["zero2/sum"] and "model.grad_shard" in out["zero2/sum"]
+        # p.grad.div_(2) reached the reduced shard the step uses: its norm halved too
+        assert abs(out["zero1/halved_norm"] - reference / 2) <= 1e-6 * reference
+        assert abs(out["zero1/shard_norm"] - reference / 2) <= 1e-6 * reference
+        for key in ("before_consolidate", "after_step"):
+            assert "optimizer.consolidate_state_dict(to=0)" in out[key], (rank, key)
+        assert out["resumed_vs_continued"] == 0.0, f"rank {rank}: {out['resumed_vs_continued']}"
+        assert out["torch_adamw_vs_continued"] <= 1e-6, f"rank {rank}: {out['torch_adamw_vs_continued']}"
+        assert out["moved"] > 1e-3  # the resumed step moved the weights: the comparison says something
+        assert out["bf16/resumed_vs_continued"] == 0.0, f"rank {rank}: {out['bf16/resumed_vs_continued']}"
+        assert out["bf16/control"] > 1e-3  # without the saved state the run differs: the state mattered
+    assert res[0]["sharded_grads"]["numel"] == 2 * res[0]["sharded_grads"]["model_numel"]  # AdamW: 2 moments, all
+    assert "consolidated to rank 0, this is rank 1" in res[1]["sharded_grads"]["other_rank"]

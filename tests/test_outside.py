@@ -19,7 +19,9 @@ from minizero import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-MODES = ["torch_ddp", "ddp", "zero1", "zero2", "zero3", "engine0", "engine1", "engine2", "engine3"]
+TRAINED = ["ddp", "zero1", "zero2", "zero3", "zero1:torch_clip", "zero2:torch_clip", "zero3:torch_clip",
+           "engine0", "engine1", "engine2", "engine3"]   # within TOLERANCE of torch DDP
+MODES = ["torch_ddp", *TRAINED, "engine0:bf16"]            # bf16: only its warnings are compared
 TOLERANCE = 1e-6
 
 
@@ -40,13 +42,47 @@ def results(tmp_path_factory):
     return json.loads(lines[0][len("RESULT "):])
 
 
-@pytest.mark.parametrize("mode", MODES[1:])
+@pytest.mark.parametrize("mode", TRAINED)
 def test_a_nanogpt_script_trains_what_torch_ddp_trains(results, mode):
     reference, ours = results["torch_ddp"], results[mode]
     moved = _max_diff(reference["state"], results["initial"]["state"])
     assert moved > 1000 * TOLERANCE, f"the reference barely trained ({moved:.1e}): the comparison would say nothing"
     assert max(abs(x - y) for x, y in zip(ours["losses"], reference["losses"])) <= TOLERANCE, ours["losses"]
     assert _max_diff(ours["state"], reference["state"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("mode", ["zero1", "zero2", "zero3"])
+def test_nanogpts_own_clip_line_gives_torch_ddps_norm(results, mode):
+    reference, ours = results["torch_ddp"]["norms"], results[f"{mode}:torch_clip"]["norms"]
+    assert min(reference) > 10 * results["clip"]  # it clipped every step: a norm read wrong would train something else
+    assert max(abs(x - y) / y for x, y in zip(ours, reference)) <= TOLERANCE, (ours, reference)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero2", "zero3"])
+def test_nanogpts_checkpoint_lines_save_what_torch_ddp_saves_or_name_the_gathering_call(results, mode):
+    """raw_model.state_dict() and optimizer.state_dict(), as nanoGPT saves them on rank 0: torch DDP's
+    shapes and AdamW state, or an error at the call naming the call that gathers (then that call's result)."""
+    reference, ours = results["torch_ddp"]["checkpoint"], results[mode]["checkpoint"]
+    if mode == "zero3":
+        assert "Call model.state_dict() on the FSDP wrapper on EVERY rank" in ours["model_error"]
+    else:
+        assert ours["model_error"] is None and ours["model"] == reference["model"]
+    if mode == "zero3":
+        return  # nanoGPT's optimizer here is torch's own AdamW on FSDP's local parts: its state is theirs
+    if mode in ("zero1", "zero2"):
+        assert "optimizer.consolidate_state_dict(to=0)" in ours["optimizer_error"]
+    full, want = ours["optimizer"], reference["optimizer"]
+    assert full["numel"] == want["numel"] and sorted(full["state"]) == sorted(want["state"])
+    assert full["lr"] == want["lr"]
+    for i, state in want["state"].items():
+        assert sorted(full["state"][i]) == sorted(state)
+        for k, v in state.items():
+            assert max(abs(a - b) for a, b in zip(full["state"][i][k], v)) <= TOLERANCE, (i, k)
+
+
+@pytest.mark.parametrize("mode", ["engine0", "engine1", "engine2", "engine3", "engine0:bf16"])
+def test_the_engine_steps_its_scheduler_without_torchs_order_warning(results, mode):
+    assert results[mode]["warnings"] == []
 
 
 def test_a_hugging_face_gpt2_trains_consolidates_and_loads_strictly(tmp_path):

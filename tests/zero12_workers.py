@@ -21,6 +21,7 @@ from minizero.models import build_model
 from minizero.experiments.references import flat_params, global_batches, make_optimizer
 from minizero.zero.sharded_optimizer import ShardedOptimizer
 from minizero.zero.shard_grad_op import ShardGradOp
+from minizero.zero.sharded_grad import is_placeholder
 
 torch.set_num_threads(1)
 
@@ -83,7 +84,8 @@ def _train(comm, name, opt_name, strategy):
         loss.backward()
         if strategy.startswith("z2"):
             facts["backward_peak"] = memory.transient.peak  # the buckets' high-water mark
-            facts["grads_left"] = sum(p.grad is not None for p in model.parameters())
+            # a placeholder .grad (one element of storage, for torch's clip line) holds no gradient
+            facts["grads_left"] = sum(p.grad is not None and not is_placeholder(p.grad) for p in model.parameters())
         step()
         facts["sent"].append(comm.stats.sent())
         facts["sent_by_op"] = {op: s["sent_bytes"] for op, s in comm.stats.as_dict().items()}
@@ -201,7 +203,7 @@ def _zero2_details(comm):
         loss = loss + model.unused.sum()  # d/d(unused) = 1 on rank 0 only
     loss.backward()
     out["tied_hook_calls"] = len(fired)
-    out["edge_grads_left"] = [n for n, p in model.named_parameters() if p.grad is not None]
+    out["edge_grads_left"] = [n for n, p in model.named_parameters() if p.grad is not None and not is_placeholder(p.grad)]
     # the unused parameter's averaged gradient (1 + 0*(N-1))/N, read from the owner's shard
     L, r = z2.layout, comm.rank
     i = next(k for k, p in enumerate(z2.params) if p is model.unused)

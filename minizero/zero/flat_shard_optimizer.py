@@ -209,6 +209,10 @@ class FlatShardOptimizer(torch.optim.Optimizer):
                 "groups": [len(g["params"]) for g in self.param_groups]}
 
     def state_dict(self) -> dict:
+        return self.local_state_dict()
+
+    def local_state_dict(self) -> dict:
+        """This rank's shard of the state, torch's format plus its layout (FSDP's LOCAL_STATE_DICT)."""
         inner, start, groups = self.optim.state_dict(), 0, []
         for g in self.param_groups:
             groups.append({**{k: v for k, v in g.items() if k != "params"},

@@ -63,6 +63,7 @@ from minizero.comm.labels import labelled
 from minizero.comm.stats import bucket_numel_from_mb
 from minizero.zero.flat_shard_optimizer import check_optimizer_class, covering_param_groups
 from minizero.zero.offload import HostGradShard
+from minizero.zero.sharded_grad import is_placeholder, placeholder_grad
 from minizero.zero.sharded_optimizer import ShardedOptimizer, clip_shard_grad_norm_
 
 
@@ -105,8 +106,9 @@ class Stage2Optimizer(ShardedOptimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
-        super().zero_grad(set_to_none)  # the tier, had_grad, and full p.grad (only no_sync leaves them)
         owner = self.owner()
+        owner._drop_placeholders()
+        super().zero_grad(set_to_none)  # the tier, had_grad, and full p.grad (only no_sync leaves them)
         owner.grad_shard.zero_()
         owner._has_grad = False
 
@@ -174,6 +176,7 @@ class ShardGradOp(nn.Module):
 
     # ------------------------------------------------------------------ torch conventions
     def forward(self, *args, **kwargs):
+        self._drop_placeholders()  # before autograd would accumulate into one
         if self.broadcast_buffers and torch.is_grad_enabled():  # BatchNorm's statistics stay rank 0's
             self.comm.broadcast_tensors(list(self.module.buffers()))
         return self.module(*args, **kwargs)
@@ -287,6 +290,31 @@ class ShardGradOp(nn.Module):
         for bucket in self.buckets:
             bucket.filled = set()
         self._next, self._in_backward, self._has_grad = 0, False, True
+        for i, p in enumerate(self.params):  # torch's clip line on model.parameters() reaches grad_shard
+            if p.grad is None:
+                p.grad = placeholder_grad(p, self.comm, lambda i=i: self._shard_pieces(i),
+                                          lambda f, div, i=i: self._scale_shard(i, f, div),
+                                          lambda i=i: self.optim.full_grad(self._shard(), i), self._WHERE)
+
+    _WHERE = "ShardGradOp reduced it into this rank's shard of the averaged gradient (model.grad_shard) during backward"
+
+    def _drop_placeholders(self):
+        for p in self.params:
+            if is_placeholder(p.grad):
+                p.grad = None
+
+    def _shard(self) -> torch.Tensor:
+        """This rank's averaged gradient shard, where the step reads it (offloaded: the host's buffer)."""
+        self._check_grad("clip_grad_norm_")
+        return self.optim.gradient_for_step(self.grad_shard) if self.optim.tier is not None else self.grad_shard
+
+    def _shard_pieces(self, i: int) -> list:
+        """The elements of params[i]'s averaged gradient this rank holds."""
+        return self.optim._pieces_of(self._shard(), i)
+
+    def _scale_shard(self, i: int, factor, divide: bool):
+        for piece in self._shard_pieces(i):
+            piece.div_(factor) if divide else piece.mul_(factor)
 
     # ------------------------------------------------------------------ step
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -328,7 +356,7 @@ class ShardGradOp(nn.Module):
         and the sharded master copy and optimizer state. Buckets are transient."""
         for p in self.module.parameters():  # trainable ones are views of the flat buffer
             yield "parameters", p, None
-            if p.grad is not None:
+            if p.grad is not None and not is_placeholder(p.grad):  # a placeholder holds no gradient
                 yield "gradients", p.grad, None
         for b in self.module.buffers():
             yield "buffers", b, None

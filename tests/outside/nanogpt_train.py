@@ -6,10 +6,14 @@ The idioms kept from nanoGPT's train.py: a different seed on every rank (1337 + 
 built, the optimizer built on the RAW model before wrapping (configure_optimizers: decay / no-decay groups),
 gradient accumulation with `model.require_backward_grad_sync = (last micro-step)`, the loss divided by the
 accumulation steps, clipping, an LR schedule (here a LambdaLR with warm-up), zero_grad(set_to_none=True).
-The lines each mode changes are marked `# <- mode` (the README's drop-in table lists them).
+The lines each mode changes are marked `# <- mode` (the README's drop-in table lists them). A mode
+"zeroK:torch_clip" keeps nanoGPT's own clip line, torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).
+After training every mode runs nanoGPT's checkpoint lines (raw_model.state_dict(), optimizer.state_dict()):
+each either returns what torch DDP's return or raises at the call, naming the call that gathers.
 """
 import json
 import sys
+import warnings
 
 import torch
 
@@ -41,7 +45,38 @@ def full_state(mode, model):
     return raw.state_dict()
 
 
+def error_of(fn):
+    try:
+        fn()
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def summary(state_dict):
+    """A state dict as numbers the test compares: the model's shapes, an optimizer's per-parameter state."""
+    if "state" not in state_dict:
+        return {"shapes": {k: list(v.shape) for k, v in state_dict.items()}}
+    state = {str(i): {k: v.reshape(-1).tolist() for k, v in st.items()} for i, st in state_dict["state"].items()}
+    return {"numel": sum(v.numel() for st in state_dict["state"].values() for v in st.values() if v.dim()),
+            "state": state, "lr": [g["lr"] for g in state_dict["param_groups"]]}
+
+
+def checkpoint(model, optimizer, rank):
+    """nanoGPT's checkpoint lines (rank 0 saves {'model': raw_model.state_dict(), 'optimizer': ...})."""
+    raw_model = model.module if hasattr(model, "module") else model  # nanoGPT: model.module if ddp else model
+    out = {"model_error": error_of(raw_model.state_dict), "optimizer_error": error_of(optimizer.state_dict)}
+    if out["model_error"] is None:
+        out["model"] = summary(raw_model.state_dict())
+    if out["optimizer_error"] is not None and hasattr(optimizer, "consolidate_state_dict"):
+        optimizer.consolidate_state_dict(to=0)  # the call the error names, on every rank
+    if rank == 0 and error_of(optimizer.state_dict) is None:
+        out["optimizer"] = summary(optimizer.state_dict())
+    return out
+
+
 def train(mode, world):
+    mode, _, variant = mode.partition(":")
     rank = world.rank
     torch.manual_seed(1337 + rank)  # nanoGPT: every rank its own seed, model init included
     cfg = Config()
@@ -68,13 +103,16 @@ def train(mode, world):
         clip = lambda: model.clip_grad_norm_(CLIP)  # noqa: E731                             # <- zero3
     elif mode.startswith("engine"):                                                          # <- engine
         config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": ACCUM,
-                  "gradient_clipping": CLIP, "zero_optimization": {"stage": int(mode[-1])}}
+                  "gradient_clipping": CLIP, "zero_optimization": {"stage": int(mode[-1])},
+                  "bf16": {"enabled": variant == "bf16"}}
         model, optimizer, _, _ = minizero.initialize(
             model=model, optimizer=optimizer, lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
             config=config, comm=world)
         return deepspeed_loop(mode, model, world, cfg)
+    if variant == "torch_clip":
+        clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # noqa: E731  nanoGPT's own line
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-    losses = []
+    losses, norms = [], []
     for it in range(ITERS):
         total = 0.0
         for micro in range(ACCUM):
@@ -85,35 +123,39 @@ def train(mode, world):
             total += loss.item() / ACCUM
         if mode == "ddp":
             model.finish_gradient_synchronization()                                          # <- ddp
-        clip()
+        norms.append(float(clip()))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
-    return losses, full_state(mode, model)
+    return {"losses": losses, "norms": norms, "checkpoint": checkpoint(model, optimizer, rank)}, \
+        full_state(mode, model)
 
 
 def deepspeed_loop(mode, engine, world, cfg):
     """DeepSpeed's loop: engine(x) / engine.backward / engine.step (clipping and the schedule are the engine's)."""
     losses = []
-    for it in range(ITERS):
-        total = 0.0
-        for micro in range(ACCUM):
-            x, y = get_batch(world.rank, it, micro, cfg)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / ACCUM
-        losses.append(total)
-    return losses, full_state(mode, engine)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for it in range(ITERS):
+            total = 0.0
+            for micro in range(ACCUM):
+                x, y = get_batch(world.rank, it, micro, cfg)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                total += loss.item() / ACCUM
+            losses.append(total)
+    lr_warnings = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+    return {"losses": losses, "warnings": lr_warnings}, full_state(mode, engine)
 
 
 def main(modes):
     world = comm.init()  # torchrun's environment; torch's DDP below uses the same default process group
-    out = {}
+    out = {"clip": CLIP}
     for mode in modes:
-        losses, state = train(mode, world)
-        out[mode] = {"losses": losses, "state": {k: v.detach().reshape(-1).tolist() for k, v in state.items()}}
+        result, state = train(mode, world)
+        out[mode] = {**result, "state": {k: v.detach().float().reshape(-1).tolist() for k, v in state.items()}}
     if hasattr(train, "initial"):
         out["initial"] = {"losses": [], "state": {k: v.reshape(-1).tolist() for k, v in train.initial.items()}}
     if world.rank == 0:
