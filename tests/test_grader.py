@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from minizero.autograde import LABS, REPO
-from minizero.cli import labgen
+from minizero.autograde import labgen
 
 LABS_DIR = Path(REPO) / "labs"
 

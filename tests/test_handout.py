@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from minizero.autograde import LABS, REPO, tree_digest
-from minizero.cli import handout, labgen
+from minizero.autograde import LABS, REPO, labgen, tree_digest
+from minizero.cli import handout
 
 
 def in_handout(root: Path, *args, timeout=600):

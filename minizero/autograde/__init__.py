@@ -3,7 +3,7 @@
 Each lab N has a module `minizero.autograde.labNN` (found by name: adding a lab touches no
 shared file) with
   * `LAB = Lab(number, name, title, source)`: `source` is the minizero module whose
-    BEGIN/END SOLUTION regions become the lab's TODOs (see minizero.cli.labgen);
+    BEGIN/END SOLUTION regions become the lab's TODOs (see minizero.autograde.labgen);
   * `CHECKS`: a list of `Check(name, max_score, fn)`; `fn(impl_file) -> str` returns what it
     measured, or raises `CheckFailed` saying what was wrong. A stretch task's check has
     `extra=True`: its points are extra credit (Gradescope: max_score 0, the points as score when
@@ -119,7 +119,7 @@ def impl_file(lab: Lab, impl: str) -> str:
     folder holding labNN_*.py (a student's submission). The package's modules are joined into one lab file
     in build/grade/ (labgen.render), which the checks load as they load labs/ files."""
     if impl == "package":
-        from minizero.cli import labgen
+        from minizero.autograde import labgen
         path = os.path.join(REPO, "build", "grade", lab.filename)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
@@ -148,7 +148,7 @@ def stub_digest(lab: Lab) -> str:
         if HANDOUT:
             _STUB_TREES[lab.number] = HANDOUT["stubs"].get(str(lab.number))
         else:
-            from minizero.cli import labgen
+            from minizero.autograde import labgen
             _STUB_TREES[lab.number] = tree_digest(labgen.render(lab, "labs"))
     return _STUB_TREES[lab.number]
 
@@ -324,7 +324,7 @@ def print_losses(label_a: str, losses_a, label_b: str, losses_b, digits: int = 5
 def package_namespace(number: int, launcher: str) -> dict:
     """The names of lab `number`'s modules as the package has them, a later module's over an earlier one's
     (as in the joined lab file): a handout's labs/labNN_*.py (`launcher`) runs the lab's demo on them."""
-    from minizero.cli import labgen
+    from minizero.autograde import labgen
     names: dict = {}
     for path in labgen.sources(get_lab(number)):
         names.update(vars(importlib.import_module(path.removesuffix(".py").replace("/", "."))))

@@ -22,7 +22,7 @@ import time
 
 from minizero import env as mz_env
 from minizero.autograde import HANDOUT, LABS, REPO, Lab, get_lab
-from minizero.cli import labgen
+from minizero.autograde import labgen
 from minizero.launch import pids_with_env
 
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 from minizero.autograde import LABS, REPO, tree_digest
-from minizero.cli import labgen
+from minizero.autograde import labgen
 
 # The course's own tooling: it reads solutions/ or the SOLUTION markers, which a handout has neither of.
 STAFF_ONLY = ("solutions/", "labs/", "tests/mutants/", "tests/test_mutants.py", "tests/test_grader.py",
