@@ -190,7 +190,7 @@ BAD = [  # (what, model, config, world, match, extra initialize kwargs)
      "activation_checkpointing: EdgeCaseModel has no nn.ModuleList", {}),
     ("hpz vs the mesh", _gpt, {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, 4,
      "the mesh has nodes of 4 ranks", {"mesh": True}),
-    # sequence_parallel_size (DeepSpeed-Ulysses) and MoE ep_size (tests/test_engine_keys.py trains them)
+    # sequence_parallel_size (DeepSpeed-Ulysses) and MoE ep_size (tests/test_engine_cp_ep.py trains them)
     ("sp world", _gpt, {"sequence_parallel_size": 3}, 4, "sequence_parallel_size = 3 does not divide the world", {}),
     ("sp heads", _gpt, {"sequence_parallel_size": 3}, 6, "n_head/cp whole heads, but the model has 4 heads", {}),
     ("sp block_size", lambda: _gpt(block_size=10), {"sequence_parallel_size": 4}, 4, "block_size 10 is not divisible", {}),

@@ -1,5 +1,5 @@
 """The planner's context (cp) and expert (ep) parallelism: what a rank holds and sends, checked against the
-mechanisms' own modules and byte formulas (tests/test_context.py and tests/test_experts.py measure those
+mechanisms' own modules and byte formulas (tests/test_context.py and tests/test_moe.py measure those
 formulas with comm.stats), `plan --fit` choosing cp for a long sequence, and the flags' errors. In-process."""
 import math
 
@@ -52,7 +52,7 @@ def test_cp_sends_the_mechanisms_bytes_per_layer(ulysses):
 
 def test_ep_holds_e_over_ep_experts_and_sends_the_all_to_alls():
     """Parameters from minizero.moe's own modules; bytes 4 all-to-alls per MoE layer and micro-batch of
-    (ep-1)/ep·E·C·d·w, C = ceil(k·T·cf/E) (the formula tests/test_experts.py measures)."""
+    (ep-1)/ep·E·C·d·w, C = ceil(k·T·cf/E) (the formula tests/test_moe.py measures)."""
     h = MOE.hidden
     moe_layer = sum(p.numel() for p in MoELayer(h, 4 * h, MOE.experts).parameters())
     assert MOE.block_params() == 12 * h * h + 13 * h - (8 * h * h + 5 * h) + moe_layer

@@ -50,7 +50,7 @@ Everything is a formula of minizero's own layouts, so a run of the same configur
   moe.all_to_all_bytes(E, C, h, w, ep) = (ep-1)/ep·E·C·h·w, C = moe.capacity(b·s/cp, E, k, cf).
   The expert MLP's two 4h-wide saved tensors cover E·C slots instead of b·s/cp tokens (not validated
   against a run). tests/test_planner.py checks the cp and ep bytes against the formulas that
-  tests/test_context.py and tests/test_experts.py measure with comm.stats.
+  tests/test_context.py and tests/test_moe.py measure with comm.stats.
 """
 from __future__ import annotations
 

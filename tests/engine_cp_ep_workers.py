@@ -1,4 +1,4 @@
-"""What tests/test_engine_keys.py launches (never inside pytest): the context-parallel and MoE engine keys on 4 ranks,
+"""What tests/test_engine_cp_ep.py launches (never inside pytest): the context-parallel and MoE engine keys on 4 ranks,
 in ONE job.
 
 sequence: sequence_parallel_size 2 (dp 2 x cp 2, DeepSpeed-Ulysses in TinyGPT's attention) at ZeRO

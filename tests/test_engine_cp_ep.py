@@ -1,5 +1,5 @@
 """The context-parallel (sequence_parallel_size, ring) and MoE (ep_size) engine keys, against one process
-(one 4-rank launch: tests/engine_keys_workers.py).
+(one 4-rank launch: tests/engine_cp_ep_workers.py).
 
 * sequence_parallel_size 2 (DeepSpeed's key; dp 2 x cp 2, Ulysses in TinyGPT's attention), ZeRO stages 0-3,
   and with context_parallel.attention "ring" (minizero's key: ring attention, chunks r and 2cp-1-r) at stage 1:
@@ -18,7 +18,7 @@ import torch
 
 from minizero import launch
 from minizero.models import GPTConfig, TinyGPT
-from tests import engine_keys_workers as W
+from tests import engine_cp_ep_workers as W
 
 RTOL, ATOL = 1e-5, 1e-6
 _job = []
@@ -26,7 +26,7 @@ _job = []
 
 def results():
     if not _job:
-        _job.append(launch.run("tests/engine_keys_workers.py:run", nprocs=4, timeout=300))
+        _job.append(launch.run("tests/engine_cp_ep_workers.py:run", nprocs=4, timeout=300))
     return _job[0]
 
 
