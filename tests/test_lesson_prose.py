@@ -103,7 +103,8 @@ def test_lesson01_findings_reads_a_run():
     f = collectives.findings(res, gloo, 15e-6, 1 / 5e9, [0.3, 0.4], 2)
     assert f["fit_error"]["all_reduce"] == pytest.approx(0, abs=1e-6)          # the model made the data
     assert f["fit_GBps"][2] == pytest.approx(5.0) and f["fit_alpha"][2] == pytest.approx(20e-6)
-    ring = lambda N: collectives.ring_time("all_reduce", MiB, N, 20e-6, 1 / 5e9)
+    def ring(N):
+        return collectives.ring_time("all_reduce", MiB, N, 20e-6, 1 / 5e9)
     assert f["n_ratio"] == pytest.approx(3.0 * ring(4) / ring(2)) and f["n_pred"] == pytest.approx(ring(4) / ring(2))
     assert all(m < g for m, g in f["gloo_vs_mpi"].values())                    # gloo was made 2x slower
     assert "supports minizero's choice" in collectives.describe(f)

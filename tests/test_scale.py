@@ -17,8 +17,9 @@ def test_size_rule_and_search_without_jobs():
     assert gpt(4) == {"vocab_size": 64, "block_size": 32, "n_layer": 4, "n_head": 4, "n_embd": 256}
     assert 49152 * 34 ** 3 < count(34) < 1.01 * 49152 * 34 ** 3 and count(34) > 1.9e9
     assert grow(3) == 5 and grow(34) == 54  # about 4x the parameters per step
-    fits = lambda c, s: {"candidate": c, "size": s, "psi": count(s), "ranks": 4,
-                         "outcome": "ok" if s <= 11 else "memory cap"}
+    def fits(c, s):
+        return {"candidate": c, "size": s, "psi": count(s), "ranks": 4,
+                "outcome": "ok" if s <= 11 else "memory cap"}
     res = search("x", 3, 54, fits, resolution=1.2, log=lambda s: None)
     assert res["largest"]["size"] == 11 and res["probes"][-1]["size"] in (11, 12)
     assert [r["size"] for r in res["probes"]][:4] == [3, 5, 8, 13] and res["stopped_by"] == "memory cap"
@@ -63,7 +64,8 @@ def test_quick_report_and_plot_show_only_what_was_measured(quick, tmp_path):
 
 def test_every_candidate_has_its_own_style_in_the_plot(tmp_path):
     """All of bench scale's candidates on one plot: no two series share colour, marker and line style."""
-    probe = lambda s: {"size": s, "psi": count(s), "ranks": 4, "outcome": "ok", "step_s": 1.0 + s, "rss_peak": [2 ** 30]}
+    def probe(s):
+        return {"size": s, "psi": count(s), "ranks": 4, "outcome": "ok", "step_s": 1.0 + s, "rss_peak": [2 ** 30]}
     results = {"ranks": 4, "cap_bytes": 12e9, "sweep_psi": count(4),
                "candidates": {name: {"probes": [probe(3), probe(5)]} for name in CANDIDATES},
                "ranks_sweep": {name: [{**probe(4), "ranks": n} for n in (1, 2, 4)] for name in CANDIDATES}}

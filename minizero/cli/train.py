@@ -165,7 +165,7 @@ def train(comm, config, model_name=None, steps=50, out="runs/train", save_every=
                 log.write(json.dumps(rec) + "\n")
                 log.close()
             raise NonFiniteLoss(nonfinite_message(rec["step"], rec["loss"], lr, engine.dtype) + ". The run stops here "
-                                f"(its log ends with this step); --on-nonfinite continue would go on")
+                                "(its log ends with this step); --on-nonfinite continue would go on")
         if bad and rank == 0 and not any(not math.isfinite(r["loss"]) and not r["skipped"] for r in records[:-1]):
             print(f"\nminizero train: warning: {nonfinite_message(rec['step'], rec['loss'], lr, engine.dtype)}. "
                   "Going on (--on-nonfinite continue)", file=sys.stderr, flush=True)

@@ -75,7 +75,8 @@ def describe_recompute(plain: float, checkpointed: float, forward: float, blocks
     """What checkpointing cost, split into the recompute and the per-call overhead (seconds in, Markdown out)."""
     extra = checkpointed - plain
     overhead = extra - recompute
-    pct = lambda t: f"{t / plain:.0%}"
+    def pct(t):
+        return f"{t / plain:.0%}"
     s = (f"Checkpointing made the step {pct(extra)} longer ({plain * 1e3:.1f} → {checkpointed * 1e3:.1f} ms). The recompute "
          f"itself, the blocks' forwards run again inside backward, took {recompute * 1e3:.1f} ms ({pct(recompute)} of the "
          "plain step). ")
@@ -97,7 +98,7 @@ def describe_recompute(plain: float, checkpointed: float, forward: float, blocks
         s += (f"The recompute took {recompute / blocks_forward:.1f}× the blocks' forward in the plain step "
               f"({blocks_forward * 1e3:.1f} ms): the same arithmetic, run slower (inside backward, on a shared machine). ")
     s += (f"A whole forward (embeddings, blocks, head and loss) was {pct(forward)} of the plain step; the recompute "
-          + (f"stayed within one forward." if recompute <= forward else f"exceeded one forward ({recompute / forward:.1f}×)."))
+          + ("stayed within one forward." if recompute <= forward else f"exceeded one forward ({recompute / forward:.1f}×)."))
     if overhead > recompute:
         s += (" The overhead was larger than the recompute: on a model this small each block's arithmetic is short, and "
               "the machinery around it is a fixed cost per call; on a large model the recompute dominates.")

@@ -226,7 +226,8 @@ def findings(res, gloo, pp_alpha, pp_beta, load, cores) -> dict:
 
 def describe(f: dict) -> str:
     """Lesson 01's conclusions as Markdown, one sentence for each side of every comparison."""
-    us = lambda t: f"{t * 1e6:.0f} µs"
+    def us(t):
+        return f"{t * 1e6:.0f} µs"
     out = ["All comparisons below use the best of 10 repeats, as the bandwidth tables do."]
     if f["load"] > 0.5 * f["cores"]:
         out.append(f"**The machine was busy while measuring** (load average up to {f['load']:.1f} on {f['cores']} cores): "
@@ -300,7 +301,7 @@ def describe(f: dict) -> str:
               f"{FIT_TOLERANCE:.0%} even on the data it was fitted on. What it leaves out here is the library switching "
               "algorithms by size and ranks waiting for a core.")
     out.append(s)
-    s = (f"* **Large messages (≥ 64 KiB).** The model says reduce-scatter and all-gather each take 0.5× the all-reduce "
+    s = ("* **Large messages (≥ 64 KiB).** The model says reduce-scatter and all-gather each take 0.5× the all-reduce "
          "time. Measured (the median over those sizes): ")
     parts = []
     for op in ("reduce_scatter", "all_gather"):

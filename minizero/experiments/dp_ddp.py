@@ -301,7 +301,8 @@ def describe_data_parallel(f: dict) -> str:
     serial {2, 4} (forward+backward vs one), step {2, 4} (whole step vs one replica's), ddp_compute {2, 4},
     ddp_step2, dp_step2, ddp_comm2 (DDP's step minus its compute), dp_copies2 (reduce + sync), bytes_into {2, 4},
     ddp_sent4, psi, load, cores."""
-    ms = lambda t: f"{t * 1e3:.1f} ms"
+    def ms(t):
+        return f"{t * 1e3:.1f} ms"
     c2, c4 = f["ddp_compute"][2], f["ddp_compute"][4]
     s = (f"* **Step time.** One process computes the replicas one after another, so n replicas cost n times one replica's "
          f"forward and backward ({ms(f['one'])} here) if nothing else changes. Measured: forward and backward took "
@@ -373,7 +374,8 @@ def describe_modes(f: dict) -> str:
     s += f"(Bucketed also pays for copying {4 * f['psi'] / 1e6:.1f} MB into the buckets inside `finish`.)"
     out.append(s)
     o2, b2, o4, b4 = m[2]["overlap"], m[2]["bucketed"], m[4]["overlap"], m[4]["bucketed"]
-    verdict = lambda o, b: "faster" if o["step"] < b["step"] else "no faster"
+    def verdict(o, b):
+        return "faster" if o["step"] < b["step"] else "no faster"
     out.append(f"* **Overlapped vs bucketed.** Overlap moves the copies and the launches *into* backward: its "
                f"forward+backward took {ms(o2['compute'])} against {ms(b2['compute'])} at N=2, and its `finish` "
                f"{ms(o2['finish'])} against {ms(b2['finish'])}. The whole step: {ms(o2['step'])} against {ms(b2['step'])}, "
@@ -395,8 +397,10 @@ def describe_progress(f: dict) -> str:
     MPICH_ASYNC_PROGRESS, nbytes and compute_s (the probe's), default / threaded = timeline_waits(...) plus the
     overlapped step's compute and step (seconds), cores, load."""
     pd, pa, d, t = f["pd"], f["pa"], f["default"], f["threaded"]
-    ms = lambda x: f"{x * 1e3:.2f} ms"
-    hidden = lambda p: float(min(max(1 - p["best_wait"] / p["best_all_reduce"], 0), 1))
+    def ms(x):
+        return f"{x * 1e3:.2f} ms"
+    def hidden(p):
+        return float(min(max(1 - p["best_wait"] / p["best_all_reduce"], 0), 1))
     out = ["**What we measured.**", ""]
     s = (f"* **The probe, MPICH default.** A blocking {f['nbytes'] / 1e6:.0f} MB all-reduce took {ms(pd['best_all_reduce'])}. "
          f"Launched async before {f['compute_s'] * 1e3:.0f} ms of compute, its `wait()` still took {ms(pd['best_wait'])} "
