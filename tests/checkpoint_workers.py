@@ -222,7 +222,8 @@ def disk_full(comm, engine, root, full):
         with open(os.path.join(d, "latest")) as f:
             latest = f.read()
         out[name] = {"error": error, "dir": d, "listing": sorted(os.listdir(d)), "latest": latest,
-                     "rank_file_bytes": [os.path.getsize(os.path.join(d, "good", f"rank{r}.pt")) for r in range(comm.size)]}
+                     "rank_file_bytes": [os.path.getsize(os.path.join(d, "good", f"rank{r}.pt"))
+                                         for r in range(comm.size)]}
     return out
 
 

@@ -29,7 +29,8 @@ def every_collective(comm, sizes=(1, 7, 10, 4099)):
                 t = _rank_data(r, n, dtype)
                 comm.all_reduce(t, op=op)
                 want = f(np.stack(ref), axis=0)
-                if not np.allclose(t.double().numpy(), want, rtol={torch.bfloat16: 1e-2, torch.float32: 1e-6}.get(dtype, 1e-12)):
+                if not np.allclose(t.double().numpy(), want,
+                                   rtol={torch.bfloat16: 1e-2, torch.float32: 1e-6}.get(dtype, 1e-12)):
                     bad.append(f"all_reduce {op} n={n} {dtype}")
                 expected_sent += ring_bytes_sent("all_reduce", n * esz, N)
             # reduce_scatter: input padded to a multiple of N (the caller's job; ZeRO pads too)
@@ -40,7 +41,8 @@ def every_collective(comm, sizes=(1, 7, 10, 4099)):
             comm.reduce_scatter(out, inp)
             full = np.zeros(k * N)
             full[:n] = np.sum(np.stack(ref), axis=0)
-            if not np.allclose(out.double().numpy(), full[r * k:(r + 1) * k], rtol=1e-2 if dtype == torch.bfloat16 else 0):
+            if not np.allclose(out.double().numpy(), full[r * k:(r + 1) * k],
+                               rtol=1e-2 if dtype == torch.bfloat16 else 0):
                 bad.append(f"reduce_scatter n={n} {dtype}")
             expected_sent += ring_bytes_sent("reduce_scatter", k * N * esz, N)
             # all_gather
@@ -59,7 +61,8 @@ def every_collective(comm, sizes=(1, 7, 10, 4099)):
             # reduce to rank 0
             t = _rank_data(r, n, dtype)
             comm.reduce(t, dst=0)
-            if r == 0 and not np.allclose(t.double().numpy(), np.sum(np.stack(ref), axis=0), rtol=1e-2 if dtype == torch.bfloat16 else 0):
+            if r == 0 and not np.allclose(t.double().numpy(), np.sum(np.stack(ref), axis=0),
+                                          rtol=1e-2 if dtype == torch.bfloat16 else 0):
                 bad.append(f"reduce n={n} {dtype}")
             expected_sent += ring_bytes_sent("reduce", n * esz, N)
         # all_to_all: chunk j of rank i goes to rank j

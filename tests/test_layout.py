@@ -97,7 +97,8 @@ def test_the_check_catches_an_upward_import():
     assert violations("zero", "from minizero.dp import DDP") == ["minizero.dp", "minizero.dp.DDP"]
     assert violations("runtime", "from minizero.experiments.references import train_single")
     assert violations("runtime", "from minizero.zero import FSDP") == []
-    assert violations("zero", "from minizero import comm as comm_mod\nfrom minizero.zero.flat_layout import FlatLayout") == []
+    assert violations("zero",
+                      "from minizero import comm as comm_mod\nfrom minizero.zero.flat_layout import FlatLayout") == []
     assert violations("autograde", "def f():\n    from minizero.cli import labgen\n") == ["minizero.cli.labgen"]
     assert violations("autograde", "from minizero.cli import checks") == []
     assert violations("experiments", "from minizero.bench import common") == ["minizero.bench",

@@ -1,5 +1,6 @@
 """`python -m minizero bench scale --quick`: the largest-model search on 2 ranks under a small memory cap
-(0.2 GB above the first probe's job: torch DDP grows ~0.3 GB from s 4 to 6, ZeRO-3 ~0.1), torch DDP against minizero ZeRO-3 + zero.Init, checked against
+(0.2 GB above the first probe's job: torch DDP grows ~0.3 GB from s 4 to 6, ZeRO-3 ~0.1), torch DDP against minizero
+ZeRO-3 + zero.Init, checked against
 independent counts: the watcher's kill, the ledger against memory.estimate, sharding's 1/N."""
 import json
 import os
@@ -31,7 +32,8 @@ def quick(tmp_path_factory):
     tmp = d / "tmp"  # the probes' folders go here: none may be left
     tmp.mkdir()
     proc = subprocess.run([sys.executable, "-m", "minizero", "bench", "scale", "--quick", "--json", str(d / "s.json")],
-                          check=False, capture_output=True, text=True, timeout=400, env={**os.environ, "TMPDIR": str(tmp)})
+                          check=False, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [p.name for p in tmp.iterdir() if p.name.startswith("minizero-")] == [], "probes left folders"
     return proc.stdout, json.loads((d / "s.json").read_text())

@@ -125,7 +125,8 @@ def impl_file(lab: Lab, impl: str) -> str:
         with open(path, "w") as f:
             f.write(labgen.render(lab, "package"))
         return path
-    folder = impl if os.path.isabs(impl) else os.path.join(REPO, impl) if impl in ("labs", "solutions") else os.path.abspath(impl)
+    folder = (impl if os.path.isabs(impl) else os.path.join(REPO, impl) if impl in ("labs", "solutions")
+              else os.path.abspath(impl))
     path = os.path.join(folder, lab.filename)
     if not os.path.exists(path):
         raise CheckFailed(f"lab {lab.number}: {path} not found")
@@ -174,10 +175,12 @@ def untouched_todos(lab: Lab, path: str) -> list | None:
 
     def visit(node, names):
         for child in ast.iter_child_nodes(node):
-            inner = names + [child.name] if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else names
+            inner = (names + [child.name] if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     else names)
             if (isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call) and child.exc.args
                     and getattr(child.exc.func, "id", None) == "NotImplementedError"
-                    and isinstance(child.exc.args[0], ast.Constant) and str(child.exc.args[0].value).startswith(prefix)):
+                    and isinstance(child.exc.args[0], ast.Constant)
+                    and str(child.exc.args[0].value).startswith(prefix)):
                 stubs.append((".".join(names) or "<module>", child.exc.args[0].value[len(prefix):]))
             visit(child, inner)
     visit(tree, [])
@@ -348,8 +351,8 @@ def lab_main(number: int, namespace: dict):
         sys.exit(f"lab {number}: {e}")
     watchdog.start(comm)
     if comm.size == 1:
-        print(f"lab {number} on 1 rank: start it with `mpirun -n {lab.nprocs} python {where}` to run {lab.nprocs} ranks",
-              file=sys.stderr)
+        print(f"lab {number} on 1 rank: start it with `mpirun -n {lab.nprocs} python {where}` to run "
+              f"{lab.nprocs} ranks", file=sys.stderr)
     module = importlib.import_module(f"minizero.autograde.lab{number:02d}")
     try:
         module.demo(comm, SimpleNamespace(**namespace))
@@ -359,7 +362,9 @@ def lab_main(number: int, namespace: dict):
         if comm.size == lab.nprocs:  # at the lab's own size a ValueError is the code's: its traceback below
             watchdog.end_job(comm, f"lab {number}: rank {comm.rank} failed:\n{traceback.format_exc()}", 1)
         # another world size that the demo's layout refuses (lab 10's vocabulary of 64 over 3 ranks): the input
-        watchdog.end_job(comm, f"lab {number} on {comm.size} rank{'s' * (comm.size != 1)}: {e}. The demo runs on {lab.nprocs}: "
+        watchdog.end_job(comm,
+                         f"lab {number} on {comm.size} rank{'s' * (comm.size != 1)}: {e}. The demo runs on "
+                         f"{lab.nprocs}: "
                                f"`mpirun -n {lab.nprocs} python {where}`", 2)
     except Exception:  # noqa: BLE001  the student's bug: one traceback, from the rank that failed first
         watchdog.end_job(comm, f"lab {number}: rank {comm.rank} failed:\n{traceback.format_exc()}", 1)

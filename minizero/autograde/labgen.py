@@ -163,7 +163,8 @@ def render(lab, kind: str, root: str = REPO) -> str:
                   f"# GENERATED from {' + '.join(paths)} (your code) by the grader, which grades this copy. "
                   f"Edit those files, not this one.\n")
     else:
-        what = "the TODO regions (everything else is the reference code)" if kind == "labs" else "nothing: this is the reference solution"
+        what = ("the TODO regions (everything else is the reference code)" if kind == "labs"
+                else "nothing: this is the reference solution")
         header = (f"# Lab {lab.number:02d}: {lab.title}\n"
                   f"# GENERATED from {' + '.join(paths)} by `make labs`. Edit {what}.\n"
                   f"#   run:   mpirun -n {lab.nprocs} python {kind}/{lab.filename}\n"

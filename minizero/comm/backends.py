@@ -334,7 +334,8 @@ class TorchBackend:
         return Work(self.dist.broadcast(t.detach(), self.ranks[src], group=self.group, async_op=True).wait, "broadcast")
 
     def all_to_all(self, out, inp):
-        return Work(self.dist.all_to_all_single(out.detach(), inp.detach(), group=self.group, async_op=True).wait, "all_to_all")
+        return Work(self.dist.all_to_all_single(out.detach(), inp.detach(), group=self.group, async_op=True).wait,
+                    "all_to_all")
 
     # No poll: gloo's p2p work reports is_completed() only once wait() ran (so polling would never end),
     # and its wait() sleeps on a condition variable instead of spinning, so it needs none.

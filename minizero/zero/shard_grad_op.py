@@ -195,7 +195,7 @@ class ShardGradOp(SyncSwitch, nn.Module):
         #   Finally mark its slot: bucket.filled[bucket.slot[i]] = True.
         p = self.params[i]
         if bucket.buffer is None:
-            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.grad_shard.dtype, device=self.grad_shard.device)  # noqa: E501 (lab text)
             memory.transient.alloc(bucket.name, bucket.buffer)
         if p.grad is not None:
             a = self.layout.offsets[i] - bucket.lo

@@ -1,4 +1,5 @@
-"""Student bugs in solutions/lab05_zero2.py (ZeRO-2 gradient reduction). See tests/mutants/__init__.py for the record."""
+"""Student bugs in solutions/lab05_zero2.py (ZeRO-2 gradient reduction). See tests/mutants/__init__.py for the
+record."""
 from tests.mutants import Mutant
 
 MUTANTS = [

@@ -70,7 +70,8 @@ def train(mode, world):
         config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": ACCUM,
                   "gradient_clipping": CLIP, "zero_optimization": {"stage": int(mode[-1])}}
         model, optimizer, _, _ = minizero.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
+            model=model, optimizer=optimizer,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
             config=config, comm=world)
         return deepspeed_loop(mode, model, world, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
