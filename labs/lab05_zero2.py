@@ -55,7 +55,6 @@ How, and why:
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -63,28 +62,13 @@ from torch.autograd.variable import Variable
 
 from minizero import comm as comm_mod
 from minizero import memory
+from minizero.comm.bucket import Bucket, SyncSwitch, group_params
 from minizero.comm.labels import labelled
 from minizero.comm.stats import bucket_numel_from_mb
 from minizero.zero.flat_shard_optimizer import check_optimizer_class, covering_param_groups
 from minizero.zero.offload import HostGradShard
 from minizero.zero.sharded_grad import is_placeholder, placeholder_grad
 from minizero.zero.sharded_optimizer import ShardedOptimizer, clip_shard_grad_norm_
-
-
-class ReduceBucket:
-    """A contiguous range [lo, hi) of the flat gradient and the parameters inside it."""
-
-    def __init__(self, index: int, params: list[int], lo: int, hi: int, shard_numel: int, world: int):
-        self.name = f"zero2.bucket{index}"  # its name in memory.transient
-        self.params = params                 # indices (into the flat layout) of its parameters
-        self.lo = lo                         # [lo, hi): its range of the flat gradient
-        self.hi = hi
-        # (owner, a, b): the part [a, b) of this bucket that falls in rank owner's shard
-        self.parts = [(r, max(lo, r * shard_numel), min(hi, (r + 1) * shard_numel)) for r in range(world)
-                      if max(lo, r * shard_numel) < min(hi, (r + 1) * shard_numel)]
-        self.buffer = None                   # allocated by its first gradient, freed after its reduces
-        self.works = []                      # the in-flight reduces, one per owner
-        self.filled = set()                  # parameters copied in during this backward
 
 
 class Stage2Optimizer(ShardedOptimizer):
@@ -117,7 +101,7 @@ class Stage2Optimizer(ShardedOptimizer):
         owner._has_grad = False
 
 
-class ShardGradOp(nn.Module):
+class ShardGradOp(SyncSwitch, nn.Module):
     """ZeRO-2 around `module`; `self.optim` is the ShardedOptimizer that steps this rank's shard."""
 
     def __init__(self, module: nn.Module, optimizer_cls, comm: comm_mod.Communicator | None = None,
@@ -153,7 +137,7 @@ class ShardGradOp(nn.Module):
             HostGradShard(self.optim.tier, self.optim.flat.dtype, self.optim.flat.device)  # offloaded: the
         # host's fp32 buffer, each bucket's part copied down into it during backward (ZeRO-Offload, Sec. 4.1)
         self.buckets = self._make_buckets(bucket_numel)
-        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.params}
+        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.index}
         self._sync = True                 # False inside no_sync(): keep full gradients, reduce later
         self._in_backward = False         # a backward's hooks have fired and its end is queued
         self._has_grad = False            # grad_shard holds reduced gradients not stepped yet
@@ -163,20 +147,15 @@ class ShardGradOp(nn.Module):
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad_ready(i))
 
-    def _make_buckets(self, bucket_numel: int) -> list[ReduceBucket]:
-        layout, groups, current, numel = self.layout, [], [], 0
-        for i in reversed(range(len(self.params))):
-            if current and numel + layout.numels[i] > bucket_numel:  # a bigger parameter: a bucket of its own
-                groups.append(current)
-                current, numel = [], 0
-            current.append(i)
-            numel += layout.numels[i]
-        groups.append(current)
+    def _make_buckets(self, bucket_numel: int) -> list[Bucket]:
+        layout = self.layout
+        groups = group_params(layout.numels, bucket_numel)
         # the first bucket (the last parameters) also covers the padding, so the buckets
         # tile the whole padded buffer and the reduces add up to a reduce-scatter of it
-        return [ReduceBucket(b, group, layout.offsets[group[-1]],
-                             layout.padded_numel if b == 0 else layout.offsets[group[0] + 1],
-                             layout.shard_numel, self.comm.size) for b, group in enumerate(groups)]
+        return [Bucket(f"zero2.bucket{b}", [self.params[i] for i in group], group,
+                       [layout.offsets[i] for i in group], layout.offsets[group[-1]],
+                       layout.padded_numel if b == 0 else layout.offsets[group[0] + 1],
+                       layout.shard_numel, self.comm.size) for b, group in enumerate(groups)]
 
     # ------------------------------------------------------------------ torch conventions
     def forward(self, *args, **kwargs):
@@ -195,15 +174,6 @@ class ShardGradOp(nn.Module):
             self.optim.master.copy_(self.optim.shard)
         return out
 
-    @contextmanager
-    def no_sync(self):
-        """Backwards inside keep full gradients in p.grad; the next one outside reduces the sum."""
-        prev, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = prev
-
     # ------------------------------------------------------------------ backward
     def _on_grad_ready(self, i: int):
         """Runs right after autograd accumulated params[i]'s gradient into p.grad."""
@@ -213,30 +183,27 @@ class ShardGradOp(nn.Module):
             self._in_backward = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
         bucket = self.buckets[self._bucket_of[i]]
-        if i in bucket.filled:
+        if bucket.filled[bucket.slot[i]]:
             raise RuntimeError(f"ShardGradOp: parameter {i} {tuple(self.params[i].shape)} got two gradients in "
                                "one backward")
         self.optim.had_grad[i] = True  # a local gradient: used (torch steps it)
         self._fill(bucket, i)
-        while self.overlap and self._next < len(self.buckets) and self._full(self.buckets[self._next]):
+        while self.overlap and self._next < len(self.buckets) and self.buckets[self._next].full():
             self._launch(self.buckets[self._next])
             self.launched_in_hooks += 1
 
-    def _full(self, bucket: ReduceBucket) -> bool:
-        return len(bucket.filled) == len(bucket.params)
-
-    def _fill(self, bucket: ReduceBucket, i: int):
+    def _fill(self, bucket: Bucket, i: int):
         """Copy params[i].grad (if any; else its slot stays zero) into the bucket, free it."""
         # TODO(lab 5): copy parameter i's gradient into its bucket, then free it.
         #   If bucket.buffer is None: allocate it (torch.zeros, bucket.hi - bucket.lo elements,
         #     self.grad_shard's dtype and device) and memory.transient.alloc(bucket.name, bucket.buffer).
         #   If p.grad is not None: copy it, flattened, into bucket.buffer[a:a + p.numel()] with
         #     a = self.layout.offsets[i] - bucket.lo, then p.grad = None (frees the full gradient).
-        #   Finally add i to bucket.filled.
+        #   Finally mark its slot: bucket.filled[bucket.slot[i]] = True.
         raise NotImplementedError("lab 5: not implemented yet: copy parameter i's gradient into its bucket, then free it")
 
     @labelled("mz.bucket.launch")  # a profiler range (comm/labels.py)
-    def _launch(self, bucket: ReduceBucket):
+    def _launch(self, bucket: Bucket):
         """Reduce (sum) each part of the bucket to the rank that owns it, asynchronously."""
         if self._in_flight is not None:  # at most one in flight: bounded bucket memory
             self._complete(self._in_flight)
@@ -249,7 +216,7 @@ class ShardGradOp(nn.Module):
         self._next += 1
 
     @torch.no_grad()
-    def _complete(self, bucket: ReduceBucket):
+    def _complete(self, bucket: Bucket):
         """Wait for the bucket's reduces; the owner ADDS the mean into its gradient shard."""
         # TODO(lab 5): wait for every work in bucket.works, then keep this rank's part.
         #   For the part this rank owns (owner == self.comm.rank): divide it by N (sum -> mean
@@ -265,15 +232,15 @@ class ShardGradOp(nn.Module):
     def _end_of_backward(self):
         """After the whole backward: reduce what is left, wait for everything."""
         for bucket in self.buckets[self._next:]:
-            for i in bucket.params:
-                if i not in bucket.filled:  # unused now (a no_sync grad in p.grad still counts)
+            for s, i in enumerate(bucket.index):
+                if not bucket.filled[s]:  # unused now (a no_sync grad in p.grad still counts)
                     self.optim.had_grad[i] |= self.params[i].grad is not None
                     self._fill(bucket, i)
             self._launch(bucket)
         if self._in_flight is not None:
             self._complete(self._in_flight)
         for bucket in self.buckets:
-            bucket.filled = set()
+            bucket.reset()
         self._next, self._in_backward, self._has_grad = 0, False, True
         for i, p in enumerate(self.params):  # torch's clip line on model.parameters() reaches grad_shard
             if p.grad is None:
@@ -321,15 +288,6 @@ class ShardGradOp(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True):
         self.optim.zero_grad(set_to_none)  # grad_shard and p.grad alike (Stage2Optimizer.zero_grad)
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        """torch DDP's accumulation switch (nanoGPT's idiom): False is no_sync() for the next backwards."""
-        return self._sync
-
-    @require_backward_grad_sync.setter
-    def require_backward_grad_sync(self, value: bool):
-        self._sync = bool(value)
 
     @property
     def param_groups(self):

@@ -136,8 +136,10 @@ class _Unit:
         self.gathered_numel = self.layout.padded_numel  # elements all-gathered (sharded + padding)
         self.persistent_numel = sum(p.numel() for p, _, _ in persistent)  # elements kept whole on every rank
         self.sizes = self.layout.numels + [self.layout.padding] + [p.numel() for p, _, _ in persistent]
-        self.shard = nn.Parameter(torch.empty(self.layout.shard_numel, device=comm.device)) if self.gathered_numel else None
-        self.whole = nn.Parameter(torch.empty(self.persistent_numel, device=comm.device)) if self.persistent_numel else None
+        self.shard = (nn.Parameter(torch.empty(self.layout.shard_numel, device=comm.device)) if self.gathered_numel
+                      else None)
+        self.whole = (nn.Parameter(torch.empty(self.persistent_numel, device=comm.device)) if self.persistent_numel
+                      else None)
         tensors = [p for p, _, _ in sharded + persistent]
         self.load([materialize(t) for t in tensors] if materialize else tensors, comm.rank)  # zero.Init: one unit
         self.originals = [weakref.ref(p) for p, _, _ in sharded + persistent]  # the user's, not kept alive
@@ -569,7 +571,8 @@ class FSDP(nn.Module):
                 source = unit.shard.detach() if self.masters is None else self.masters(unit, "shard")
                 self.comm.all_gather(flat[:unit.gathered_numel], source.to(self.comm.device))
             if unit.persistent_numel:
-                flat[unit.gathered_numel:] = unit.whole.detach() if self.masters is None else self.masters(unit, "whole")
+                flat[unit.gathered_numel:] = (unit.whole.detach() if self.masters is None
+                                              else self.masters(unit, "whole"))
             for (_, _, names), v in zip(unit.entries, unit.split(flat)):
                 full.update(dict.fromkeys(names, v.clone()))
         full.update((n, p.detach().clone()) for n, p in self.module.named_parameters(remove_duplicate=False)
@@ -616,7 +619,8 @@ class FSDP(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"world={self.comm.size}, compute_dtype={self.compute_dtype}, prefetch={self.prefetch}, units="
-                + ", ".join(f"{unit.name}({unit.layout.numel}+{unit.layout.padding}pad+{unit.persistent_numel}whole)" for unit in self.units))
+                + ", ".join(f"{unit.name}({unit.layout.numel}+{unit.layout.padding}pad+{unit.persistent_numel}whole)"
+                            for unit in self.units))
 
 
 ZeRO3 = FSDP

@@ -259,7 +259,8 @@ def simulate(schedule: Schedule, cost: Callable | None = None) -> dict:
             waits = [(r, schedule.actions[r][nxt[r]]) for r in range(p) if nxt[r] < len(schedule.actions[r])]
             stuck = [f"rank {r} at {a} waits for rank {dependency(schedule, r, a)[0]}'s {dependency(schedule, r, a)[1]}"
                      for r, a in waits]
-            raise ScheduleError(f"{schedule.name} deadlocks (p={p}, m={schedule.num_microbatches}): " + "; ".join(stuck))
+            raise ScheduleError(f"{schedule.name} deadlocks (p={p}, m={schedule.num_microbatches}): "
+                                + "; ".join(stuck))
     makespan = max(clock)
     busy = [sum(end - start for _, start, end in ev) for ev in events]
     return {"events": events, "makespan": makespan, "busy": busy,

@@ -26,7 +26,8 @@ they reach it around the ring, and never holds more than one block's s_q x s_k s
 Backward needs no merge: with the final L and o saved, block B's share of the gradients is
 (FlashAttention's Algorithm 4, D = rowsum(dO * O)):
 
-    P = exp(S - L)   dV_B = P^T dO   dP = dO V_B^T   dS = P * (dP - D)   dQ += dS K_B / sqrt(d)   dK_B = dS^T Q / sqrt(d)
+    P = exp(S - L)   dV_B = P^T dO   dP = dO V_B^T   dS = P * (dP - D)   dQ += dS K_B / sqrt(d)   dK_B = dS^T Q /
+    sqrt(d)
 
 Bytes: a block's scores are s_q x s_k x 4 (fp32), freed after the block; what is kept for backward
 is o (the size of q) and L (s_q fp32 values per head).

@@ -78,7 +78,8 @@ VARIABLES: dict[str, Variable] = {
         "a rank blocked this long in one collective ends the job, naming every rank's place (default 300)"),
     "MINIZERO_INIT_TIMEOUT_S": Variable(
         _seconds(zero_ok=False), 60.0, "seconds, a number > 0",
-        "how long the torch.distributed rendezvous waits for every rank, and `minizero torchrun`'s for every agent (default 60)"),
+        "how long the torch.distributed rendezvous waits for every rank, and `minizero torchrun`'s for every agent "
+        "(default 60)"),
     "MINIZERO_HEARTBEAT_DIR": Variable(
         _directory, None, "an existing directory this process can write to",
         "where the ranks' heartbeat files go (launch.run sets it; across machines: a shared directory)"),

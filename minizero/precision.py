@@ -225,7 +225,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                             "(model.to(torch.float16)); fp32 parameters need no master copy, use the optimizer as is")
         self.masters = [p.detach().float() for p in self.params]  # fresh fp32 storages: the 4 bytes of 4+4+4
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.optimizer = optimizer_cls([{**g, "params": self.masters[a:a + n]} for g, a, n in zip(groups, starts, sizes)],
+        self.optimizer = optimizer_cls([{**g, "params": self.masters[a:a + n]}
+                                        for g, a, n in zip(groups, starts, sizes)],
                                        **optimizer_kwargs)  # the optimizer of the fp32 masters
         super().__init__([{**g, "params": self.params[a:a + n]} for g, a, n in zip(groups, starts, sizes)],
                          self.optimizer.defaults)

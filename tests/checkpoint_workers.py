@@ -49,12 +49,13 @@ def train(engine, steps):
     """`steps` optimizer steps from where the engine is: the data position is global_steps."""
     data, n, losses = SyntheticTokens(GPT["vocab_size"], GPT["block_size"]), engine.comm.size, []
     for _ in range(steps):
+        total = 0  # this step's loss, summed over the micro-batches
         for i in range(ACC):
             x, y = shard(data.batch(engine.global_steps * ACC + i, BATCH // ACC), engine.comm.rank, n)
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            total = loss.detach().float().reshape(1) / ACC if i == 0 else total + loss.detach().float() / ACC
+            total = total + loss.detach().float().reshape(1) / ACC
         engine.comm.all_reduce(total, op="avg")  # the loss of the global batch (equal shards)
         losses.append(total.item())
     return losses
@@ -224,7 +225,8 @@ def disk_full(comm, engine, root, full):
         with open(os.path.join(d, "latest")) as f:
             latest = f.read()
         out[name] = {"error": error, "dir": d, "listing": sorted(os.listdir(d)), "latest": latest,
-                     "rank_file_bytes": [os.path.getsize(os.path.join(d, "good", f"rank{r}.pt")) for r in range(comm.size)]}
+                     "rank_file_bytes": [os.path.getsize(os.path.join(d, "good", f"rank{r}.pt"))
+                                         for r in range(comm.size)]}
     return out
 
 

@@ -18,7 +18,8 @@ def every_collective(comm, sizes=(1, 7, 10, 4099)):
     """Each collective against a numpy reference built from every rank's (reproducible) data."""
     N, r = comm.size, comm.rank
     bad, expected_sent = [], 0.0
-    allv = lambda n, dt=torch.float32: [_rank_data(q, n, dt).double().numpy() for q in range(N)]
+    def allv(n, dt=torch.float32):
+        return [_rank_data(q, n, dt).double().numpy() for q in range(N)]
     for n in sizes:
         for dtype in (torch.float32, torch.float64, torch.bfloat16):
             esz = torch.tensor([], dtype=dtype).element_size()
@@ -28,16 +29,20 @@ def every_collective(comm, sizes=(1, 7, 10, 4099)):
                 t = _rank_data(r, n, dtype)
                 comm.all_reduce(t, op=op)
                 want = f(np.stack(ref), axis=0)
-                if not np.allclose(t.double().numpy(), want, rtol={torch.bfloat16: 1e-2, torch.float32: 1e-6}.get(dtype, 1e-12)):
+                if not np.allclose(t.double().numpy(), want,
+                                   rtol={torch.bfloat16: 1e-2, torch.float32: 1e-6}.get(dtype, 1e-12)):
                     bad.append(f"all_reduce {op} n={n} {dtype}")
                 expected_sent += ring_bytes_sent("all_reduce", n * esz, N)
             # reduce_scatter: input padded to a multiple of N (the caller's job; ZeRO pads too)
             k = -(-n // N)
-            inp = torch.zeros(k * N, dtype=dtype); inp[:n] = _rank_data(r, n, dtype)
+            inp = torch.zeros(k * N, dtype=dtype)
+            inp[:n] = _rank_data(r, n, dtype)
             out = torch.empty(k, dtype=dtype)
             comm.reduce_scatter(out, inp)
-            full = np.zeros(k * N); full[:n] = np.sum(np.stack(ref), axis=0)
-            if not np.allclose(out.double().numpy(), full[r * k:(r + 1) * k], rtol=1e-2 if dtype == torch.bfloat16 else 0):
+            full = np.zeros(k * N)
+            full[:n] = np.sum(np.stack(ref), axis=0)
+            if not np.allclose(out.double().numpy(), full[r * k:(r + 1) * k],
+                               rtol=1e-2 if dtype == torch.bfloat16 else 0):
                 bad.append(f"reduce_scatter n={n} {dtype}")
             expected_sent += ring_bytes_sent("reduce_scatter", k * N * esz, N)
             # all_gather
@@ -56,7 +61,8 @@ def every_collective(comm, sizes=(1, 7, 10, 4099)):
             # reduce to rank 0
             t = _rank_data(r, n, dtype)
             comm.reduce(t, dst=0)
-            if r == 0 and not np.allclose(t.double().numpy(), np.sum(np.stack(ref), axis=0), rtol=1e-2 if dtype == torch.bfloat16 else 0):
+            if r == 0 and not np.allclose(t.double().numpy(), np.sum(np.stack(ref), axis=0),
+                                          rtol=1e-2 if dtype == torch.bfloat16 else 0):
                 bad.append(f"reduce n={n} {dtype}")
             expected_sent += ring_bytes_sent("reduce", n * esz, N)
         # all_to_all: chunk j of rank i goes to rank j
@@ -68,9 +74,12 @@ def every_collective(comm, sizes=(1, 7, 10, 4099)):
             bad.append(f"all_to_all n={n}")
         expected_sent += ring_bytes_sent("all_to_all", N * n * 4, N)
     # p2p ring: send to the right, receive from the left
-    t = torch.full((5,), float(r)); got = torch.empty(5)
+    t = torch.full((5,), float(r))
+    got = torch.empty(5)
     if N > 1:
-        s = comm.isend(t, (r + 1) % N); comm.recv(got, (r - 1) % N); s.wait()
+        s = comm.isend(t, (r + 1) % N)
+        comm.recv(got, (r - 1) % N)
+        s.wait()
         if not torch.equal(got, torch.full((5,), float((r - 1) % N))):
             bad.append("send/recv")
         expected_sent += 20

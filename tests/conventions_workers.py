@@ -108,7 +108,8 @@ def train(comm, torch_group, strategy, make_model, opt, batches, groups=None, sc
     elif strategy == "z3-plain":  # torch's own optimizer on FSDP's local parts, grouped by their full shapes
         fwd = FSDP(model, comm, **wrap)
         named = [p for _, p in fwd.named_parameters() if p.requires_grad]
-        optim = cls([{"params": [p for p in named if len(p.full_shape) >= 2], "weight_decay": params[0]["weight_decay"]},
+        optim = cls([{"params": [p for p in named if len(p.full_shape) >= 2],
+                      "weight_decay": params[0]["weight_decay"]},
                      {"params": [p for p in named if len(p.full_shape) < 2], "weight_decay": 0.0}]
                     if params else named, **kw)
     else:  # the engine, DeepSpeed's loop, param groups as DeepSpeed's model_parameters
@@ -410,7 +411,8 @@ def run_all(comm, ckpt_dir):
     sub3 = comm.split(0 if comm.rank < 3 else 1, name="first3")
     out, t0 = {"seconds": {}}, time.perf_counter()
     if comm.rank < 3:
-        for key, fn, args in (("groups", param_groups_vs_torch, (group3,)), ("grad_none", grad_none_vs_torch, (group3,)),
+        for key, fn, args in (("groups", param_groups_vs_torch, (group3,)),
+                              ("grad_none", grad_none_vs_torch, (group3,)),
                               ("checkpoints", checkpoints_across_stages, (ckpt_dir,)),
                               ("buffers", buffers_vs_torch, (group3,)), ("state_dict", state_dict_round_trip, ()),
                               ("fsdp", fsdp_parameters, ())):

@@ -51,7 +51,7 @@ def _train_ddp(comm, name, opt_name, mode, bucket_numel):
         comm.stats.reset()  # so the broadcast at construction is not counted
         loss = ddp(*shard(batch, comm.rank, comm.size))[1]
         loss.backward()
-        launched.append(sum(b.work is not None for b in ddp.buckets))  # during backward
+        launched.append(sum(bool(b.works) for b in ddp.buckets))  # during backward
         ddp.finish_gradient_synchronization()
         sent.append(comm.stats.sent())
         grad_bytes = memory.measure(ddp).by_category["gradients"]

@@ -162,7 +162,8 @@ def deepspeed_initialize(comm, tmp_dir):
     _, optimizer, _, scheduler = minizero.initialize(
         model=model, optimizer=opt, config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}},
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5), comm=comm)
-    out["client"] = [optimizer.optimizer_cls.__name__, optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"],
+    out["client"] = [optimizer.optimizer_cls.__name__, optimizer.param_groups[0]["lr"],
+                     optimizer.param_groups[0]["weight_decay"],
                      type(scheduler).__name__]
     fresh = lambda: build_model("tiny-gpt", seed=0, **GPT)  # noqa: E731
     out["errors"] = {

@@ -15,7 +15,8 @@ def suite(comm, configs, steps=5):
     ref = train_torch_ddp(comm, "tiny-gpt", steps=steps, global_batch=16, lr=0.1, seed=0, optimizer="sgd",
                           model_kwargs=cfg, data_seed=1)
     from minizero.experiments.pp_zero import measure
-    return {"runs": runs, "torch_ddp_params": ref["params"], "engine": engine_runs(comm), "verbose": verbose_trace(comm),
+    return {"runs": runs, "torch_ddp_params": ref["params"], "engine": engine_runs(comm),
+            "verbose": verbose_trace(comm),
             "checkpointing": checkpointing_runs(comm), "pp_zero": measure(comm, steps=1, lost=("zero2-every",))}
 
 
@@ -124,8 +125,8 @@ def engine_runs(comm, steps=3, clip=0.05):
             opt.zero_grad(set_to_none=True)
             ref_losses.append(loss.item())
         want = dict(ref.named_parameters())
-        worst = max(((q.detach() - want[names[id(q)]].detach()).abs() - 1e-6 * want[names[id(q)]].detach().abs()).max().item()
-                    for q in engine.pipeline.parameters())
+        worst = max(((q.detach() - want[names[id(q)]].detach()).abs()
+                     - 1e-6 * want[names[id(q)]].detach().abs()).max().item() for q in engine.pipeline.parameters())
         out.append({"config": [zero, pipeline], "atol_needed": worst, "losses": losses, "ref_losses": ref_losses,
                     "norms": norms, "ref_norms": ref_norms})
     return out

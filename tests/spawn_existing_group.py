@@ -26,5 +26,8 @@ def worker(rank, world, port, out_dir):
 
 
 if __name__ == "__main__":
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
     mp.spawn(worker, args=(3, port, sys.argv[1]), nprocs=3)

@@ -198,7 +198,8 @@ def _nan_config(tmp_path):
 def test_a_nan_loss_stops_the_job_at_its_step_said_once(tmp_path):
     """lr 1e308 in fp32: the loss was nan from step 2 without a word, and drawing loss.png then crashed."""
     out = tmp_path / "run"
-    proc = subprocess.run(_mpirun(2, "-m", "minizero", "train", "--config", str(_nan_config(tmp_path)), "--model", "mlp",
+    proc = subprocess.run(_mpirun(2, "-m", "minizero", "train", "--config", str(_nan_config(tmp_path)), "--model",
+                                  "mlp",
                                   "--steps", "5", "--no-progress", "--out", str(out)),
                           capture_output=True, text=True, timeout=240, cwd=ROOT, env=_env(TMPDIR=str(tmp_path)))
     text = proc.stdout + proc.stderr

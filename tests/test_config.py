@@ -40,7 +40,8 @@ def test_unknown_key_names_it_and_lists_valid_keys():
 
 
 def test_real_deepspeed_key_not_implemented_is_an_error_saying_what_to_do():
-    with pytest.raises(ConfigError, match="'flops_profiler' is a DeepSpeed key minizero does not implement: use torch.profiler"):
+    with pytest.raises(ConfigError,
+                       match="'flops_profiler' is a DeepSpeed key minizero does not implement: use torch.profiler"):
         load_config({"train_batch_size": 8, "flops_profiler": {"enabled": True}})
     with pytest.raises(ConfigError, match="'activation_checkpointing.partition_activations': True is not implemented"):
         load_config({"train_batch_size": 8, "activation_checkpointing": {"partition_activations": True}})
@@ -137,7 +138,8 @@ def test_optimizer_params_ranges_and_deepspeed_floats():
     with pytest.raises(ConfigError, match="'gradient_clipping' must be at least 0, got -1"):
         load_config({"train_batch_size": 8, "gradient_clipping": -1})
     cfg = load_config({"train_batch_size": 8, "zero_optimization": {"reduce_bucket_size": 2e8, "stage": 2.0}})
-    assert cfg["zero_optimization"]["reduce_bucket_size"] == 200_000_000 and type(cfg["zero_optimization"]["stage"]) is int
+    zero = cfg["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 200_000_000 and type(zero["stage"]) is int
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -180,7 +182,8 @@ def test_pipeline_section():
     assert load_config({**base, "train_batch_size": 16, "gradient_accumulation_steps": 4}, world_size=4)
     with pytest.raises(ConfigError, match=r"train_batch_size is not equal to .* 32 != 2 \* 4 \* 2"):
         load_config({**base, "train_batch_size": 32, "gradient_accumulation_steps": 4}, world_size=4)
-    with pytest.raises(ConfigError, match="pipeline.stages = 3 x tensor_parallel.autotp_size = 1 does not divide the world size 4"):
+    with pytest.raises(ConfigError,
+                       match="pipeline.stages = 3 x tensor_parallel.autotp_size = 1 does not divide the world size 4"):
         load_config({**base, "pipeline": {"stages": 3}}, world_size=4)
     with pytest.raises(ConfigError, match="valid schedules: gpipe, 1f1b, interleaved_1f1b, zb_h1"):
         load_config({**base, "pipeline": {"stages": 2, "schedule": "pipedream"}}, world_size=4)
@@ -204,19 +207,22 @@ def test_pipeline_engine_refuses_what_it_cannot_do_before_any_collective():
     with pytest.raises(ConfigError, match="bf16 with pipeline.stages > 1: not available"):
         minizero.initialize(model=TinyGPT(), config={**cfg, "bf16": {"enabled": True}}, comm=_FakeComm(2))
     with pytest.raises(ConfigError, match="offload_optimizer.device 'cpu' with pipeline.stages > 1: not available"):
-        minizero.initialize(model=TinyGPT(), config={**cfg, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+        minizero.initialize(model=TinyGPT(),
+                            config={**cfg, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
                             comm=_FakeComm(2))
     # 3D (pipeline x tensor parallel): what cannot work is refused before the mesh is built
     tp = {**cfg, "train_batch_size": 4, "tensor_parallel": {"autotp_size": 2}}
     with pytest.raises(ConfigError, match="sequence_parallel with pipeline.stages > 1: not implemented"):
-        minizero.initialize(model=TinyGPT(), config={**tp, "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}},
+        minizero.initialize(model=TinyGPT(),
+                            config={**tp, "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}},
                             comm=_FakeComm(4))
     with pytest.raises(ConfigError, match="splits a nanoGPT-named model.*MLP has no wte"):
         minizero.initialize(model=MLP(), config=tp, comm=_FakeComm(4))
     with pytest.raises(ValueError, match="n_head=3 is not divisible by the tensor-parallel size 2"):
         minizero.initialize(model=TinyGPT(GPTConfig(n_head=3, n_embd=48)), config=tp, comm=_FakeComm(4))
     with pytest.raises(ConfigError, match="4 pipeline stages .* only 2 blocks"):  # a ConfigError: train says it once
-        minizero.initialize(model=TinyGPT(), config={**tp, "train_batch_size": 2, "pipeline": {"stages": 4}}, comm=_FakeComm(8))
+        minizero.initialize(model=TinyGPT(), config={**tp, "train_batch_size": 2, "pipeline": {"stages": 4}},
+                            comm=_FakeComm(8))
     with pytest.raises(ConfigError, match="needs a model cut into stages.*got a MLP"):
         minizero.initialize(model=MLP(), config=cfg, comm=_FakeComm(2))
 

@@ -91,7 +91,8 @@ def test_causal_work_is_uneven_without_load_balancing_and_even_with_it(cp):
     assert [w["forward_scores"] for w in contiguous] == formula
     assert max(formula) == cp * min(formula)
     scores = [w["forward_scores"] for w in balanced]
-    assert len(set(scores)) == 1 and scores == results(case_name(cp, "ring", True, True))[0]["formula"]["scores_per_rank"]
+    assert len(set(scores)) == 1 and scores == results(case_name(cp, "ring", True,
+                                                                 True))[0]["formula"]["scores_per_rank"]
     assert sum(scores) < sum(formula)  # the diagonal chunks are smaller: less masked work in total
     assert all(w["pairs"]["skip"] == 2 * cp - 1 and w["backward_scores"] == w["forward_scores"] for w in balanced)
 

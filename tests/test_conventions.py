@@ -64,8 +64,10 @@ def test_checkpoints_of_a_model_with_an_unused_parameter_load_across_stages(res)
     for r, out in enumerate(ranks(res, "3/checkpoints")):
         for src in (0, 1, 3):
             for dst in range(4):
-                assert out[f"{src}->{dst}/error"] is None, f"rank {r}: stage {src} -> {dst}: {out[f'{src}->{dst}/error']}"
-                assert out[f"{src}->{dst}"]["atol_needed"] <= 1e-7, f"rank {r}: stage {src} -> {dst}: {out[f'{src}->{dst}']}"
+                assert out[f"{src}->{dst}/error"] is None, (f"rank {r}: stage {src} -> {dst}: "
+                                                            f"{out[f'{src}->{dst}/error']}")
+                assert out[f"{src}->{dst}"]["atol_needed"] <= 1e-7, (f"rank {r}: stage {src} -> {dst}: "
+                                                                     f"{out[f'{src}->{dst}']}")
             assert out[f"{src}->0/unused_has_state"] is False  # torch keeps no state for it, nor do we
 
 
@@ -125,7 +127,8 @@ def test_overlapping_groups_and_groups_missing_parameters_fail_before_anything_c
         ShardGradOp(model, torch.optim.AdamW, params=both, lr=0.1)
     with pytest.raises(ValueError, match="miss 1 that are: every trainable parameter must be in exactly one group"):
         ShardGradOp(model, torch.optim.AdamW, params=[p for n, p in model.named_parameters() if n != "unused"], lr=0.1)
-    cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3}}
     with pytest.raises(ValueError, match="param groups overlap"):
         build_engine(model, cfg, model_parameters=both)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -149,7 +152,8 @@ def test_offload_steps_the_users_one_group_with_its_scheduled_lr(res):
 @pytest.mark.parametrize("extra, words", [
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
      "model_parameters has 2 param groups, but offload_optimizer nvme steps its sub-groups as ONE group"),
-    ({"tensor_parallel": {"autotp_size": 2}}, "model_parameters with tensor_parallel.autotp_size > 1 is not implemented"),
+    ({"tensor_parallel": {"autotp_size": 2}},
+     "model_parameters with tensor_parallel.autotp_size > 1 is not implemented"),
 ])
 def test_param_groups_where_they_cannot_work_are_an_error_before_anything_changes(extra, words, monkeypatch):
     """The disk tier steps one group; TP replaces the parameters. Both refused before any

@@ -20,7 +20,8 @@ def test_demo_measurements_ddp_and_zero_stages():
     """At N=3: identical losses on every rank and across strategies (to summation order), memory
     ordered DDP > Z1 > Z2 > Z3, bytes Z1 = Z2 = DDP = ring formula (up to padding), Z3 = 1.5x."""
     N = 3
-    res = launch.run("minizero.cli.demo:train_worker", nprocs=N, args={"steps": 3, "global_batch": 12, "progress": False},
+    res = launch.run("minizero.cli.demo:train_worker", nprocs=N,
+                     args={"steps": 3, "global_batch": 12, "progress": False},
                      timeout=300)
     psi = res[0]["runs"][0]["psi"]
     n_tensors = res[0]["runs"][0]["n_param_tensors"]

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tomllib
 
-import pytest
 
 from tests.doc_commands import ROOT, commands
 

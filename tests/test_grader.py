@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from minizero.autograde import LABS, REPO
-from minizero.cli import labgen
+from minizero.autograde import labgen
 
 LABS_DIR = Path(REPO) / "labs"
 
@@ -49,7 +49,8 @@ def test_untouched_labs_score_zero_without_a_launch(tmp_path, monkeypatch, capsy
         stubs = _stubs_in((LABS_DIR / LABS[n].filename).read_text())
         assert stubs, n
         for function, words in stubs:
-            assert function in t["output"].splitlines()[0] and f"{function}: {words}" in t["output"], (function, t["output"])
+            assert function in t["output"].splitlines()[0] and f"{function}: {words}" in t["output"], (function,
+                                                                                                       t["output"])
     assert f"total: 0 / {result['max_score']:g}" in capsys.readouterr().out
 
 
@@ -97,7 +98,8 @@ def test_solutions_score_full_marks_in_gradescope_format(lab, graded):
     assert result["score"] == sum(c.max_score for c in checks)  # and every stretch task's extra points
     for t, c in zip(result["tests"], checks):
         assert set(t) >= {"name", "score", "max_score", "status", "output"}
-        assert t["status"] == "passed" and t["score"] == c.max_score and t["max_score"] == (0 if c.extra else c.max_score)
+        assert t["status"] == "passed" and t["score"] == c.max_score and t["max_score"] == (0 if c.extra
+                                                                                            else c.max_score)
     assert f"total: {result['score']:g} / {result['max_score']:g}" in proc.stdout
 
 
@@ -112,7 +114,8 @@ def test_labs_and_solutions_are_generated_from_one_source():
 
 
 def test_stub_generation():
-    src = "def f():\n    x = 1\n    # BEGIN SOLUTION: add one. Then return.\n    x += 1\n    # END SOLUTION\n    return x\n"
+    src = ("def f():\n    x = 1\n    # BEGIN SOLUTION: add one. Then return.\n    x += 1\n    # END SOLUTION\n    "
+           "return x\n")
     lab = labgen.transform(src, 7, stub=True)
     assert "x += 1" not in lab and "raise NotImplementedError('lab 7: not implemented yet: add one')" in lab
     assert "# TODO(lab 7): add one. Then return." in lab
@@ -131,7 +134,8 @@ def test_stub_generation_multiline_hint():
                                       "    raise NotImplementedError('lab 7: not implemented yet: add one')"]
     assert "    x += 1" not in lab
     sol = labgen.transform(src, 7, stub=False).splitlines()
-    assert sol[2:6] == ["    # add one: the whole task.", "    #   first hint line", "    #   second hint line", "    x += 1"]
+    assert sol[2:6] == ["    # add one: the whole task.", "    #   first hint line", "    #   second hint line",
+                        "    x += 1"]
 
 
 def test_every_failure_becomes_that_checks_failing_entry(tmp_path):

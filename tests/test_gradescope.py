@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from minizero.autograde import LABS, REPO
-from minizero.cli import labgen
+from minizero.autograde import labgen
 
 LAB = LABS[1]
 MAX = sum(c.max_score for c in LAB.checks() if not c.extra)

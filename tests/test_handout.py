@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from minizero.autograde import LABS, REPO, tree_digest
-from minizero.cli import handout, labgen
+from minizero.autograde import LABS, REPO, labgen, tree_digest
+from minizero.cli import handout
 
 
 def in_handout(root: Path, *args, timeout=600):
@@ -60,7 +60,8 @@ def test_the_untouched_handout_scores_zero(student):
                                                                for c in lab.checks() if not c.extra)
     assert len(result["tests"]) == sum(len(lab.checks()) for lab in LABS.values())
     for t in result["tests"]:
-        assert t["status"] == "failed" and "not implemented yet" in t["output"] and "no rank was launched" in t["output"], t
+        assert (t["status"] == "failed" and "not implemented yet" in t["output"]
+                and "no rank was launched" in t["output"]), t
 
 
 def test_the_handout_with_the_solutions_pasted_back_scores_full_marks(student, tmp_path):

@@ -97,7 +97,8 @@ def test_a_world_size_with_no_rendezvous_is_a_clear_error_within_the_timeout():
     ports = {r: _free_port() for r in (0, 1)}
     procs = {r: subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, env=_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                                                  MASTER_PORT=str(ports[r]), MINIZERO_INIT_TIMEOUT_S="3"))
+                                                                  MASTER_PORT=str(ports[r]),
+                                                                  MINIZERO_INIT_TIMEOUT_S="3"))
              for r in (0, 1)}
     t0 = time.monotonic()
     for r, proc in procs.items():

@@ -40,14 +40,17 @@ LESSON01 = [
     ("loaded machine", {("load",): 19.0}, ["busy while measuring"], ["was quiet"]),
     ("collective 8x slower than ping-pong", {("bus_GBps", 2): 5.0 / 8},
      ["8.0× slower than the ping-pong: more than the reduction explains"], ["The two are close", "can explain"]),
-    ("collective 1.6x slower", {("bus_GBps", 2): 5.0 / 1.6}, ["which the reduction can explain"], ["more than the reduction"]),
+    ("collective 1.6x slower", {("bus_GBps", 2): 5.0 / 1.6}, ["which the reduction can explain"],
+     ["more than the reduction"]),
     ("collective as fast as ping-pong", {}, ["The two are close"], ["slower than the ping-pong"]),
     ("collective faster than ping-pong", {("bus_GBps", 2): 10.0}, ["beat the ping-pong"], ["The two are close"]),
-    ("small ops differ 21x", {("small_times",): {"all_reduce": 285e-6, "reduce_scatter": 850e-6, "all_gather": 6166e-6}},
+    ("small ops differ 21x",
+     {("small_times",): {"all_reduce": 285e-6, "reduce_scatter": 850e-6, "all_gather": 6166e-6}},
      ["differ by 21.6×", "no single α", "not one round"], ["one round of messages."]),
     ("small ops alike, one ping-pong message each", {}, ["within 1.5× of each other", "one round of messages"],
      ["no single α", "not one round"]),
-    ("small ops below an inflated ping-pong alpha", {("pp_alpha",): 654e-6}, ["less than one ping-pong message's α (654 µs)"],
+    ("small ops below an inflated ping-pong alpha", {("pp_alpha",): 654e-6},
+     ["less than one ping-pong message's α (654 µs)"],
      ["one round of messages"]),
     ("small ops many ping-pong messages", {("pp_alpha",): 5e-6}, ["4.0-6.0 ping-pong messages", "not one round"],
      ["about one ping-pong message"]),
@@ -60,21 +63,28 @@ LESSON01 = [
      ["off by more at 2 KiB (worst at 2 KiB, where the measurement was 387.0× the time of the model)"], []),
     ("reduce-scatter 0.95x of all-reduce", {("half", "reduce_scatter"): 0.95},
      ["0.95× for reduce-scatter (more than the model)", "adds what it receives"], []),
-    ("all-gather 0.2x of all-reduce", {("half", "all_gather"): 0.2}, ["0.20× for all-gather (less than the model)"], []),
+    ("all-gather 0.2x of all-reduce", {("half", "all_gather"): 0.2}, ["0.20× for all-gather (less than the model)"],
+     []),
     ("halves as predicted", {}, ["0.50× for reduce-scatter (close to the model)"], ["adds what it receives"]),
-    ("4 ranks 4.2x vs 1.55x predicted", {("n_ratio",): 4.2, ("n_pred",): 1.55}, ["more than the model"], ["within 25% of the model"]),
-    ("4 ranks 1.1x vs 1.52x predicted", {("n_ratio",): 1.1, ("n_pred",): 1.52}, ["less than the model"], ["within 25% of the model"]),
+    ("4 ranks 4.2x vs 1.55x predicted", {("n_ratio",): 4.2, ("n_pred",): 1.55}, ["more than the model"],
+     ["within 25% of the model"]),
+    ("4 ranks 1.1x vs 1.52x predicted", {("n_ratio",): 1.1, ("n_pred",): 1.52}, ["less than the model"],
+     ["within 25% of the model"]),
     ("4 ranks as predicted", {}, ["within 25% of the model"], ["more than the model", "less than the model"]),
-    ("4-rank busbw above 2-rank", {("bus_GBps", 4): 8.0}, ["higher, which the model does not allow"], ["about the same"]),
-    ("4-rank busbw below 2-rank", {("bus_GBps", 4): 1.0}, ["lower, as two ranks sharing each core"], ["about the same"]),
+    ("4-rank busbw above 2-rank", {("bus_GBps", 4): 8.0}, ["higher, which the model does not allow"],
+     ["about the same"]),
+    ("4-rank busbw below 2-rank", {("bus_GBps", 4): 1.0}, ["lower, as two ranks sharing each core"],
+     ["about the same"]),
     ("gloo wins 16 KiB-1 MiB, MPI 8 MiB", {("gloo_vs_mpi",): {16 * KiB: (400e-6, 40e-6), MiB: (900e-6, 150e-6),
                                                            8 * MiB: (2e-3, 5e-3)}},
-     ["MPI was faster at 8 MiB; gloo at 16 KiB, 1 MiB", "depends on the message size", "MPI won at 1 of 3 sizes, gloo at 2"],
+     ["MPI was faster at 8 MiB; gloo at 16 KiB, 1 MiB", "depends on the message size",
+      "MPI won at 1 of 3 sizes, gloo at 2"],
      ["supports", "did not hold", "This is why minizero uses MPI"]),
     ("MPI wins everywhere", {}, ["gloo at none", "supports minizero's choice"], ["depends on the message size"]),
     ("gloo wins everywhere", {("gloo_vs_mpi",): {16 * KiB: (400e-6, 40e-6), MiB: (900e-6, 150e-6)}},
      ["MPI was faster at none", "did not hold here"], ["supports"]),
-    ("gloo's reduce-scatter no slower", {("gloo_rs_vs_ar",): 0.9}, ["no slower than the all-reduce"], ["so it is slower"]),
+    ("gloo's reduce-scatter no slower", {("gloo_rs_vs_ar",): 0.9}, ["no slower than the all-reduce"],
+     ["so it is slower"]),
 ]
 
 
@@ -96,14 +106,16 @@ def test_lesson01_findings_reads_a_run():
     """findings() turns raw time_collectives results into the figures describe() reads."""
     def rows(N, scale):
         return [{"op": op, "size": s, "time": 2 * scale * collectives.ring_time(op, s, N, 20e-6, 1 / 5e9),
-                 "best": scale * collectives.ring_time(op, s, N, 20e-6, 1 / 5e9), "sent": collectives.STEPS[op] * (N - 1) / N * s}
+                 "best": scale * collectives.ring_time(op, s, N, 20e-6, 1 / 5e9),
+                 "sent": collectives.STEPS[op] * (N - 1) / N * s}
                 for op in collectives.STEPS for s in (KiB, 64 * KiB, MiB)]
     res = {2: {"rows": rows(2, 1.0)}, 4: {"rows": rows(4, 3.0)}}
     gloo = {"rows": [r for r in rows(2, 2.0) if r["op"] != "all_gather"]}
     f = collectives.findings(res, gloo, 15e-6, 1 / 5e9, [0.3, 0.4], 2)
     assert f["fit_error"]["all_reduce"] == pytest.approx(0, abs=1e-6)          # the model made the data
     assert f["fit_GBps"][2] == pytest.approx(5.0) and f["fit_alpha"][2] == pytest.approx(20e-6)
-    ring = lambda N: collectives.ring_time("all_reduce", MiB, N, 20e-6, 1 / 5e9)
+    def ring(N):
+        return collectives.ring_time("all_reduce", MiB, N, 20e-6, 1 / 5e9)
     assert f["n_ratio"] == pytest.approx(3.0 * ring(4) / ring(2)) and f["n_pred"] == pytest.approx(ring(4) / ring(2))
     assert all(m < g for m, g in f["gloo_vs_mpi"].values())                    # gloo was made 2x slower
     assert "supports minizero's choice" in collectives.describe(f)
@@ -125,7 +137,8 @@ LESSON02_DP = [
     ("DDP 46.6 vs 47.0 ms", {("ddp_step2",): 0.0466, ("dp_step2",): 0.0470}, ["about the same (within 5%)"],
      ["DDP was faster", "not faster"]),
     ("DDP slower, compute and comm", {("ddp_step2",): 0.05, ("ddp_compute",): {2: 0.03, 4: 0.03}, ("ddp_comm2",): 0.02},
-     ["DDP was not faster here: each DDP rank computed 2.0× slower", "more than DataParallel's reduce"], ["DDP was faster"]),
+     ["DDP was not faster here: each DDP rank computed 2.0× slower", "more than DataParallel's reduce"],
+     ["DDP was faster"]),
     ("DDP slower, no reason", {("ddp_step2",): 0.05}, ["DDP was not faster here, and neither"], ["DDP was faster"]),
 ]
 
@@ -143,22 +156,26 @@ def _mode(messages, finish, step, compute=0.02):
 
 
 def lesson02_modes():
-    m = {N: {"naive": _mode(53, 0.0030, 0.030), "bucketed": _mode(12, 0.0010, 0.028), "overlap": _mode(12, 0.0005, 0.025)}
+    m = {N: {"naive": _mode(53, 0.0030, 0.030), "bucketed": _mode(12, 0.0010, 0.028),
+             "overlap": _mode(12, 0.0005, 0.025)}
          for N in (2, 4)}
     return {"m": m, "psi": 462_912, "alpha": 15e-6, "load": 0.5}
 
 
 LESSON02_MODES = [
-    ("per message near alpha", {("m", 2, "naive", "finish"): 0.0010 + 41 * 30e-6, ("m", 4, "naive", "finish"): 0.0010 + 41 * 40e-6},
+    ("per message near alpha",
+     {("m", 2, "naive", "finish"): 0.0010 + 41 * 30e-6, ("m", 4, "naive", "finish"): 0.0010 + 41 * 40e-6},
      ["At N=2 each extra message cost 30 µs, the order of α", "At N=4 each extra message cost 40 µs"],
      ["rendezvous"]),
     ("per message 6 ms, 400x alpha", {("m", 2, "naive", "finish"): 0.0010 + 41 * 6e-3},
      ["α is 15 µs", "At N=2 each extra message cost 6000 µs, 400× α", "rendezvous"], []),
     ("naive not slower", {("m", 2, "naive", "finish"): 0.0005}, ["At N=2 naive was not slower"], ["At N=2 each extra"]),
-    ("N=4 message 14x dearer", {("m", 2, "naive", "finish"): 0.0010 + 41 * 50e-6, ("m", 4, "naive", "finish"): 0.0010 + 41 * 700e-6},
+    ("N=4 message 14x dearer",
+     {("m", 2, "naive", "finish"): 0.0010 + 41 * 50e-6, ("m", 4, "naive", "finish"): 0.0010 + 41 * 700e-6},
      ["14× more at N=4 than at N=2"], []),
     ("overlap faster", {}, ["faster at N=2", "25.0 ms against 28.0 ms, faster."], ["no faster"]),
-    ("overlap slower", {("m", 2, "overlap", "step"): 0.041, ("m", 4, "overlap", "step"): 0.041}, ["no faster at N=2", "no faster."], []),
+    ("overlap slower", {("m", 2, "overlap", "step"): 0.041, ("m", 4, "overlap", "step"): 0.041},
+     ["no faster at N=2", "no faster."], []),
 ]
 
 
@@ -171,7 +188,8 @@ def test_lesson02_modes_conclusions(label, changes, want, avoid):
 
 
 def lesson02_progress():
-    probe = {"os_threads": 2, "best_all_reduce": 0.013, "best_compute": 0.050, "best_overlapped": 0.063, "best_wait": 0.012}
+    probe = {"os_threads": 2, "best_all_reduce": 0.013, "best_compute": 0.050, "best_overlapped": 0.063,
+             "best_wait": 0.012}
     step = {"blocked": 0.002, "first": 0.0006, "buckets": 12, "launched": 12, "compute": 0.035, "step": 0.041}
     return {"pd": probe, "pa": dict(probe, os_threads=3, best_wait=0.001, best_overlapped=0.052), "nbytes": 4e6,
             "compute_s": 0.05, "cores": 2, "load": 0.5, "default": step, "threaded": dict(step, step=0.035)}
@@ -180,7 +198,8 @@ def lesson02_progress():
 LESSON02_PROGRESS = [
     ("no background progress by default", {}, ["**no background progress**", "launches early but communicates late"],
      ["was done before the wait"]),
-    ("default progressed", {("pd", "best_wait"): 0.002}, ["was done before the wait", "more than MPICH's rule predicts"],
+    ("default progressed", {("pd", "best_wait"): 0.002},
+     ["was done before the wait", "more than MPICH's rule predicts"],
      ["**no background progress**"]),
     ("thread hid it and saved time", {}, ["and that saved time: launch + compute + wait took 52.00 ms with the thread "
                                           "against 63.00 ms without it"], ["saved no time"]),
@@ -190,12 +209,14 @@ LESSON02_PROGRESS = [
                                                    ("pa", "best_overlapped"): 0.105},
      ["yet saved no time: launch + compute + wait took 105.00 ms with the thread against 63.00 ms", "9.8× as long"],
      ["and that saved time"]),
-    ("thread did not hide it", {("pa", "best_wait"): 0.012}, ["the thread did not get the all-reduce done", ", not more, because"],
+    ("thread did not hide it", {("pa", "best_wait"): 0.012},
+     ["the thread did not get the all-reduce done", ", not more, because"],
      ["saved"]),
     ("thread slowed the DDP step", {("threaded", "step"): 0.080}, ["2.0× slower", "The progress threads cost more"],
      ["paid for the thread"]),
     ("thread sped up the DDP step", {}, ["faster.", "Here the overlap paid for the thread."], ["cost more"]),
-    ("some buckets after backward", {("default", "launched"): 9}, ["9 of 12 buckets", "fewer than designed"], ["as designed,"]),
+    ("some buckets after backward", {("default", "launched"): 9}, ["9 of 12 buckets", "fewer than designed"],
+     ["as designed,"]),
 ]
 
 
@@ -208,13 +229,17 @@ def test_lesson02_progress_conclusions(label, changes, want, avoid):
 
 
 RECOMPUTE = [  # plain, checkpointed, forward, blocks_forward, recompute (ms)
-    ("recompute about the blocks' forward, overhead small", (30, 42, 10, 9, 9), ["as it should be", "stayed within one forward",
+    ("recompute about the blocks' forward, overhead small", (30, 42, 10, 9, 9),
+     ["as it should be", "stayed within one forward",
                                                                              "The overhead was smaller"], ["negative"]),
-    ("+241% with a 42% forward", (7.6, 26.0, 3.2, 2.5, 2.7), ["242% longer", "larger than the recompute", "stayed within one forward"],
+    ("+241% with a 42% forward", (7.6, 26.0, 3.2, 2.5, 2.7),
+     ["242% longer", "larger than the recompute", "stayed within one forward"],
      ["The overhead was smaller"]),
-    ("recompute slower than a forward", (30, 60, 10, 9, 25), ["exceeded one forward (2.5×)", "run slower"], ["stayed within"]),
+    ("recompute slower than a forward", (30, 60, 10, 9, 25), ["exceeded one forward (2.5×)", "run slower"],
+     ["stayed within"]),
     ("step grew less than the recompute", (30, 35, 10, 9, 9), ["The rest is negative (-4.0 ms)"], ["The rest, "]),
-    ("recompute cut short", (30, 40, 10, 9, 4), ["0.44× the blocks' forward", "stops each recompute"], ["as it should be"]),
+    ("recompute cut short", (30, 40, 10, 9, 4), ["0.44× the blocks' forward", "stops each recompute"],
+     ["as it should be"]),
 ]
 
 
@@ -226,7 +251,8 @@ def test_lesson11_recompute_conclusions(label, ms, want, avoid):
 
 def test_recompute_is_timed_inside_backward():
     """step_times measures the recompute itself: nothing without checkpointing, something with it."""
-    t = activation_checkpointing.step_times(None, repeats=1, gpt=dict(n_layer=2, n_embd=32, block_size=16, vocab_size=32),
+    t = activation_checkpointing.step_times(None, repeats=1,
+                                            gpt=dict(n_layer=2, n_embd=32, block_size=16, vocab_size=32),
                                             batch=2)
     assert len(t["recompute"]) == 1 and t["recompute"][0] > 0
     assert 0 < t["blocks_forward"][0] < t["forward"][0]
@@ -307,10 +333,14 @@ def _scaling(**kw):
 
 
 @pytest.mark.parametrize("label,kw,want,avoid", [
-    ("flat parts, projection far above the claim", {}, ["do not shrink with N", "5.900 MB ÷ 64", "saving is ∝ N for model states only",
-                                                        "ZeRO-3 holds *more* than DDP"], ["changed with N", "comes close"]),
-    ("parts grew with N", {"acts": [2.48, 2.6, 2.9, 3.2]}, ["changed with N (from 3.120 MB at N=1)"], ["do not shrink"]),
-    ("projection near the claim", {"projected64": 0.1}, ["comes close to the claim"], ["saving is ∝ N for model states only"]),
+    ("flat parts, projection far above the claim", {},
+     ["do not shrink with N", "5.900 MB ÷ 64", "saving is ∝ N for model states only",
+                                                        "ZeRO-3 holds *more* than DDP"],
+                                                        ["changed with N", "comes close"]),
+    ("parts grew with N", {"acts": [2.48, 2.6, 2.9, 3.2]}, ["changed with N (from 3.120 MB at N=1)"],
+     ["do not shrink"]),
+    ("projection near the claim", {"projected64": 0.1}, ["comes close to the claim"],
+     ["saving is ∝ N for model states only"]),
     ("ZeRO-3 no bigger at N=1", {"ddp_total": [9.0] * 4}, ["holds no more than DDP"], ["holds *more*"]),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_lesson06_scaling_conclusions(label, kw, want, avoid):
@@ -325,7 +355,8 @@ def test_lesson06_persistence_conclusions():
            "ledger": {"a": 0.9e6}}
     pall = {"whole": 210304, "calls": 5, "sent": {"all_reduce": 1261824}, "ledger": {"a": 3.4e6}}
     _check(describe_persistence(p0, p65, pall, 1e6), ["saves 4992 bytes", "raises the collective count from 15 to 20",
-                                                      "all-reduce only", "fetch_sub_module"], ["saves nothing"], "as measured")
+                                                      "all-reduce only", "fetch_sub_module"], ["saves nothing"],
+                                                      "as measured")
     worse = dict(p65, calls=12, sent=dict(p65["sent"], all_reduce=20000))
     _check(describe_persistence(p0, worse, pall, 1e6), ["saves nothing here (5024 bytes more per step)",
                                                         "went from 15 to 12"], ["raises the collective count"], "worse")
@@ -333,7 +364,9 @@ def test_lesson06_persistence_conclusions():
 
 def test_lesson10_tp_against_dp():
     from minizero.experiments.tensor import describe_tp_vs_dp
-    _check(describe_tp_vs_dp(124_032, 180_480, 12, 3, 7), ["0.69× DP's bytes here (fewer", "12 collectives against DP's 3",
+    _check(describe_tp_vs_dp(124_032, 180_480, 12, 3, 7),
+           ["0.69× DP's bytes here (fewer", "12 collectives against DP's 3",
                                                           "9 more latencies", "tp_comm_overlap", "Domino"],
            ["in any implementation", "more:"], "fewer bytes")
-    _check(describe_tp_vs_dp(400_000, 180_480, 12, 12, 7), ["2.22× DP's bytes here (more"], ["more latencies"], "more bytes")
+    _check(describe_tp_vs_dp(400_000, 180_480, 12, 12, 7), ["2.22× DP's bytes here (more"], ["more latencies"],
+           "more bytes")

@@ -21,9 +21,10 @@ BUDGET_S = 90  # the target is 60 s on 2 idle cores; over it -> a warning naming
 
 def solution_text_in(text: str) -> list[str]:
     """What of a lab's solution `text` shows: a region's marker or one of its code lines (labgen.solution_lines)."""
-    from minizero.cli.labgen import solution_lines
+    from minizero.autograde.labgen import solution_lines
     found = [marker for marker in ("BEGIN SOLUTION", "END SOLUTION") if marker in text]
-    return found + [f"lab {n}: {line}" for n, lines in solution_lines().items() for line in sorted(lines) if line in text]
+    return found + [f"lab {n}: {line}" for n, lines in solution_lines().items() for line in sorted(lines)
+                    if line in text]
 
 
 def cell_texts(nb) -> str:
@@ -63,7 +64,8 @@ def test_there_are_lessons():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_committed_without_outputs(path):
     nb = json.loads(path.read_text())
-    dirty = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))]
+    dirty = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
+             and (c.get("outputs") or c.get("execution_count"))]
     assert not dirty, f"{path.name}: cells {dirty} have outputs; strip them before committing"
 
 

@@ -185,5 +185,6 @@ def test_mean_of_equal_shard_grads_is_the_full_batch_grad(name):
     assert full.keys() == {n for n, p in m.named_parameters() if p.grad is not None}
     # torch.allclose, not torch.testing.assert_close: the latter's first call costs ~2 s of imports.
     # Measured max abs difference: 3e-8 (tiny-gpt, grads up to 0.2), 5e-7 (edge, grads up to 2.6).
-    bad = [n for n, p in m.named_parameters() if n in full and not torch.allclose(p.grad, full[n], rtol=1e-6, atol=1e-7)]
+    bad = [n for n, p in m.named_parameters() if n in full
+           and not torch.allclose(p.grad, full[n], rtol=1e-6, atol=1e-7)]
     assert not bad, f"shard-averaged gradients differ from the full-batch ones in {bad}"

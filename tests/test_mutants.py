@@ -126,8 +126,8 @@ def test_every_lab_has_its_mutants(tmp_path):
         least = MIN_FROM_LAB_7 if n >= 7 else MIN_PER_LAB
         extra = {c.fn.__name__ for c in lab.checks() if c.extra}
         main = [m for m in mutants if m.check not in extra]
-        assert len(main) >= least, (f"lab {n} has {len(main)} mutants of its main checks in tests/mutants/lab{n:02d}.py; "
-                                    f"it needs at least {least} plausible student bugs")
+        assert len(main) >= least, (f"lab {n} has {len(main)} mutants of its main checks in "
+                                    f"tests/mutants/lab{n:02d}.py; it needs at least {least} plausible student bugs")
         for name in extra:
             assert any(m.check == name for m in mutants), f"lab {n}: the stretch task's check {name} has no mutant"
         checks = {c.fn.__name__ for c in lab.checks()}

@@ -46,7 +46,8 @@ def res(tmp_path_factory):
         out = tmp / "out"
         out.mkdir()
         port = get_free_port()
-        script = f"{_agent(0, port, out)} & first=$!; {_agent(1, port, out)}; second=$?; wait $first; exit $(($? | second))"
+        script = (f"{_agent(0, port, out)} & first=$!; {_agent(1, port, out)}; second=$?; wait $first; exit $(($? | "
+                  "second))")
         try:
             code, text, left, pids = _job(["bash", "-c", script], tmp, timeout=300)
         except subprocess.TimeoutExpired:
@@ -166,7 +167,8 @@ def test_a_hostfile_layout_gives_nodes_of_its_ranks_per_host(monkeypatch):
 
 @pytest.mark.parametrize("names, words", [
     (["a", "a", "a", "b"], "the launcher's nodes hold different numbers of ranks (a: ranks [0, 1, 2]; b: ranks [3])"),
-    (["a", "b", "a", "b"], "the launcher's nodes are not consecutive blocks of ranks (a: ranks [0, 2]; b: ranks [1, 3])"),
+    (["a", "b", "a", "b"],
+     "the launcher's nodes are not consecutive blocks of ranks (a: ranks [0, 2]; b: ranks [1, 3])"),
 ])
 def test_uneven_or_interleaved_nodes_are_a_mesh_error_before_any_split(names, words, monkeypatch):
     _launched(monkeypatch, MPI_LOCALNRANKS=2)

@@ -31,7 +31,8 @@ def results():
 @pytest.mark.parametrize("stage", (1, 2, 3))
 def test_offload_trains_like_no_offload(stage):
     for rank, r in enumerate(results()):
-        assert r[f"{stage}/sgd"]["bitwise"], f"stage {stage} rank {rank}: SGD differs by {r[f'{stage}/sgd']['max_abs']:.3g}"
+        assert r[f"{stage}/sgd"]["bitwise"], (f"stage {stage} rank {rank}: SGD differs by "
+                                              f"{r[f'{stage}/sgd']['max_abs']:.3g}")
         if f"{stage}/adam" in r:  # one stage is enough for the fused kernel's rounding
             assert r[f"{stage}/adam"]["max_abs"] <= 1e-3, f"stage {stage}: Adam {r[f'{stage}/adam']['max_abs']:.3g}"
 
@@ -183,9 +184,11 @@ def test_zero_init_leaves_the_global_rng_alone_and_handles_default_init():
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs ZeRO stage 1, 2 or 3"),
     ({"stage": 1, "offload_param": {"device": "cpu"}}, "offload_param needs stage 3"),
     ({"stage": 2, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}, "needs stage 3"),
-    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "'nvme' (ZeRO-Infinity) needs stage 3"),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
+     "'nvme' (ZeRO-Infinity) needs stage 3"),
     ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "nvme_path is not set"),
-    ({"stage": 2, "offload_optimizer": {"device": "cpu", "dpu_warmup_steps": -1}}, "dpu_warmup_steps' must be at least 0"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "dpu_warmup_steps": -1}},
+     "dpu_warmup_steps' must be at least 0"),
     ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "dpu_warmup_steps": 2}},
      "needs device 'cpu'"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "partial offload is not implemented"),

@@ -7,8 +7,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _pins(lines):
-    return dict(re.match(r"^\s*([A-Za-z0-9_.-]+)==(\S+)\s*$", l).groups() for l in lines
-                if re.match(r"^\s*[A-Za-z0-9_.-]+==\S+\s*$", l))
+    return dict(re.match(r"^\s*([A-Za-z0-9_.-]+)==(\S+)\s*$", line).groups() for line in lines
+                if re.match(r"^\s*[A-Za-z0-9_.-]+==\S+\s*$", line))
 
 
 def test_environment_yml_has_the_same_pins_as_pyproject():

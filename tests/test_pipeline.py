@@ -39,8 +39,8 @@ def test_every_schedule_trains_like_one_process(suite):
     for ranks in runs:
         for r in ranks:
             ref = r["reference"]
-            assert ref["atol_needed"] <= TOL, f"{_label(r)}: rank {r['rank']} `{ref['param']}` is {ref['max_diff']:.3g} " \
-                                              "from one process"
+            assert ref["atol_needed"] <= TOL, (f"{_label(r)}: rank {r['rank']} `{ref['param']}` is "
+                                               f"{ref['max_diff']:.3g} from one process")
             if r["pp_rank"] == r["config"]["p"] - 1:  # the last stage reports the loss, the others None
                 assert all(isinstance(loss, float) for loss in r["losses"])
             else:
@@ -264,7 +264,8 @@ def test_pp_zero_bytes_reduce_every_micro_batch_m_times(launched):
     runs = _pp_zero(launched)
     for rank in range(4):
         z1, once, every, z3 = (runs[(mode, tie)][rank] for mode, tie in (
-            ("zero1", "full gradients"), ("zero2-once", "shards"), ("zero2-every", "shards"), ("zero3-every", "shards")))
+            ("zero1", "full gradients"), ("zero2-once", "shards"), ("zero2-every", "shards"),
+            ("zero3-every", "shards")))
         m, ops = every["m"], lambda r: r["sent_by_op"]
         assert ops(once)["reduce"] == ops(z1)["reduce_scatter"] > 0
         assert ops(every)["reduce"] == m * ops(once)["reduce"]
@@ -280,7 +281,8 @@ def test_pp_zero_memory_orders_as_the_shards_say(launched):
     runs = _pp_zero(launched)
     for rank in range(4):
         z1, once, every, z3 = (runs[(mode, tie)][rank]["states_peak"] for mode, tie in (
-            ("zero1", "full gradients"), ("zero2-once", "shards"), ("zero2-every", "shards"), ("zero3-every", "shards")))
+            ("zero1", "full gradients"), ("zero2-once", "shards"), ("zero2-every", "shards"),
+            ("zero3-every", "shards")))
         numel = runs[("zero1", "full gradients")][rank]["numel"]
         shard = (once - z1)
         assert 0 < shard and 2 * shard >= 4 * numel  # a dp shard of the stage's fp32 gradient, padded

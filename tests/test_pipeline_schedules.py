@@ -35,13 +35,15 @@ def test_ideal_bubble_equals_the_papers_formula(name):
     for _, p, m, v in (c for c in GRID if c[0] == name):
         if name in ("interleaved_1f1b", "zb_h1") and m < p:
             continue
-        assert simulate(make_schedule(name, p, m, v))["bubble"] == pytest.approx(bubble_formula(name, p, m, v), abs=1e-12)
+        assert simulate(make_schedule(name, p, m, v))["bubble"] == pytest.approx(bubble_formula(name, p, m, v),
+                                                                                 abs=1e-12)
         checked += 1
     assert checked >= 40
     # unequal F, B, W: ZB-H1's bubble is (p-1)(F+B-W) per rank; at W = 0 it is 1F1B's again
     zb = make_schedule("zb_h1", 4, 8)
     for f, b, w in ((1.0, 2.0, 0.5), (1.0, 1.0, 0.0), (2.0, 1.0, 1.0)):
-        assert simulate(zb, unit_cost(zb, f, b, w))["bubble"] == pytest.approx(bubble_formula("zb_h1", 4, 8, 1, f, b, w))
+        assert simulate(zb,
+                        unit_cost(zb, f, b, w))["bubble"] == pytest.approx(bubble_formula("zb_h1", 4, 8, 1, f, b, w))
     assert bubble_formula("zb_h1", 4, 8, 1, 1, 1, 0) == bubble_formula("1f1b", 4, 8)
 
 

@@ -70,7 +70,8 @@ def test_cli_zeropp_moves_bytes_off_the_cross_node_links(capsys):
     assert zpp["link"]["dp-node"] == "intra-node" and zpp["link"]["dp-across"] == "cross-node"
     # qwZ: the forward all-gather in int8 (+ scales) instead of bf16, about half of one of ZeRO-3's three
     assert zpp["sent"]["dp"] == pytest.approx(z3["sent"]["dp"] / 6, rel=0.01)
-    assert zpp["memory"]["parameters"] - z3["memory"]["parameters"] == pytest.approx(SHAPE.num_params() * 2 / 8, rel=0.01)
+    assert zpp["memory"]["parameters"] - z3["memory"]["parameters"] == pytest.approx(SHAPE.num_params() * 2 / 8,
+                                                                                     rel=0.01)
 
 
 def test_cli_json_is_the_plan(capsys):

@@ -1,5 +1,5 @@
 """The planner's context (cp) and expert (ep) parallelism: what a rank holds and sends, checked against the
-mechanisms' own modules and byte formulas (tests/test_context.py and tests/test_experts.py measure those
+mechanisms' own modules and byte formulas (tests/test_context.py and tests/test_moe.py measure those
 formulas with comm.stats), `plan --fit` choosing cp for a long sequence, and the flags' errors. In-process."""
 import math
 
@@ -52,7 +52,7 @@ def test_cp_sends_the_mechanisms_bytes_per_layer(ulysses):
 
 def test_ep_holds_e_over_ep_experts_and_sends_the_all_to_alls():
     """Parameters from minizero.moe's own modules; bytes 4 all-to-alls per MoE layer and micro-batch of
-    (ep-1)/ep·E·C·d·w, C = ceil(k·T·cf/E) (the formula tests/test_experts.py measures)."""
+    (ep-1)/ep·E·C·d·w, C = ceil(k·T·cf/E) (the formula tests/test_moe.py measures)."""
     h = MOE.hidden
     moe_layer = sum(p.numel() for p in MoELayer(h, 4 * h, MOE.experts).parameters())
     assert MOE.block_params() == 12 * h * h + 13 * h - (8 * h * h + 5 * h) + moe_layer
@@ -100,12 +100,14 @@ def test_cli_prints_cp_and_ep(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--params", "7e9", "--gpus", "4", "--cp", "0"], "argument --cp: got 0, allowed: a whole number in [1, 1e6]"),
     (["--params", "7e9", "--gpus", "4", "--ep", "1.5"], "argument --ep: got 1.5, allowed: a whole number in [1, 1e6]"),
-    (["--params", "7e9", "--gpus", "4", "--experts", "0"], "argument --experts: got 0, allowed: a whole number in [1, 100000]"),
+    (["--params", "7e9", "--gpus", "4", "--experts", "0"],
+     "argument --experts: got 0, allowed: a whole number in [1, 100000]"),
     (["--params", "7e9", "--experts", "8", "--capacity-factor", "0"], "argument --capacity-factor: got 0, allowed"),
     (["--params", "7e9", "--experts", "8", "--top-k", "3"], "argument --top-k: invalid choice"),
     (["--params", "7e9", "--gpus", "4", "--ep", "2"], "ep 2 needs a MoE shape whose experts (0)"),
     (["--params", "7e9", "--gpus", "4", "--experts", "6", "--ep", "4"], "ep 4 needs a MoE shape whose experts (6)"),
-    (["--params", "7e9", "--gpus", "8", "--experts", "8", "--tp", "2", "--vocab", "50304"], "a MoE shape with tp > 1 is not planned"),
+    (["--params", "7e9", "--gpus", "8", "--experts", "8", "--tp", "2", "--vocab", "50304"],
+     "a MoE shape with tp > 1 is not planned"),
     (["--params", "7e9", "--gpus", "12", "--cp", "8"], "tp 1 x pp 1 x cp 8 = 8 does not divide the world size 12"),
     (["--params", "7e9", "--gpus", "8", "--cp", "4", "--dp", "4"], "dp 4 x pp 1 x cp 4 x tp 1 = 16 is not the world"),
     (["--params", "7e9", "--gpus", "8", "--cp", "8", "--seq", "1000"], "sequence 1000 does not divide by 2 x cp 8"),

@@ -38,7 +38,8 @@ def test_planner_matches_the_run(i):
                 got, want = measured["ledger"][c][where], plan_side[c]
                 assert 0 <= got - want <= _padding_bytes(r["config"]), (
                     f"{name} rank {rank}: {c} on the {where}: ledger {got} B, planner {want} B")
-        assert measured["sent"] == planned["sent"], f"{name} rank {rank}: sent {measured['sent']} B, planned {planned['sent']}"
+        assert measured["sent"] == planned["sent"], (f"{name} rank {rank}: sent {measured['sent']} B, planned "
+                                                     f"{planned['sent']}")
         if measured["activations"] is not None:
             act = planned["memory"]["activations"]
             assert abs(measured["activations"] - act) <= 0.10 * measured["activations"], (

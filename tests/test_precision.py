@@ -298,13 +298,15 @@ def test_memory_tensors_with_grads_in_flight():
     opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
     led = memory.measure(model, opt).by_category
     psi = model.num_params()
-    assert (led["parameters"], led["master_params"], led["optimizer_state"], led["gradients"]) == (2 * psi, 4 * psi, 0, 0)
+    assert (led["parameters"], led["master_params"], led["optimizer_state"], led["gradients"]) == (2 * psi, 4 * psi, 0,
+                                                                                                   0)
 
 
 # ------------------------------------------------------------------ several ranks: the overflow vote
 
 def test_one_ranks_overflow_skips_the_step_on_every_rank():
-    res = launch.run("tests/precision_workers.py:overflow_vote", nprocs=2, args={"steps": 5, "bad_step": 2}, timeout=120)
+    res = launch.run("tests/precision_workers.py:overflow_vote", nprocs=2, args={"steps": 5, "bad_step": 2},
+                     timeout=120)
     world = [r["world"] for r in res]
     for r in world:
         assert r["skipped"] == [s == 2 for s in range(5)]
@@ -324,7 +326,8 @@ def test_one_ranks_overflow_skips_the_step_on_every_rank():
     psi = dp[0]["num_params"]
     for r in dp:
         assert r["skipped"] == [s == 2 for s in range(5)] and r["scale"] == dp[0]["scale"]
-        assert r["sent"] == pytest.approx(5 * (ring_bytes_sent("all_reduce", 2 * psi, 2) + ring_bytes_sent("all_reduce", 4, 2)))
+        assert r["sent"] == pytest.approx(5 * (ring_bytes_sent("all_reduce", 2 * psi, 2)
+                                               + ring_bytes_sent("all_reduce", 4, 2)))
     # clipping over shards: every rank sees the norm of the whole vector, and the pieces together
     # have norm max_norm afterwards
     clip = [r["clip"] for r in res]

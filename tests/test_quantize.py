@@ -35,7 +35,8 @@ def test_error_at_most_half_a_step_per_block_at_odd_sizes(bits, block):
         back = dequantize_blockwise(codes, scales, block)
         bound = _per_element_scale(scales, block, n) / 2 + x.abs() * 2 ** -22
         excess = (x - back).abs() - bound
-        assert float(excess.max()) <= 0, f"n={n}, block={block}, bits={bits}: error exceeds scale/2 by {float(excess.max()):.3g}"
+        assert float(excess.max()) <= 0, (f"n={n}, block={block}, bits={bits}: error exceeds scale/2 by "
+                                          f"{float(excess.max()):.3g}")
         # the bound is per block: a block far from the outlier keeps its own fine scale
         if n >= 2 * block and block > 1:
             far = 0 if n // 2 >= block else -1

@@ -1,5 +1,6 @@
 """`python -m minizero bench scale --quick`: the largest-model search on 2 ranks under a small memory cap
-(0.2 GB above the first probe's job: torch DDP grows ~0.3 GB from s 4 to 6, ZeRO-3 ~0.1), torch DDP against minizero ZeRO-3 + zero.Init, checked against
+(0.2 GB above the first probe's job: torch DDP grows ~0.3 GB from s 4 to 6, ZeRO-3 ~0.1), torch DDP against minizero
+ZeRO-3 + zero.Init, checked against
 independent counts: the watcher's kill, the ledger against memory.estimate, sharding's 1/N."""
 import json
 import os
@@ -17,8 +18,9 @@ def test_size_rule_and_search_without_jobs():
     assert gpt(4) == {"vocab_size": 64, "block_size": 32, "n_layer": 4, "n_head": 4, "n_embd": 256}
     assert 49152 * 34 ** 3 < count(34) < 1.01 * 49152 * 34 ** 3 and count(34) > 1.9e9
     assert grow(3) == 5 and grow(34) == 54  # about 4x the parameters per step
-    fits = lambda c, s: {"candidate": c, "size": s, "psi": count(s), "ranks": 4,
-                         "outcome": "ok" if s <= 11 else "memory cap"}
+    def fits(c, s):
+        return {"candidate": c, "size": s, "psi": count(s), "ranks": 4,
+                "outcome": "ok" if s <= 11 else "memory cap"}
     res = search("x", 3, 54, fits, resolution=1.2, log=lambda s: None)
     assert res["largest"]["size"] == 11 and res["probes"][-1]["size"] in (11, 12)
     assert [r["size"] for r in res["probes"]][:4] == [3, 5, 8, 13] and res["stopped_by"] == "memory cap"
@@ -30,7 +32,8 @@ def quick(tmp_path_factory):
     tmp = d / "tmp"  # the probes' folders go here: none may be left
     tmp.mkdir()
     proc = subprocess.run([sys.executable, "-m", "minizero", "bench", "scale", "--quick", "--json", str(d / "s.json")],
-                          check=False, capture_output=True, text=True, timeout=400, env={**os.environ, "TMPDIR": str(tmp)})
+                          check=False, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [p.name for p in tmp.iterdir() if p.name.startswith("minizero-")] == [], "probes left folders"
     return proc.stdout, json.loads((d / "s.json").read_text())
@@ -63,7 +66,8 @@ def test_quick_report_and_plot_show_only_what_was_measured(quick, tmp_path):
 
 def test_every_candidate_has_its_own_style_in_the_plot(tmp_path):
     """All of bench scale's candidates on one plot: no two series share colour, marker and line style."""
-    probe = lambda s: {"size": s, "psi": count(s), "ranks": 4, "outcome": "ok", "step_s": 1.0 + s, "rss_peak": [2 ** 30]}
+    def probe(s):
+        return {"size": s, "psi": count(s), "ranks": 4, "outcome": "ok", "step_s": 1.0 + s, "rss_peak": [2 ** 30]}
     results = {"ranks": 4, "cap_bytes": 12e9, "sweep_psi": count(4),
                "candidates": {name: {"probes": [probe(3), probe(5)]} for name in CANDIDATES},
                "ranks_sweep": {name: [{**probe(4), "ranks": n} for n in (1, 2, 4)] for name in CANDIDATES}}

@@ -39,7 +39,8 @@ def _missing():
         except ImportError:
             return f"{module} is not installed: `make site` / `make site-test` install the site extra"
     if _browser() is None:
-        return f"no Chromium on this machine (looked for {', '.join(BROWSERS)} on PATH and $CHROMIUM): `apt-get install chromium`"
+        return (f"no Chromium on this machine (looked for {', '.join(BROWSERS)} on PATH and $CHROMIUM): `apt-get "
+                "install chromium`")
     return None
 
 
@@ -95,14 +96,16 @@ def _lesson_outputs(stem: str):
 JS_PAGE = """async () => {
   const images = [];
   for (const img of Array.from(document.images)) {
-    const r = {src: img.getAttribute('src'), complete: img.complete, width: img.naturalWidth, height: img.naturalHeight};
+    const r = {src: img.getAttribute('src'), complete: img.complete,
+               width: img.naturalWidth, height: img.naturalHeight};
     if (img.complete && img.naturalWidth > 0) {
       try { await img.decode(); r.decoded = true; } catch (e) { r.decoded = false; }
       const w = Math.min(img.naturalWidth, 400), h = Math.max(1, Math.round(img.naturalHeight * w / img.naturalWidth));
       const canvas = document.createElement('canvas'); canvas.width = w; canvas.height = h;
       const ctx = canvas.getContext('2d'); ctx.drawImage(img, 0, 0, w, h);
       const px = ctx.getImageData(0, 0, w, h).data, seen = new Set();
-      for (let i = 0; i < px.length && seen.size < 2; i += 4) seen.add((px[i] << 24) | (px[i+1] << 16) | (px[i+2] << 8) | px[i+3]);
+      for (let i = 0; i < px.length && seen.size < 2; i += 4)
+        seen.add((px[i] << 24) | (px[i+1] << 16) | (px[i+2] << 8) | px[i+3]);
       r.colors = seen.size;
     }
     images.push(r);
@@ -122,7 +125,8 @@ def visited(site):
     pages = {}
     with sync_playwright() as pw:
         # --allow-file-access-from-files: the image check reads pixels back through a canvas.
-        browser = pw.chromium.launch(executable_path=_browser(), args=["--no-sandbox", "--allow-file-access-from-files"])
+        browser = pw.chromium.launch(executable_path=_browser(),
+                                     args=["--no-sandbox", "--allow-file-access-from-files"])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         errors = []
         page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
@@ -192,9 +196,12 @@ def test_every_lesson_has_a_page_with_its_plots_and_measured_numbers(visited):
         numbers, plots = _lesson_outputs(stem)
         missing = [n for n in numbers if n not in page["text"]]
         assert numbers, f"{stem}: its outputs printed no measured number"
-        assert not missing, f"{stem}: {len(missing)} of {len(numbers)} numbers its run printed are not on its page: {missing[:20]}"
-        assert plots and len(page["images"]) >= plots, f"{stem}: {plots} plots in the notebook, {len(page['images'])} images on the page"
-        assert "Ran " in page["text"] and "CPU cores" in page["text"] and "load average" in page["text"], f"{stem}: no run stamp"
+        assert not missing, (f"{stem}: {len(missing)} of {len(numbers)} numbers its run printed are not on its page: "
+                             f"{missing[:20]}")
+        assert plots and len(page["images"]) >= plots, (f"{stem}: {plots} plots in the notebook, {len(page['images'])} "
+                                                        "images on the page")
+        assert ("Ran " in page["text"] and "CPU cores" in page["text"]
+                and "load average" in page["text"]), f"{stem}: no run stamp"
         report[stem] = {"images": len(page["images"]), "plots_in_notebook": plots, "numbers_checked": len(numbers)}
     (SHOTS / "report.json").write_text(json.dumps({"pages": len(pages), "lessons": report, "build": BUILD}, indent=1))
 

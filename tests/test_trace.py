@@ -48,7 +48,8 @@ def test_each_rank_trace_labels_every_collective_minizero_counted(traced, name):
 def test_ddp_one_all_reduce_per_bucket_launched(traced):
     d, per_rank = traced
     names = [e["name"] for e in _events(d / "minizero-ddp-rank0.json")]
-    assert names.count("mz.bucket.launch") == names.count("mz.all_reduce") == per_rank[0]["minizero-ddp"]["calls"]["all_reduce"]
+    calls = per_rank[0]["minizero-ddp"]["calls"]["all_reduce"]
+    assert names.count("mz.bucket.launch") == names.count("mz.all_reduce") == calls
 
 
 def test_disk_tier_reads_and_writes_on_their_own_threads(traced):

@@ -131,7 +131,8 @@ def test_bytes_sent_per_step(n):
                     assert grads / (2 * ring(s["psi"])) - 1 <= (0.01 if name == "tiny-gpt" else (n - 1) / s["psi"])
             ops = r0[f"{name}/sgd/z2/sent_by_op"]
             if n > 1:  # ZeRO-2's reductions add up to one reduce-scatter of the padded buffer
-                assert ops == pytest.approx({"reduce": ring(s["L"].padded_numel), "all_gather": ring(s["L"].padded_numel),
+                assert ops == pytest.approx({"reduce": ring(s["L"].padded_numel),
+                                             "all_gather": ring(s["L"].padded_numel),
                                              **({"broadcast": buffers} if buffers else {})})
 
 
@@ -145,7 +146,8 @@ def test_accumulation_and_global_norm_clipping(n):
     # ZeRO-1 reduces once at step; ZeRO-2 reduces every backward (3 = 2 reductions + 1 gather),
     # unless the first micro-batch ran under no_sync (which then held full gradients)
     assert [r0[f"accum/{m}/sent"] for m in ("z1", "z2", "z2-no_sync")] == pytest.approx([2 * ring, 3 * ring, 2 * ring])
-    assert r0["accum/z2-no_sync/full_grads_inside_no_sync"] == sum(1 for p in build_model("tiny-gpt", **GPT).parameters())
+    assert r0["accum/z2-no_sync/full_grads_inside_no_sync"] == sum(1
+                                                                   for p in build_model("tiny-gpt", **GPT).parameters())
     ref = r0["clip/ref_norms"]
     assert min(ref) > 0.05  # so clipping really scaled the gradients
     for mode in ("z1", "z2"):

@@ -68,7 +68,8 @@ def build(comm, strategy, model, opt_name, bucket_numel=None):
     if strategy == "z1":
         opt = ShardedOptimizer(model.parameters(), cls, comm, **kw)
         return model, opt.step, opt.zero_grad, (model, opt), opt
-    z2 = ShardGradOp(model, cls, comm, bucket_numel=bucket_numel or 6_250_000, overlap=strategy != "z2-no-overlap", **kw)
+    z2 = ShardGradOp(model, cls, comm, bucket_numel=bucket_numel or 6_250_000, overlap=strategy != "z2-no-overlap",
+                     **kw)
     return z2, z2.step, z2.zero_grad, (z2,), z2
 
 
@@ -248,7 +249,8 @@ def _errors(comm):
             "err/empty": msg(lambda: ShardedOptimizer([], torch.optim.SGD, comm, lr=0.1)),
             "err/all_frozen": msg(lambda: ShardedOptimizer([model.frozen.weight], torch.optim.SGD, comm, lr=0.1)),
             "err/lbfgs": msg(lambda: ShardedOptimizer(model.parameters(), torch.optim.LBFGS, comm)),
-            "err/instance": msg(lambda: ShardedOptimizer(model.parameters(), torch.optim.SGD(model.parameters(), lr=1), comm)),
+            "err/instance": msg(lambda: ShardedOptimizer(model.parameters(), torch.optim.SGD(model.parameters(), lr=1),
+                                                         comm)),
             "err/mixed_dtypes": msg(lambda: ShardedOptimizer([torch.nn.Parameter(torch.ones(2)),
                                                                torch.nn.Parameter(torch.ones(2, dtype=torch.float64))],
                                                               torch.optim.SGD, comm, lr=0.1))}

@@ -85,7 +85,8 @@ def train_fsdp(comm, name, opt_name="sgd", steps=STEPS, batch=BATCH, **kw):
     full = fsdp.gather_full_params()
     out["gather_full_sent"] = comm.stats.sent()
     out["counters"] = dict(fsdp.counters)
-    out["units"] = [{"name": u.name, "numel": u.layout.numel, "padded": u.gathered_numel, "whole": u.persistent_numel} for u in fsdp.units]
+    out["units"] = [{"name": u.name, "numel": u.layout.numel, "padded": u.gathered_numel, "whole": u.persistent_numel}
+                    for u in fsdp.units]
     out["events"] = [(what, unit) for _, what, unit in fsdp.events]
     out["keys"] = list(full)
     plain = build_model(name, seed=0, **cfg)

@@ -12,7 +12,8 @@ Stages build/site-src/ and runs sphinx-build on it with docs/site/conf.py:
   * labs/*.md: one page per lab from its registry entry (minizero.autograde), its TODOs and their
     hints (labs/labNN_*.py), its checks, and its stretch tasks (docs/site/stretch.md);
   * api/*.md: automodule of every minizero module, grouped by subpackage;
-  * design.md (docs/design.md), gpu.md (docs/gpu.md: `make test-gpu`'s report) and bench.md: `python -m minizero bench`'s plot and table, run once
+  * design.md (docs/design.md), gpu.md (docs/gpu.md: `make test-gpu`'s report) and bench.md: `python -m minizero
+  bench`'s plot and table, run once
     into build/bench/ (kept there; delete the folder to measure again).
 Every link is relative, MathJax is served from the site itself: the site works from file://."""
 import argparse
@@ -71,8 +72,9 @@ def stage_lessons(dest: Path) -> list[str]:
             nb.cells.insert(0, stamp)
         nbformat.write(nb, dest / path.name)
         names.append(path.stem)
-    (dest / "index.md").write_text("# Lessons\n\nEach lesson is a notebook that measures instead of asserting; these pages "
-                                   "show it as it ran on the machine that built this site.\n\n```{toctree}\n:glob:\n\n*\n```\n")
+    (dest / "index.md").write_text("# Lessons\n\nEach lesson is a notebook that measures instead of asserting; these "
+                                   "pages show it as it ran on the machine that built this "
+                                   "site.\n\n```{toctree}\n:glob:\n\n*\n```\n")
     return names
 
 
@@ -126,15 +128,18 @@ def stage_labs(dest: Path, lessons: list[str]) -> int:
                 f"**Goal.** {goal}", "",
                 f"You edit `labs/{lab.filename}`, generated from the reference module `{lab.source}` (`make labs`):"
                 " everything outside the TODOs is that module's code."
-                + (f" The lesson that measures it: [lesson {lab.number:02d}](../lessons/{lesson}.ipynb)." if lesson else ""),
-                "", "## Tasks", "", "One task per TODO, in the order the file has them; the hints are the lab's own.", ""]
+                + (f" The lesson that measures it: [lesson {lab.number:02d}](../lessons/{lesson}.ipynb)." if lesson
+                   else ""),
+                "", "## Tasks", "", "One task per TODO, in the order the file has them; the hints are the lab's own.",
+                ""]
         for i, (where, title, hints) in enumerate(lab_tasks(path, lab.number), 1):
             page += [f"{i}. **{title}** (in `{where}`)", ""]
             if hints:
                 page += ["   ```text"] + [f"   {h}" for h in hints] + ["   ```", ""]
         page += ["## Run it", "", "```bash",
                  f"mpirun -n {lab.nprocs} .venv/bin/python labs/{lab.filename}", "```", "",
-                 (f"{lab.nprocs} ranks run the lab's demo on your code: until a TODO is written it stops at that TODO's "
+                 (f"{lab.nprocs} ranks run the lab's demo on your code: until a TODO is written it stops at that "
+                  "TODO's "
                  "`NotImplementedError`."), "",
                  "## Grade it", "", "```bash",
                  f"python -m minizero grade --lab {lab.number} --impl labs      # the score table",
@@ -166,7 +171,8 @@ def stage_api(dest: Path) -> int:
     groups: dict[str, list[str]] = {"minizero": ["minizero"]}
     for name in modules:
         parts = name.split(".")
-        groups.setdefault("minizero" if len(parts) == 2 and not _is_package(name) else ".".join(parts[:2]), []).append(name)
+        groups.setdefault("minizero" if len(parts) == 2 and not _is_package(name) else ".".join(parts[:2]),
+                          []).append(name)
     for group, names in groups.items():
         body = [f"# {group}", ""]
         for name in names:  # a package's docstring only: its members are documented in their own modules
@@ -193,7 +199,8 @@ def stage_bench(dest: Path, bench_args=()) -> None:
         BENCH.mkdir(parents=True, exist_ok=True)
         started, before, t0 = datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), time.time()
         # its progress (stderr) shows as it runs; its report (stdout) goes to the page
-        proc = subprocess.run([sys.executable, "-m", "minizero", "bench", *bench_args, "--json", str(BENCH / "bench.json"),
+        proc = subprocess.run([sys.executable, "-m", "minizero", "bench", *bench_args, "--json",
+                               str(BENCH / "bench.json"),
                                "--plot", str(BENCH / "bench.png")], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                               check=False)
         if proc.returncode:
@@ -234,7 +241,8 @@ def stage_docs(dest: Path) -> list[str]:
     pages.sort(key=lambda name: (GUIDE_ORDER.index(name) if name in GUIDE_ORDER else len(GUIDE_ORDER), name))
     toctree = ["```{toctree}", ":hidden:", "", "lessons/index", "labs/index", "syllabus", "```", "",
                "```{toctree}", ":hidden:", ":caption: Guide", "", *[p for p in pages if p != "syllabus"], "```", "",
-               "```{toctree}", ":hidden:", ":caption: Reference", "", "api/index", "configs", "design", "bench", "```", ""]
+               "```{toctree}", ":hidden:", ":caption: Reference", "", "api/index", "configs", "design", "bench", "```",
+               ""]
     (dest / "index.md").write_text(readme.rstrip() + "\n\n" + (HERE / "index.md").read_text().rstrip() + "\n\n"
                                    + "\n".join(toctree))
     return pages
@@ -273,7 +281,8 @@ def build(out: Path, bench_args=()) -> dict:
     subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "auto", "-c", str(HERE),
                     "-d", str(ROOT / "build" / "site-doctrees"), str(STAGE), str(out)], cwd=ROOT, check=True)
     pages = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.html"))
-    summary = {"lessons": len(lessons), "labs": labs, "guide_pages": len(guide), "api_modules": modules, "html_pages": len(pages),
+    summary = {"lessons": len(lessons), "labs": labs, "guide_pages": len(guide), "api_modules": modules,
+               "html_pages": len(pages),
                "stage_s": round(staged, 1), "total_s": round(time.time() - t0, 1)}
     print(f"site: {out}/index.html, {len(pages)} pages ({len(lessons)} lessons, {labs} labs, {modules} API modules); "
           f"staged in {staged:.0f} s, built in {time.time() - t0:.0f} s")

@@ -27,7 +27,8 @@ def digest(nb) -> str:
 def machine() -> dict:
     """Where a notebook ran: the reader of a page needs it to know whose numbers these are."""
     import torch
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), platform.processor())
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+                 platform.processor())
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cores": os.cpu_count(), "cpu": model, "gpu": gpu, "python": platform.python_version(),
             "torch": torch.__version__, "system": f"{platform.system()} {platform.release()}"}

@@ -63,7 +63,7 @@ def lab_size(number: int) -> tuple[int, int]:
     """(tasks, lines of reference code) of lab `number`: its BEGIN/END SOLUTION regions in the package and the
     code lines inside them (comments and blank lines left out)."""
     from minizero.autograde import LABS, REPO
-    from minizero.cli.labgen import BEGIN, END
+    from minizero.autograde.labgen import BEGIN, END
     lab = LABS[number]
     tasks = lines = 0
     for source in (lab.source if isinstance(lab.source, tuple) else (lab.source,)):

@@ -3,7 +3,7 @@
 Each lab N has a module `minizero.autograde.labNN` (found by name: adding a lab touches no
 shared file) with
   * `LAB = Lab(number, name, title, source)`: `source` is the minizero module whose
-    BEGIN/END SOLUTION regions become the lab's TODOs (see minizero.cli.labgen);
+    BEGIN/END SOLUTION regions become the lab's TODOs (see minizero.autograde.labgen);
   * `CHECKS`: a list of `Check(name, max_score, fn)`; `fn(impl_file) -> str` returns what it
     measured, or raises `CheckFailed` saying what was wrong. A stretch task's check has
     `extra=True`: its points are extra credit (Gradescope: max_score 0, the points as score when
@@ -119,13 +119,14 @@ def impl_file(lab: Lab, impl: str) -> str:
     folder holding labNN_*.py (a student's submission). The package's modules are joined into one lab file
     in build/grade/ (labgen.render), which the checks load as they load labs/ files."""
     if impl == "package":
-        from minizero.cli import labgen
+        from minizero.autograde import labgen
         path = os.path.join(REPO, "build", "grade", lab.filename)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write(labgen.render(lab, "package"))
         return path
-    folder = impl if os.path.isabs(impl) else os.path.join(REPO, impl) if impl in ("labs", "solutions") else os.path.abspath(impl)
+    folder = (impl if os.path.isabs(impl) else os.path.join(REPO, impl) if impl in ("labs", "solutions")
+              else os.path.abspath(impl))
     path = os.path.join(folder, lab.filename)
     if not os.path.exists(path):
         raise CheckFailed(f"lab {lab.number}: {path} not found")
@@ -148,7 +149,7 @@ def stub_digest(lab: Lab) -> str:
         if HANDOUT:
             _STUB_TREES[lab.number] = HANDOUT["stubs"].get(str(lab.number))
         else:
-            from minizero.cli import labgen
+            from minizero.autograde import labgen
             _STUB_TREES[lab.number] = tree_digest(labgen.render(lab, "labs"))
     return _STUB_TREES[lab.number]
 
@@ -174,10 +175,12 @@ def untouched_todos(lab: Lab, path: str) -> list | None:
 
     def visit(node, names):
         for child in ast.iter_child_nodes(node):
-            inner = names + [child.name] if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else names
+            inner = (names + [child.name] if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     else names)
             if (isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call) and child.exc.args
                     and getattr(child.exc.func, "id", None) == "NotImplementedError"
-                    and isinstance(child.exc.args[0], ast.Constant) and str(child.exc.args[0].value).startswith(prefix)):
+                    and isinstance(child.exc.args[0], ast.Constant)
+                    and str(child.exc.args[0].value).startswith(prefix)):
                 stubs.append((".".join(names) or "<module>", child.exc.args[0].value[len(prefix):]))
             visit(child, inner)
     visit(tree, [])
@@ -324,7 +327,7 @@ def print_losses(label_a: str, losses_a, label_b: str, losses_b, digits: int = 5
 def package_namespace(number: int, launcher: str) -> dict:
     """The names of lab `number`'s modules as the package has them, a later module's over an earlier one's
     (as in the joined lab file): a handout's labs/labNN_*.py (`launcher`) runs the lab's demo on them."""
-    from minizero.cli import labgen
+    from minizero.autograde import labgen
     names: dict = {}
     for path in labgen.sources(get_lab(number)):
         names.update(vars(importlib.import_module(path.removesuffix(".py").replace("/", "."))))
@@ -348,8 +351,8 @@ def lab_main(number: int, namespace: dict):
         sys.exit(f"lab {number}: {e}")
     watchdog.start(comm)
     if comm.size == 1:
-        print(f"lab {number} on 1 rank: start it with `mpirun -n {lab.nprocs} python {where}` to run {lab.nprocs} ranks",
-              file=sys.stderr)
+        print(f"lab {number} on 1 rank: start it with `mpirun -n {lab.nprocs} python {where}` to run "
+              f"{lab.nprocs} ranks", file=sys.stderr)
     module = importlib.import_module(f"minizero.autograde.lab{number:02d}")
     try:
         module.demo(comm, SimpleNamespace(**namespace))
@@ -359,7 +362,9 @@ def lab_main(number: int, namespace: dict):
         if comm.size == lab.nprocs:  # at the lab's own size a ValueError is the code's: its traceback below
             watchdog.end_job(comm, f"lab {number}: rank {comm.rank} failed:\n{traceback.format_exc()}", 1)
         # another world size that the demo's layout refuses (lab 10's vocabulary of 64 over 3 ranks): the input
-        watchdog.end_job(comm, f"lab {number} on {comm.size} rank{'s' * (comm.size != 1)}: {e}. The demo runs on {lab.nprocs}: "
+        watchdog.end_job(comm,
+                         f"lab {number} on {comm.size} rank{'s' * (comm.size != 1)}: {e}. The demo runs on "
+                         f"{lab.nprocs}: "
                                f"`mpirun -n {lab.nprocs} python {where}`", 2)
     except Exception:  # noqa: BLE001  the student's bug: one traceback, from the rank that failed first
         watchdog.end_job(comm, f"lab {number}: rank {comm.rank} failed:\n{traceback.format_exc()}", 1)

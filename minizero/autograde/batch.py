@@ -78,7 +78,8 @@ def _launch_shared(target, nprocs, backend, env, calls: list[tuple[str, dict, fl
         if isinstance(error, launch.LaunchTimeout):  # slow or hung: no call is to blame, each runs alone
             for key, args, timeout in todo[done:]:
                 try:
-                    results[key] = launch.run(target, nprocs=nprocs, args=args, timeout=timeout, backend=backend, env=env)
+                    results[key] = launch.run(target, nprocs=nprocs, args=args, timeout=timeout, backend=backend,
+                                              env=env)
                 except launch.LaunchError as e:
                     results[key] = e
             return
@@ -97,7 +98,8 @@ def _recording(results: dict, queue: dict):
             if isinstance(results[key], BaseException):
                 raise results[key]
             return results[key]
-        queue.setdefault((target, nprocs, backend, json.dumps(env or {}, sort_keys=True)), {})[key] = (args or {}, timeout)
+        queue.setdefault((target, nprocs, backend, json.dumps(env or {}, sort_keys=True)), {})[key] = (args or {},
+                                                                                                       timeout)
         raise Deferred(key)
 
     launch.run = run

@@ -22,7 +22,7 @@ import time
 
 from minizero import env as mz_env
 from minizero.autograde import HANDOUT, LABS, REPO, Lab, get_lab
-from minizero.cli import labgen
+from minizero.autograde import labgen
 from minizero.launch import pids_with_env
 
 
@@ -123,7 +123,8 @@ def _grade(labs: list[int], impl: str, limit_s: float) -> list[dict]:
             except ProcessLookupError:
                 pass
         proc.wait()
-        stopped = f"not graded: grading stopped at the time limit of {limit_s:g} s (a check that never ends: a deadlock?)"
+        stopped = (f"not graded: grading stopped at the time limit of {limit_s:g} s (a check that never ends: a "
+                   "deadlock?)")
     tests = json.load(open(out))["tests"] if os.path.exists(out) else []
     if stopped is None and proc.returncode not in (0, 1):
         stopped = f"not graded: the grader ended with exit code {proc.returncode}"

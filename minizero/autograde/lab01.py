@@ -121,4 +121,5 @@ def demo(comm, impl):
     if comm.rank == 0:
         print(f"ring all-reduce of {n * 4 / 1e6:.1f} MB on {comm.size} ranks ({comm.backend}): {dt * 1e3:.1f} ms")
         print(f"max |ring - MPI Allreduce| per rank: {['%.1e' % d for d in diffs]}")
-        print(f"bytes sent per rank: {[int(s) for s in sents]}  (2(N-1)/N*S = {ring_bytes_sent('all_reduce', n * 4, comm.size):.0f})")
+        print(f"bytes sent per rank: {[int(s) for s in sents]}  (2(N-1)/N*S = "
+              f"{ring_bytes_sent('all_reduce', n * 4, comm.size):.0f})")

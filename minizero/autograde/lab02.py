@@ -128,7 +128,8 @@ def worker(comm, impl):
                 need, diff, pname = _worst(mine.model, flat_params(ref.model))
                 bitwise &= torch.equal(flat_params(mine.model), flat_params(ref.model))
                 if first_bad is None and need > ATOL:
-                    first_bad = {"step": k, "param": pname, "max_diff": diff, "update_ratio": _update_ratio(mine, ref, before)}
+                    first_bad = {"step": k, "param": pname, "max_diff": diff,
+                                 "update_ratio": _update_ratio(mine, ref, before)}
             out[f"{name}/{mode}"] = {"first_bad": first_bad, "bitwise": bitwise, "buckets": len(mine.ddp.buckets),
                                      "mine": mine.log, "ref": ref.log, "final": flat_params(mine.model).tolist()}
     for name in MODELS:
@@ -222,7 +223,8 @@ def _equal(impl, names):
         if r["first_bad"]:
             b = r["first_bad"]
             raise CheckFailed(f"{where} parameter `{b['param']}` differs from the reference DDP after step "
-                              f"{b['step'] + 1} (max diff {b['max_diff']:.3g}, tolerance rtol {RTOL:g} + atol {ATOL:g})."
+                              f"{b['step'] + 1} (max diff {b['max_diff']:.3g}, tolerance rtol {RTOL:g} + atol "
+                              f"{ATOL:g})."
                               + update_size_cause(b["update_ratio"], n))
         t = r["vs_torch"]
         if t["atol_needed"] > ATOL:
@@ -269,8 +271,8 @@ def check_overlap_and_memory(impl):
     for n, name, mode, rank, r, where in _runs(impl):
         mine, ref = r["mine"], r["ref"]
         if mine["in_backward"] != ref["in_backward"]:
-            raise CheckFailed(f"{where} launched {mine['in_backward']} all-reduces during backward in steps 1..{STEPS}, "
-                              f"the reference {ref['in_backward']}" + (
+            raise CheckFailed(f"{where} launched {mine['in_backward']} all-reduces during backward in steps "
+                              f"1..{STEPS}, the reference {ref['in_backward']}" + (
                                   " (bucketed waits for finish)" if mode == "bucketed" else
                                   " (launch every bucket as soon as it and those before it are full)"))
         for k, (got, want, full) in enumerate(zip(mine["launch_clock"], ref["launch_clock"], ref["full_clock"])):
@@ -361,7 +363,8 @@ def demo(comm, impl):
     if comm.rank == 0:
         p = sum(x.numel() for x in build_model(name, seed=0).parameters())
         y, r = runs["yours"], runs["reference"]
-        print(f"TinyGPT ({p} params), overlapped DDP on {comm.size} ranks, {y['buckets']} buckets of <= {numel} elements")
+        print(f"TinyGPT ({p} params), overlapped DDP on {comm.size} ranks, {y['buckets']} buckets of <= {numel} "
+              "elements")
         print(f"{'step':>4} {'loss (yours)':>13} {'loss (ref)':>11} {'sent B':>9} "
               f"{'buckets out during backward':>28}")
         for k in range(steps):

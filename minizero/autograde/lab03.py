@@ -129,7 +129,8 @@ def check_skip(impl):
 # "big" is finite fp16 whose SUM is not: 64 x 60000 = 3.8e6 > 65504, so isfinite(g.sum()) is wrong.
 VOTES = [
     ("finite values whose sum overflows fp16", {0: [[(60000.0, 64)]], 1: [[(60000.0, 64)]]}, False),
-    ("an inf in rank 1's second tensor only", {0: [[(1.0, 8)], [(2.0, 8)]], 1: [[(1.0, 8)], [(2.0, 7), ("inf", 1)]]}, True),
+    ("an inf in rank 1's second tensor only", {0: [[(1.0, 8)], [(2.0, 8)]], 1: [[(1.0, 8)], [(2.0, 7), ("inf", 1)]]},
+     True),
     ("a nan in rank 0 only", {0: [[(1.0, 3), ("nan", 1), (1.0, 4)]], 1: [[(1.0, 8)]]}, True),
     ("a -inf on rank 1 only", {0: [[(1.0, 8)]], 1: [[("-inf", 1), (1.0, 7)]]}, True),
     ("no gradients on rank 1, an inf on rank 0", {0: [[("inf", 1)]], 1: []}, True),
@@ -144,7 +145,8 @@ def vote_worker(comm, impl, scale=1024.0):
     scaler = load_target(impl + ":LossScaler")(initial_scale_power=10)
     out = []
     for _, per_rank, _ in VOTES:
-        grads = [torch.cat([torch.full((n,), float(v), dtype=torch.float16) for v, n in runs]) for runs in per_rank[comm.rank]]
+        grads = [torch.cat([torch.full((n,), float(v), dtype=torch.float16) for v, n in runs])
+                 for runs in per_rank[comm.rank]]
         before = [g.clone() for g in grads]
         overflow = scaler.unscale_and_check(grads, comm)
         unscaled = all(torch.equal(g, b / scale) for g, b in zip(grads, before))
@@ -168,7 +170,8 @@ def check_overflow_vote(impl):
             if not want and not rows[i]["unscaled"]:
                 raise CheckFailed(f"gradients with {name}: no overflow, yet rank {rank}'s gradients were not divided "
                                   "by the scale")
-    return f"{len(VOTES)} scripted votes on 2 ranks: inf/nan on one rank skips everywhere; finite sums that overflow do not"
+    return (f"{len(VOTES)} scripted votes on 2 ranks: inf/nan on one rank skips everywhere; finite sums that overflow "
+            "do not")
 
 
 def train_worker(comm, impl, steps=20):

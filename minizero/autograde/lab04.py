@@ -62,9 +62,11 @@ def check_matches_ddp(impl, stage=1, name="ShardedOptimizer", n=3):
                     cause = next((c for k, c in CAUSES.items() if k in key), "")
                     cause = cause or update_size_cause(w.get("update_ratio", float("nan")), n).strip()
                     raise CheckFailed(f"{key} at N={n}: rank {rank} parameter `{w['param']}` differs from DDP at "
-                                      f"step {w['step']} (max diff {w['max_diff']:.3g}; allowed: rtol 1e-6 + atol {tol:g})"
+                                      f"step {w['step']} (max diff {w['max_diff']:.3g}; allowed: rtol 1e-6 + atol "
+                                      f"{tol:g})"
                                       + (f". {cause[0].upper()}{cause[1:]}" if cause else ""))
-        lines.append(f"{key}: max diff from DDP {max(w['max_diff'] for o in res for w in o[key]):.2g} over 4 steps, N={n}")
+        lines.append(f"{key}: max diff from DDP {max(w['max_diff'] for o in res for w in o[key]):.2g} over 4 steps, "
+                     f"N={n}")
     return "\n".join(lines)
 
 
@@ -144,8 +146,9 @@ def print_report(comm, res, label):
         print(f"{r:>4} " + " ".join(f"{e['ledger'][c]:>11} | {e['ddp_ledger'][c]:>10}" for c in cats))
     L = res["layout"]
     n = comm.size
-    print(f"\nbytes sent per rank per step: {label} {everyone[0]['sent'][-1]:.0f}, DDP {everyone[0]['ddp_sent'][-1]:.0f}"
-          f"; 2(N-1)/N * padded Psi * 4 = {2 * (n - 1) / n * L['padded_numel'] * 4:.0f}")
+    print(f"\nbytes sent per rank per step: {label} {everyone[0]['sent'][-1]:.0f}, DDP "
+          f"{everyone[0]['ddp_sent'][-1]:.0f}; 2(N-1)/N * padded Psi * 4 = "
+          f"{2 * (n - 1) / n * L['padded_numel'] * 4:.0f}")
 
 
 def demo(comm, impl):

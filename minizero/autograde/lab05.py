@@ -60,9 +60,9 @@ def check_overlap(impl):
                                   "reduces blocking (async_op=False): backward stops until each is done, so nothing "
                                   "overlaps. Launch them with async_op=True and wait in _complete")
             if res["launched_in_hooks"] and not h["in_flight_at_a_gradient"]:
-                raise CheckFailed(f"{model}: rank {rank} launched {res['launched_in_hooks']} buckets during backward, but "
-                                  "no reduce was still in flight when the next gradient arrived: each was waited for "
-                                  "at once, so communication never overlapped backward. Keep the handles in "
+                raise CheckFailed(f"{model}: rank {rank} launched {res['launched_in_hooks']} buckets during backward, "
+                                  "but no reduce was still in flight when the next gradient arrived: each was waited "
+                                  "for at once, so communication never overlapped backward. Keep the handles in "
                                   "bucket.works and wait only in _complete")
         h = lab04.measured(impl, 2, "ShardGradOp")[0][model]["handles"]
         lines.append(f"{model}: {h['reduces']} async reduces in the last step, in flight at "

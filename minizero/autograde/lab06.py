@@ -183,12 +183,12 @@ def check_prefetch(impl):
                                       "wait() on each gather's handle before its buffer is used")
                 if s["blocking_gathers"]:
                     raise CheckFailed(f"{where}: {s['blocking_gathers']} all-gathers were blocking (async_op=False), "
-                                      "so a prefetch is done before the unit that issued it computes: nothing overlaps. "
-                                      "Issue them with async_op=True and keep the handle in unit.work")
+                                      "so a prefetch is done before the unit that issued it computes: nothing "
+                                      "overlaps. Issue them with async_op=True and keep the handle in unit.work")
                 if not any(s["in_flight_after_forward"].values()):
-                    raise CheckFailed(f"{where}: after each unit's forward ({s['in_flight_after_forward']}) no all-gather "
-                                      "was in flight: the prefetched unit was waited for at once. Keep its handle in "
-                                      "unit.work; _wait waits when the unit is needed")
+                    raise CheckFailed(f"{where}: after each unit's forward ({s['in_flight_after_forward']}) no "
+                                      "all-gather was in flight: the prefetched unit was waited for at once. Keep its "
+                                      "handle in unit.work; _wait waits when the unit is needed")
     s = _results(impl, n)[0]["tiny-gpt"]["steps"][-1]
     return (f"N={n}: all-gathers in flight right after each unit's forward (tiny-gpt, rank 0): "
             f"{s['in_flight_after_forward']}; every handle waited")

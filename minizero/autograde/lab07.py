@@ -106,7 +106,8 @@ def tier_probe(HostOptimizer, dtype, seed=7):
                   "grad_on_buffers": any(getattr(g, "grad", None) is not None for g in given),
                   "grad_left": any(m.grad is not None for m in host.masters)})
         host.params_to_device()
-        s.update({"to_device": host.traffic.to_device, "device_kept": [p.data_ptr() for p in host.device_params] == ptrs,
+        s.update({"to_device": host.traffic.to_device,
+                  "device_kept": [p.data_ptr() for p in host.device_params] == ptrs,
                   "flat_right": torch.equal(flat, torch.cat(host.masters).to(dtype)),
                   "aliases_master": any(p.untyped_storage().data_ptr() == m.untyped_storage().data_ptr()
                                         for p, m in zip(host.device_params, host.masters))})
@@ -251,9 +252,9 @@ def check_bytes(impl):
                     if got != want:
                         last = (f": only the last tensor's {s['last_bytes']} B are left, the count was set with `=` "
                                 "instead of added with `+=`" if got == s["last_bytes"] else "")
-                        raise CheckFailed(f"{name}, {len(SIZES)} device tensors of {list(SIZES)} elements, step {step}: "
-                                          f"{way} counted {got} B, expected {want} B = {probe['element_size']} B x "
-                                          f"{probe['numel']} elements{last}")
+                        raise CheckFailed(f"{name}, {len(SIZES)} device tensors of {list(SIZES)} elements, step "
+                                          f"{step}: {way} counted {got} B, expected {want} B = {probe['element_size']} "
+                                          f"B x {probe['numel']} elements{last}")
     r = _results(impl)[0]["fp16"]
     return (f"fp16: {r['steps'][-1]['traffic']['to_host']} B down + {r['steps'][-1]['traffic']['to_device']} B up "
             f"per step = 4 x {r['shard']} = 4 Psi/N (padded Psi = {r['padded']}, N = {N})")
@@ -272,9 +273,11 @@ def check_every_tensor(impl):
                                       "DPU alternates between two of them, and a new pinned buffer per step is an "
                                       "allocation on every step)")
                 if not s["host_exact"]:
-                    raise CheckFailed(f"{where}: after grads_to_host the host buffers do not hold the device gradients: "
+                    raise CheckFailed(f"{where}: after grads_to_host the host buffers do not hold the device "
+                                      "gradients: "
                                       + ("they went through fp16 on the way down (lossy): copy_ into the fp32 buffer "
-                                         "casts once, with no rounding on the way" if s["host_via_fp16"] and name == "fp32"
+                                         "casts once, with no rounding on the way" if s["host_via_fp16"]
+                                         and name == "fp32"
                                          else "nothing reached them: copy INTO each buffer (host.copy_(...)); "
                                               "rebinding a name copies nothing" if s["host_untouched"] else
                                          "each buffer must receive its own device gradient, flattened"))
@@ -283,12 +286,13 @@ def check_every_tensor(impl):
                                       "gradient): the masters are what the optimizer steps, each gets its buffer as "
                                       ".grad (zip(self.masters, grads), in that order)")
                 if s["stepped_self_grads"] and not s["masters_right"]:
-                    raise CheckFailed(f"{where}: the masters stepped with self.grads, not with the `grads` cpu_step was "
-                                      "given (under DPU self.grads is already the next backward's buffer, here zeroed)")
+                    raise CheckFailed(f"{where}: the masters stepped with self.grads, not with the `grads` cpu_step "
+                                      "was given (under DPU self.grads is already the next backward's buffer, here "
+                                      "zeroed)")
                 if not all(s["moved"]):
                     still = [i for i, moved in enumerate(s["moved"]) if not moved]
-                    raise CheckFailed(f"{where}: master(s) {still} of {len(SIZES)} did not move in cpu_step: give EVERY "
-                                      "master its gradient before self.optim.step()")
+                    raise CheckFailed(f"{where}: master(s) {still} of {len(SIZES)} did not move in cpu_step: give "
+                                      "EVERY master its gradient before self.optim.step()")
                 if not s["masters_right"]:
                     raise CheckFailed(f"{where}: the masters after cpu_step differ from torch SGD (momentum) on the "
                                       "given gradients: one optimizer step, on every master, with its own gradient")
@@ -346,6 +350,7 @@ def demo(comm, impl):
         print(f"  max |param - DDP| after {len(r['steps'])} steps: {r['max_diff']:.2e}")
         print("memory per rank (ledger, bytes): device / host")
         for rank, led in enumerate(rows):
-            print(f"  rank {rank}: " + ", ".join(f"{c} {v['device']}/{v['host']}" for c, v in led.items() if any(v.values())))
+            print(f"  rank {rank}: "
+                  + ", ".join(f"{c} {v['device']}/{v['host']}" for c, v in led.items() if any(v.values())))
         t = h["steps"][-1]["traffic"]
         print(f"fp16 bytes per step and rank: {t['to_host']} down + {t['to_device']} up = 4 x {h['shard']} (4 Psi/N)")

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from minizero.autograde import Check, CheckFailed, Lab
 from minizero.comm import ring_bytes_sent
 
-LAB = Lab(8, "zeropp", "ZeRO++: block-wise int8 quantized all-gather", ("minizero/zero/quantize.py", "minizero/zero/zeropp.py"))
+LAB = Lab(8, "zeropp", "ZeRO++: block-wise int8 quantized all-gather",
+          ("minizero/zero/quantize.py", "minizero/zero/zeropp.py"))
 
 GPT = {"n_layer": 2, "n_embd": 32, "n_head": 4, "block_size": 16}  # experiments.zeropp.LESSON_GPT
 BLOCK = 256              # elements per scale: shards of 1.2-3.2K elements get several blocks, one short
@@ -209,7 +210,8 @@ def worker(comm, impl):
             comm.stats.reset()
             loss = w(*shard(batch, comm.rank, comm.size))[1]
             loss.backward()
-            facts["sent"].append({op: [s["sent_bytes"], s["cross_node_bytes"]] for op, s in comm.stats.as_dict().items()})
+            facts["sent"].append({op: [s["sent_bytes"], s["cross_node_bytes"]]
+                                  for op, s in comm.stats.as_dict().items()})
             opt.step()
             opt.zero_grad(set_to_none=True)
             facts["losses"].append(loss.item())
@@ -265,15 +267,18 @@ def hpz_run(comm, student, mesh):
         for step, batch in enumerate(global_batches(net, STEPS, 4 * comm.size)):
             loss = w(*shard(batch, comm.rank, comm.size))[1]
             if step == 0:
-                facts["parts"] = [_part_kept(u, seen[u.name], w.secondary.get(u), k) for u in w.units if u.gathered_numel]
+                facts["parts"] = [_part_kept(u, seen[u.name], w.secondary.get(u), k) for u in w.units
+                                  if u.gathered_numel]
                 held = {p["ptr"]: p["storage_bytes"] for p in facts["parts"] if p["numel"] is not None}
                 facts["held_bytes"] = sum(held.values())  # bytes behind this rank's secondary partition
-                facts["shard_bytes"] = sum(u.shard.numel() * u.shard.element_size() for u in w.units if u.gathered_numel)
+                facts["shard_bytes"] = sum(u.shard.numel() * u.shard.element_size() for u in w.units
+                                           if u.gathered_numel)
                 if not all(p["numel"] == p["want"] for r in comm.allgather_object(facts["parts"]) for p in r):
                     return facts
             comm.stats.reset()
             loss.backward()
-            facts["backward"].append({op: [s["sent_bytes"], s["cross_node_bytes"]] for op, s in comm.stats.as_dict().items()})
+            facts["backward"].append({op: [s["sent_bytes"], s["cross_node_bytes"]]
+                                      for op, s in comm.stats.as_dict().items()})
             opt.step()
             opt.zero_grad(set_to_none=True)
             facts["losses"].append(loss.item())
@@ -318,7 +323,8 @@ def check_quantizer(impl):
                               f"{qmax_of(q['bits'])}]: qmax = 2^(bits-1) - 1 depends on bits (a {q['bits']}-bit code "
                               "must fit the wire format)")
         if q["back_shape"] != [2, q["n"]]:
-            raise CheckFailed(f"{where}: dequantize_blockwise returned shape {q['back_shape']}, expected [2, {q['n']}]: "
+            raise CheckFailed(f"{where}: dequantize_blockwise returned shape {q['back_shape']}, expected [2, "
+                              f"{q['n']}]: "
                               "one value per code")
     bad = [q for q in cases if q["excess"] > 0]
     if bad:  # name the cause from what the wrong results look like
@@ -351,8 +357,8 @@ def check_one_async_gather(impl):
             if mode != "async":
                 continue
             if not gathers[0]:
-                raise CheckFailed(f"{head}: the all-gather was blocking (async_op=False): issue it with async_op=True and "
-                                  "wait in the handle's wait(), so that FSDP's prefetch overlaps it with compute")
+                raise CheckFailed(f"{head}: the all-gather was blocking (async_op=False): issue it with async_op=True "
+                                  "and wait in the handle's wait(), so that FSDP's prefetch overlaps it with compute")
             if c["returned"] == "NoneType":
                 raise CheckFailed(f"{head} returned None: return a handle (Pending) whose wait() completes the gather")
             if c["waited_before_return"]:
@@ -472,16 +478,16 @@ def check_hpz(impl):
         for step, sent in enumerate(h["backward"]):
             if abs(sent.get("all_gather", [0.0, 0.0])[0] - within) > 1e-6:
                 raise CheckFailed(f"{where}, step {step}: the backward all-gathers sent {sent['all_gather'][0]:.0f} B, "
-                                  f"expected (k-1)/k·Ψ·b = {within:.0f} B: one all-gather of the k parts over mesh.node "
-                                  "per unit")
+                                  f"expected (k-1)/k·Ψ·b = {within:.0f} B: one all-gather of the k parts over "
+                                  "mesh.node per unit")
     h, z = res[0]["hpz"], res[0]["zero3"]
     if h["losses"] != z["losses"] or h["params"] != z["params"]:
         diff = max(abs(a - b) for a, b in zip(h["params"] + h["losses"], z["params"] + z["losses"]))
         raise CheckFailed(f"after {STEPS} SGD steps your hpZ differs from ZeRO-3 by up to {diff:.3g} (losses, "
                           "parameters): backward must compute with the very weights forward gathered")
     z_sent, z_cross = res[-1]["zero3"]["sent"][-1]["all_gather"]
-    return (f"hpZ on {n} ranks in nodes of {k}: every rank keeps part mesh.node.rank of every unit, {h['held_bytes']} B "
-            f"= Ψ·4/k (its primary shard: {h['shard_bytes']} B); backward all-gathers "
+    return (f"hpZ on {n} ranks in nodes of {k}: every rank keeps part mesh.node.rank of every unit, {h['held_bytes']} "
+            f"B = Ψ·4/k (its primary shard: {h['shard_bytes']} B); backward all-gathers "
             f"{h['backward'][-1]['all_gather'][0]:.0f} B per rank, 0 B cross-node on every rank (ZeRO-3, forward + "
             f"backward: {z_sent:.0f} B on rank {n - 1}, {z_cross:.0f} B of it cross-node); losses and parameters after "
             f"{STEPS} steps equal ZeRO-3's bitwise")

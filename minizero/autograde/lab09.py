@@ -126,7 +126,8 @@ def check_trains(impl):
         if not ref["atol_needed"] <= TOL:
             raise CheckFailed(f"{mesh}, m={m}: rank {worst['pp_rank']}'s `{ref['param']}` differs from one process "
                               f"trained on the whole batch by {ref['max_diff']:.3g} after 3 SGD steps")
-        lines.append(f"{mesh}, m={m}: max difference from one process {max(r['reference']['max_diff'] for r in ranks):.1e}")
+        lines.append(f"{mesh}, m={m}: max difference from one process "
+                     f"{max(r['reference']['max_diff'] for r in ranks):.1e}")
     return "\n".join(lines)
 
 
@@ -141,8 +142,8 @@ def check_memory(impl):
                 raise CheckFailed(f"{mesh}, m={m}: stage {r['pp_rank']} held {held} micro-batches' activations at once "
                                   f"(ledger peak {max(r['transient_peak'])} B, {one} B each); 1F1B holds at most "
                                   f"min(p - rank, m) = {want}: start the backwards after p - rank - 1 warm-up forwards")
-        lines.append(f"{mesh}, m={m}: peak micro-batches held per stage "
-                     f"{[max(r['peak_in_flight']) for r in sorted(ranks, key=lambda r: r['pp_rank']) if not r['dp_rank']]}")
+        held = [max(r['peak_in_flight']) for r in sorted(ranks, key=lambda r: r['pp_rank']) if not r['dp_rank']]
+        lines.append(f"{mesh}, m={m}: peak micro-batches held per stage {held}")
     return "\n".join(lines)
 
 
@@ -171,8 +172,8 @@ def check_zb_h1(impl):
             raise CheckFailed(f"ZB-H1, p={p}, m={m}: the simulated bubble (F = B = W) is {r['bubble']:.3f}, ZB-H1's is "
                               f"{want:.3f} (1F1B's {pipeline.bubble_formula('1f1b', p, m):.3f}): "
                               + (f"rank {early[-1]} keeps at most {r['pending'][early[-1]]} W's pending, ZB-H1 keeps "
-                                 f"{reference[early[-1]]}: its W's run too early, on the critical path, where the next B "
-                                 "should be; postpone them into the cool-down" if early else
+                                 f"{reference[early[-1]]}: its W's run too early, on the critical path, where the next "
+                                 "B should be; postpone them into the cool-down" if early else
                                  "B's are delayed: a B must run as soon as 1F1B would run it, W's fill the idle time"))
     return "valid, bubble = (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)) for m >= p, min(p, m) held, p <= 4, m <= 9"
 

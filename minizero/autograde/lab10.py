@@ -81,7 +81,8 @@ def _fg_pass(comm, mod, dtype, base, watch):
                 c.stats.reset()
             result = run()
             passes[phase] = collective_calls(comm)
-            passes[phase + "_bytes"] = {op: st["payload_bytes"] for op, st in comm.stats.as_dict().items() if st["calls"]}
+            passes[phase + "_bytes"] = {op: st["payload_bytes"] for op, st in comm.stats.as_dict().items()
+                                        if st["calls"]}
             own = sum(collective_calls(comm).values())  # a group's calls also count in its parents' stats
             passes[phase + "_elsewhere"] = max([sum(collective_calls(c).values()) - own for c in watch], default=0)
             return result
@@ -245,24 +246,25 @@ def _judge_fg_values(rank, r, t, where):
         raise CheckFailed(f"f ran {_ops(f['forward'])} in forward{where}, expected none: f is the identity in forward "
                           f"(every rank already holds the whole input); its all-reduce belongs to backward{swapped}")
     if f["y"] > 0:
-        raise CheckFailed(f"rank {rank}: f's forward changed its input{where} (max diff {f['y']:.3g}): it is the identity")
+        raise CheckFailed(f"rank {rank}: f's forward changed its input{where} (max diff {f['y']:.3g}): it is the "
+                          "identity")
     if f["backward"] != {"all_reduce": 1}:
-        raise CheckFailed(f"f ran {_ops(f['backward'])} in backward{where}, expected 1 all_reduce: f's backward must sum "
-                          "the partial input gradients of the t ranks (missing all-reduce in backward?)")
+        raise CheckFailed(f"f ran {_ops(f['backward'])} in backward{where}, expected 1 all_reduce: f's backward must "
+                          "sum the partial input gradients of the t ranks (missing all-reduce in backward?)")
     if f["dx"] > ATOL:
         why = ("the average: all-reduce with op='sum', not 'avg'" if f["dx_is_mean"] <= ATOL
                else "not the sum of every rank's gradient")
         raise CheckFailed(f"rank {rank}: f's backward{where} returned {why} (max diff {f['dx']:.3g}, t={t})")
     if g["forward"] != {"all_reduce": 1}:
-        raise CheckFailed(f"g ran {_ops(g['forward'])} in forward{where}, expected 1 all_reduce (the sum of the partial "
-                          "results)")
+        raise CheckFailed(f"g ran {_ops(g['forward'])} in forward{where}, expected 1 all_reduce (the sum of the "
+                          "partial results)")
     if g["y"] > ATOL:
         why = ("the average of the ranks' inputs: all-reduce with op='sum' (averaging instead of summing)"
                if g["y_is_mean"] <= ATOL else "not the sum of every rank's input")
         raise CheckFailed(f"rank {rank}: g's forward{where} returned {why} (max diff {g['y']:.3g}, t={t})")
     if g["backward"]:
-        raise CheckFailed(f"g ran {_ops(g['backward'])} in backward{where}, expected none: g is the identity in backward "
-                          "(the gradient of a sum is the same on every rank)")
+        raise CheckFailed(f"g ran {_ops(g['backward'])} in backward{where}, expected none: g is the identity in "
+                          "backward (the gradient of a sum is the same on every rank)")
     if g["dx"] > 0:
         raise CheckFailed(f"rank {rank}: g's backward{where} changed the gradient (max diff {g['dx']:.3g}): pass it "
                           "through")
@@ -302,7 +304,8 @@ def judge_slices(results) -> str:
         for name, rows, what in (("column", 12, "rows (output features, dim 0)"),
                                  ("fused", 24, "rows (output features, dim 0)"),
                                  ("row", 12, "columns (input features, dim 1)")):
-            layer = "RowParallelLinear" if name == "row" else "ColumnParallelLinear" + ("(chunks=3)" if name == "fused" else "")
+            layer = ("RowParallelLinear" if name == "row" else "ColumnParallelLinear"
+                     + ("(chunks=3)" if name == "fused" else ""))
             res = r[name]
             if "error" in res:
                 raise CheckFailed(f"{layer}.from_linear raised {res['error']}. It keeps its {what} of the weight")
@@ -320,11 +323,11 @@ def judge_slices(results) -> str:
                                   f"{want}{hint}")
             full_bias, bias = res["full_bias"], res["bias"]
             if name == "row" and bias != full_bias:
-                raise CheckFailed(f"rank {rank}: RowParallelLinear's bias is not nn.Linear's whole bias: the row-parallel "
-                                  "bias is not split (it is added once, to the summed output)")
+                raise CheckFailed(f"rank {rank}: RowParallelLinear's bias is not nn.Linear's whole bias: the "
+                                  "row-parallel bias is not split (it is added once, to the summed output)")
             if name != "row" and res["bias_held"] != want:
-                raise CheckFailed(f"rank {rank}: {layer} holds bias elements {res['bias_held']}, expected {want}: slice "
-                                  "the bias like the weight's rows")
+                raise CheckFailed(f"rank {rank}: {layer} holds bias elements {res['bias_held']}, expected {want}: "
+                                  "slice the bias like the weight's rows")
     return f"column (plain and fused q|k|v) and row layers hold the right slices of nn.Linear on each of {t} ranks"
 
 
@@ -354,8 +357,8 @@ def _judge_mlp_run(rank, r, where, atol):
             raise CheckFailed(f"{name}{where}: {_ops(c[name])}, expected {_ops(want)}: {why}{swapped}")
     if r["z"] > atol:
         if r["z_extra_bias"] <= atol:
-            raise CheckFailed(f"rank {rank}{where}: the MLP output is nn.Linear's + (t-1) x bias: the row-parallel bias "
-                              "was added on every rank before the sum; add it once, after g")
+            raise CheckFailed(f"rank {rank}{where}: the MLP output is nn.Linear's + (t-1) x bias: the row-parallel "
+                              "bias was added on every rank before the sum; add it once, after g")
         raise CheckFailed(f"rank {rank}{where}: the MLP output differs from nn.Linear's (max excess {r['z']:.3g} over "
                           "rtol 1e-6)")
     if r["dx"] > atol:

@@ -109,7 +109,8 @@ def measure_worker(comm, impls: list[str], phases=PHASES) -> dict:
         if isinstance(mod, dict):
             out[impl] = {p: mod for p in PHASES}
             continue
-        runs = {"block": lambda: block_phase(mod), "merge": lambda: merge_phase(mod), "ring": lambda: ring_phase(comm, mod)}
+        runs = {"block": lambda: block_phase(mod), "merge": lambda: merge_phase(mod),
+                "ring": lambda: ring_phase(comm, mod)}
         out[impl] = {name: _phase(comm, runs[name]) for name in PHASES if name in phases}
     return out
 
@@ -124,17 +125,18 @@ def judge_block(results) -> str:
     r = first_phase(results, "block")[0]  # the same data on every rank
     for key, m in r.items():
         scale, causal = key.split("/")
-        where = f"block_attention({'causal' if causal == 'True' else 'not causal'}, scores ~ {'1e3' if scale != '1' else '1'})"
+        where = (f"block_attention({'causal' if causal == 'True' else 'not causal'}, scores ~ "
+                 f"{'1e3' if scale != '1' else '1'})")
         if m["lse_shape"] != m["o_shape"][:-1]:
-            raise CheckFailed(f"{where}: L_B has shape {m['lse_shape']}, expected {m['o_shape'][:-1]} = [b, heads, s_q]: "
-                              "one log-sum-exp per query row, no trailing dimension (no keepdim)")
+            raise CheckFailed(f"{where}: L_B has shape {m['lse_shape']}, expected {m['o_shape'][:-1]} = [b, heads, "
+                              "s_q]: one log-sum-exp per query row, no trailing dimension (no keepdim)")
         if m["lse"] > ATOL:
             if scale != "1" and r[f"1/{causal}"]["lse"] <= ATOL:
-                raise CheckFailed(f"{where}: L_B is not finite or wrong for large scores (error {m['lse']:.3g}) but right "
-                                  "for small ones: exp(s) overflows float32 above s ~ 88. Subtract the row max before "
-                                  "exp and add it back (log-sum-exp is stable that way), or use torch.logsumexp")
-            raise CheckFailed(f"{where}: L_B differs from torch.logsumexp(s, -1) by {m['lse']:.3g}: L_B = log sum_j exp(s_j) "
-                              "over the block's keys (dim -1)")
+                raise CheckFailed(f"{where}: L_B is not finite or wrong for large scores (error {m['lse']:.3g}) but "
+                                  "right for small ones: exp(s) overflows float32 above s ~ 88. Subtract the row max "
+                                  "before exp and add it back (log-sum-exp is stable that way), or use torch.logsumexp")
+            raise CheckFailed(f"{where}: L_B differs from torch.logsumexp(s, -1) by {m['lse']:.3g}: L_B = log sum_j "
+                              "exp(s_j) over the block's keys (dim -1)")
         if m["o"] > ATOL:
             if m["o_unnormalized"] <= ATOL:
                 why = "it is exp(s) @ v, not normalized: divide by the denominator, i.e. use exp(s - L_B)"
@@ -143,7 +145,8 @@ def judge_block(results) -> str:
             else:
                 why = "o_B = exp(s - L_B) @ v"
             raise CheckFailed(f"{where}: o_B differs from softmax attention by {m['o']:.3g}: {why}")
-    return f"o_B and L_B equal softmax attention and torch.logsumexp within {ATOL:g}, causal and not, at scores ~1 and ~1e3"
+    return (f"o_B and L_B equal softmax attention and torch.logsumexp within {ATOL:g}, causal and not, at scores ~1 "
+            "and ~1e3")
 
 
 def judge_merge(results) -> str:
@@ -164,15 +167,16 @@ def judge_merge(results) -> str:
                 why = "it is L_1 + L_2: log-sum-exps of disjoint key blocks combine as log(exp(L_1) + exp(L_2)), not +"
             else:
                 why = "L = log(exp(L_1) + exp(L_2))"
-            raise CheckFailed(f"{where}: the merged log-sum-exp differs from logaddexp(L_1, L_2) by {m['two_lse']:.3g}: {why}")
+            raise CheckFailed(f"{where}: the merged log-sum-exp differs from logaddexp(L_1, L_2) by "
+                              f"{m['two_lse']:.3g}: {why}")
         if m["two_o"] > ATOL:
             if scale != "1" and r["1"]["two_o"] <= ATOL:
-                why = ("not finite for large L: exp(L_1) and exp(L_2) overflow float32; weight with exp(L_i - L), which "
-                       "is at most 1")
+                why = ("not finite for large L: exp(L_1) and exp(L_2) overflow float32; weight with exp(L_i - L), "
+                       "which is at most 1")
             elif m["two_o_is_sum"] <= ATOL or m["two_o_is_mean"] <= ATOL:
                 why = ("the outputs were " + ("added" if m["two_o_is_sum"] <= ATOL else "averaged") + " without the "
-                       "weights exp(L_i - L): each o_i is normalized by its own block's denominator and must be rescaled "
-                       "by its share of the whole one")
+                       "weights exp(L_i - L): each o_i is normalized by its own block's denominator and must be "
+                       "rescaled by its share of the whole one")
             elif m["two_o_swapped"] <= ATOL:
                 why = "the weights are swapped: o_1 is weighted by exp(L_1 - L) and o_B by exp(L_B - L)"
             else:
@@ -182,7 +186,8 @@ def judge_merge(results) -> str:
             if m[order]["o"] > ATOL or m[order]["lse"] > ATOL:
                 raise CheckFailed(f"{where}: 3 blocks merged in {order} order differ from attention over all keys "
                                   f"(o by {m[order]['o']:.3g}, L by {m[order]['lse']:.3g})")
-    return "two blocks merge to logaddexp and exp(L_i - L)-weighted outputs; 3 blocks in two orders equal whole attention"
+    return ("two blocks merge to logaddexp and exp(L_i - L)-weighted outputs; 3 blocks in two orders equal whole "
+            "attention")
 
 
 def judge_ring(results) -> str:
@@ -193,14 +198,19 @@ def judge_ring(results) -> str:
                 worst = max(bad, key=lambda k: bad[k])
                 raise CheckFailed(f"ring attention (cp={len(results)}, {case}) with your block_attention and merge: "
                                   f"rank {rank}'s {worst} differs from torch's scaled_dot_product_attention by "
-                                  f"{bad[worst]:.3g} (out, dq, dk, dv: {', '.join(f'{v:.2g}' for v in diffs.values())})")
-    return f"ring attention at cp={len(results)}, causal balanced and full: output and gradients within {ATOL:g} of torch's"
+                                  f"{bad[worst]:.3g} (out, dq, dk, dv: "
+                                  f"{', '.join(f'{v:.2g}' for v in diffs.values())})")
+    return (f"ring attention at cp={len(results)}, causal balanced and full: output and gradients within {ATOL:g} of "
+            "torch's")
 
 
 CHECKS = [
-    Check("block_attention: o_B and L_B of one block, causal and not, stable at large scores", 3, judged_check(judge_block, measured)),
-    Check("merge: the online-softmax rescaling, any order, stable, not in place", 4, judged_check(judge_merge, measured)),
-    Check("ring attention (cp=4) with your kernels equals torch's attention, output and gradients", 3, judged_check(judge_ring, measured)),
+    Check("block_attention: o_B and L_B of one block, causal and not, stable at large scores", 3,
+          judged_check(judge_block, measured)),
+    Check("merge: the online-softmax rescaling, any order, stable, not in place", 4,
+          judged_check(judge_merge, measured)),
+    Check("ring attention (cp=4) with your kernels equals torch's attention, output and gradients", 3,
+          judged_check(judge_ring, measured)),
 ]
 
 
@@ -211,6 +221,7 @@ def demo(comm, impl):
         res = attention_side_by_side(comm, "ring", causal, causal, kernels=impl)
         if comm.rank == 0:
             print(f"\nring attention, cp={comm.size}, {'causal, load-balanced' if causal else 'not causal'}: largest "
-                  f"difference from torch's attention: " + ", ".join(f"{k} {v:.2g}" for k, v in res["max_diff"].items()))
-            print(f"  bytes sent per rank: forward {res['sent']['forward']}, backward {res['sent']['backward']}; formula "
-                  f"{res['formula']['forward']} and {res['formula']['backward']}")
+                  f"difference from torch's attention: "
+                  + ", ".join(f"{k} {v:.2g}" for k, v in res["max_diff"].items()))
+            print(f"  bytes sent per rank: forward {res['sent']['forward']}, backward {res['sent']['backward']}; "
+                  f"formula {res['formula']['forward']} and {res['formula']['backward']}")

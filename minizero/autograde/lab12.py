@@ -120,7 +120,8 @@ def local_phase(comm, mod):
     out.update({"combine": max(token_errors), "combine_unweighted": atol_needed(y.detach(), unweighted.detach()),
                 "wrong_tokens": [t for t, e in enumerate(token_errors) if e > ATOL],
                 "tokens_with_drops": [t for t in range(tokens_n) if not kept[t].all()],
-                "combine_grads": max(float("inf") if g is None else atol_needed(g, w) for g, w in zip(grads, want_grads))})
+                "combine_grads": max(float("inf") if g is None else atol_needed(g, w)
+                                     for g, w in zip(grads, want_grads))})
     return out
 
 
@@ -135,12 +136,14 @@ def exchange_phase(comm, mod):
     for ep in (4, 2):
         group = Mesh(comm, ep=ep).ep
         me, local = group.rank, num_experts // ep
-        x = torch.tensor([[[_label(me, e, c)] * hidden for c in range(cap)] for e in range(num_experts)], dtype=torch.float32)
+        x = torch.tensor([[[_label(me, e, c)] * hidden for c in range(cap)] for e in range(num_experts)],
+                         dtype=torch.float32)
         received = torch.tensor([[[_label(j, me * local + i, c) for c in range(cap)] for i in range(local)]
                                  for j in range(ep)])                       # [ep (source), E/ep, C]
         got = mod.exchange_to_experts(x, group)
         back = mod.exchange_from_experts(got, group)
-        out[f"ep{ep}"] = {"to": got[..., 0].long().tolist(), "want_to": received.transpose(0, 1).reshape(local, -1).tolist(),
+        out[f"ep{ep}"] = {"to": got[..., 0].long().tolist(),
+                          "want_to": received.transpose(0, 1).reshape(local, -1).tolist(),
                           "no_transpose": received.reshape(local, -1).tolist(),
                           "back": back[..., 0].long().tolist(), "want_back": x[..., 0].long().tolist()}
     return out
@@ -195,7 +198,8 @@ def judge_positions(results) -> str:
                    "token order) fills its slot before any second choice (lay the choices out choice-major, [k*T, E])"
                    if mine["slots"] == token_major else "the slot of a choice is how many earlier choices went to "
                    "the same expert (first choices first)")
-            raise CheckFailed(f"{name} (choices {choices}, E={num_experts}): slots {mine['slots']}, expected {slots}: {why}")
+            raise CheckFailed(f"{name} (choices {choices}, E={num_experts}): slots {mine['slots']}, expected {slots}: "
+                              f"{why}")
         if mine["kept"] != kept:
             at_capacity = any(s == cap and m for row_s, row_m in zip(slots, mine["kept"]) for s, m in zip(row_s, row_m))
             why = (f"a choice in slot {cap} = C was kept: the slots are 0..C-1, kept = slot < capacity" if at_capacity
@@ -208,11 +212,11 @@ def judge_alltoall(results) -> str:
     size = len(results)
     for rank, r in enumerate(first_phase(results, "alltoall")):
         if r["forward"] != {"all_to_all": 1}:
-            raise CheckFailed(f"AllToAll's forward ran {_ops(r['forward'])}, expected 1 all_to_all: block j of the input "
-                              "goes to rank j")
+            raise CheckFailed(f"AllToAll's forward ran {_ops(r['forward'])}, expected 1 all_to_all: block j of the "
+                              "input goes to rank j")
         if r["y"] > 0:
-            why = "it returned its input unchanged" if r["y_is_x"] else "block j of the output must be rank j's block " \
-                  f"{rank}"
+            why = ("it returned its input unchanged" if r["y_is_x"]
+                   else f"block j of the output must be rank j's block {rank}")
             raise CheckFailed(f"rank {rank}: AllToAll's forward output is wrong: {why}")
         if r["backward"] != {"all_to_all": 1}:
             raise CheckFailed(f"AllToAll's backward ran {_ops(r['backward'])}, expected 1 all_to_all: block j of the "
@@ -230,20 +234,23 @@ def judge_local(results) -> str:
     r = first_phase(results, "local")[0]
     if r["buffer"] > 0:
         if r["wrong_slots"] and set(r["wrong_slots"]) <= set(r["dropped_slots"]):
-            raise CheckFailed(f"dispatch: flat slots {r['wrong_slots']} hold a token whose choice was DROPPED (its slot "
-                              "is >= C, so e*C + slot lands in the next expert's slots): write only the kept choices")
-        raise CheckFailed(f"dispatch: the [E, C, d] buffer is wrong in flat slots {r['wrong_slots']}: slot (e, c) holds "
-                          "the token whose kept choice is expert e, slot c, zeros elsewhere")
+            raise CheckFailed(f"dispatch: flat slots {r['wrong_slots']} hold a token whose choice was DROPPED (its "
+                              "slot is >= C, so e*C + slot lands in the next expert's slots): write only the kept "
+                              "choices")
+        raise CheckFailed(f"dispatch: the [E, C, d] buffer is wrong in flat slots {r['wrong_slots']}: slot (e, c) "
+                          "holds the token whose kept choice is expert e, slot c, zeros elsewhere")
     if r["dtokens"] > ATOL:
         raise CheckFailed(f"dispatch: the gradient reaching the tokens is wrong (excess {r['dtokens']:.3g}): build the "
-                          "buffer with an out-of-place op autograd follows (index_add, not an in-place write into a leaf)")
+                          "buffer with an out-of-place op autograd follows (index_add, not an in-place write into a "
+                          "leaf)")
     if r["combine"] > ATOL:
         if r["combine_unweighted"] <= ATOL:
             raise CheckFailed("combine: the output is the plain sum of the chosen experts' outputs, not weighted by "
                               "the gates: y_t = sum_j gates[t, j] * expert_out[e_tj, c_tj]")
         if set(r["wrong_tokens"]) <= set(r["tokens_with_drops"]):
             raise CheckFailed(f"combine: tokens {r['wrong_tokens']} (the ones with a dropped choice) are wrong: a "
-                              "dropped choice contributed to the output; only kept choices count (weight the rest by 0)")
+                              "dropped choice contributed to the output; only kept choices count "
+                              "(weight the rest by 0)")
         raise CheckFailed(f"combine: tokens {r['wrong_tokens']} differ from sum_j gates * expert_out[e, c] over the "
                           "kept choices")
     if r["combine_grads"] > ATOL:
@@ -264,8 +271,10 @@ def judge_exchange(results) -> str:
             if x["back"] != x["want_back"]:
                 raise CheckFailed(f"{ep}: rank {rank}: exchange_from_experts(exchange_to_experts(x)) is not x: got "
                                   f"{x['back']}, expected {x['want_back']}. exchange_from_experts must undo "
-                                  "exchange_to_experts: rows back to [E/ep, ep, C, d], source rank first, all-to-all home")
-    return "exchange_to_experts gives each local expert every rank's slots; exchange_from_experts undoes it (ep 4 and 2)"
+                                  "exchange_to_experts: rows back to [E/ep, ep, C, d], source rank first, all-to-all "
+                                  "home")
+    return ("exchange_to_experts gives each local expert every rank's slots; exchange_from_experts undoes it (ep 4 and "
+            "2)")
 
 
 def judge_layer(results) -> str:
@@ -281,14 +290,15 @@ def judge_layer(results) -> str:
                 bad = sorted(name for name, need in s["grad_errors"].items() if not need <= ATOL)
                 if bad:
                     why = (": the router learns only through the gates, so they must stay in the graph through combine"
-                           if "moe.router.gate.weight" in bad and not any(n.startswith("moe.experts") for n in bad) else "")
-                    raise CheckFailed(f"{key}: rank {rank} step {step}: the gradients of {', '.join(bad)} differ from the "
-                                      f"single-process MoE (worst excess {s['grads']['atol_needed']:.3g}){why}")
+                           if "moe.router.gate.weight" in bad and not any(n.startswith("moe.experts") for n in bad)
+                           else "")
+                    raise CheckFailed(f"{key}: rank {rank} step {step}: the gradients of {', '.join(bad)} differ from "
+                                      f"the single-process MoE (worst excess {s['grads']['atol_needed']:.3g}){why}")
                 a2a = s["all_to_all"]
                 if not a2a["forward"] == a2a["backward"] == 2 * a2a["formula_one"]:
-                    raise CheckFailed(f"{key}: rank {rank} sent {a2a['forward']:.0f} B forward and {a2a['backward']:.0f} "
-                                      f"B backward by all-to-all, expected 2 x (ep-1)/ep E C d 4 = "
-                                      f"{2 * a2a['formula_one']:.0f} B each")
+                    raise CheckFailed(f"{key}: rank {rank} sent {a2a['forward']:.0f} B forward and "
+                                      f"{a2a['backward']:.0f} B backward by all-to-all, expected 2 x (ep-1)/ep E C d 4 "
+                                      f"= {2 * a2a['formula_one']:.0f} B each")
             if not run["params"]["atol_needed"] <= ATOL:
                 raise CheckFailed(f"{key}: rank {rank}: parameter `{run['params']['name']}` differs from one process "
                                   f"after {LAYER_STEPS} SGD steps")
@@ -301,7 +311,8 @@ CHECKS = [
     Check("AllToAll: forward and backward exchange (4 ranks)", 2, judged_check(judge_alltoall, measured)),
     Check("dispatch and combine with dropped choices", 2, judged_check(judge_local, measured)),
     Check("exchange_to_experts / exchange_from_experts at ep 4 and 2", 2, judged_check(judge_exchange, measured)),
-    Check("the MoE layer equals one process; all-to-all bytes = formula", 2, judged_check(judge_layer, measured, ("layer",))),
+    Check("the MoE layer equals one process; all-to-all bytes = formula", 2,
+          judged_check(judge_layer, measured, ("layer",))),
 ]
 
 

@@ -262,8 +262,9 @@ def report(summary, out=sys.stdout):
         rss = [g for g in r["rss_growth"] if g is not None]
         rss_s = f"{mb(min(rss))}-{mb(max(rss))}" if rss else "n/a"
         sent = f"{mb(max(r['sent_per_step']))}" if r["bytes_source"] != "not counted" else "not counted"
-        print(f"{name:<31}| {r['median_step_s'] * 1e3:9.1f} {r['q1_s'] * 1e3:6.1f}-{r['q3_s'] * 1e3:<6.1f} | {ratio:>20} | "
-              f"{r['losses'][-1]:9.5f} | {mb(max(r['ledger_bytes'])):>9} | {rss_s:>15} | {sent:>12}  {r['bytes_source']}",
+        print(f"{name:<31}| {r['median_step_s'] * 1e3:9.1f} {r['q1_s'] * 1e3:6.1f}-{r['q3_s'] * 1e3:<6.1f} | "
+              f"{ratio:>20} | {r['losses'][-1]:9.5f} | {mb(max(r['ledger_bytes'])):>9} | {rss_s:>15} | {sent:>12}  "
+              f"{r['bytes_source']}",
               file=out)
     for name, why in s["skipped"].items():
         print(f"{name:<31}| skipped: {why}", file=out)
@@ -271,9 +272,10 @@ def report(summary, out=sys.stdout):
         print(f"target: {t['what']}: paired step-time ratio {t['ratio']:.3f} (95% CI {t['ci95'][0]:.3f}-"
               f"{t['ci95'][1]:.3f}), limit {t['limit']:.2f}: {t['verdict']}", file=out)
     print("median: the slowest rank's step time, median over steps. / torch-ddp: median over rounds of (this / "
-          "torch-ddp) in the same round (paired), bootstrap 95% CI.\nledger: bytes a rank holds after backward (gradients and optimizer state "
-          "alive), walking its tensors; max over ranks.\nRSS growth: VmHWM during build + 2 steps minus RSS before, "
-          "min-max over ranks. RSS counts everything the process touched (allocator slack included).", file=out)
+          "torch-ddp) in the same round (paired), bootstrap 95% CI.\nledger: bytes a rank holds after backward "
+          "(gradients and optimizer state alive), walking its tensors; max over ranks.\nRSS growth: VmHWM during build "
+          "+ 2 steps minus RSS before, min-max over ranks. RSS counts everything the process touched (allocator slack "
+          "included).", file=out)
 
 
 def cpu_adam(numel=5_000_000, repeats=5, out=sys.stdout) -> dict:
@@ -374,7 +376,8 @@ def plot(summary, path):
               for n in names]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
     med = [rows[n]["median_step_s"] * 1e3 for n in names]
-    err = [[m - rows[n]["q1_s"] * 1e3 for m, n in zip(med, names)], [rows[n]["q3_s"] * 1e3 - m for m, n in zip(med, names)]]
+    err = [[m - rows[n]["q1_s"] * 1e3 for m, n in zip(med, names)],
+           [rows[n]["q3_s"] * 1e3 - m for m, n in zip(med, names)]]
     a.bar(names, med, yerr=err, color=colors, capsize=3)
     a.set(ylabel="ms per step (median, IQR)", title=f"step time, {summary['N']} ranks, interleaved")
     if summary["reference"]:
@@ -410,7 +413,8 @@ def main(argv=None) -> int:
         from minizero.bench.scale import main as scale_main
         return scale_main(argv[1:])
     ap = checks.Parser(prog="minizero bench", description=__doc__.splitlines()[0],
-                                 epilog="`python -m minizero bench pipeline --help`: the pipeline schedules vs torch's; "
+                                 epilog="`python -m minizero bench pipeline --help`: the pipeline schedules vs "
+                                 "torch's; "
                                         "`python -m minizero bench 3d --help`: 3D vs pure DP on 8 ranks; "
                                         "`python -m minizero bench scale --help`: the largest model per strategy")
     ap.add_argument("--nprocs", type=checks.whole(1, max_ranks()), default=4,
@@ -441,11 +445,12 @@ def main(argv=None) -> int:
     ap.add_argument("--convergence-steps", type=checks.whole(0), default=300,
                     help="with --zeropp: steps of the convergence check (0: timing and profile only)")
     ap.add_argument("--tp", action="store_true", help="tensor parallelism instead: minizero TP vs torch DTensor TP "
-                    "at every t in (2, 4, 8) dividing --nprocs (minizero/bench/tensor_parallel.py; --candidates unused, "
-                    "--micro = sequences per tp group, --backend default torch)")
+                    "at every t in (2, 4, 8) dividing --nprocs (minizero/bench/tensor_parallel.py; --candidates "
+                    "unused, --micro = sequences per tp group, --backend default torch)")
     ap.add_argument("--model", default=None, help="with --tp: GPTConfig fields as JSON, replacing BENCH_TP_GPT's")
     ap.add_argument("--trace", default=None, metavar="DIR", help="instead: a torch.profiler Chrome trace per "
-                    "candidate and rank, DIR/<candidate>-rank<k>.json, minizero's work labelled (minizero/bench/trace.py)")
+                    "candidate and rank, DIR/<candidate>-rank<k>.json, minizero's work labelled "
+                    "(minizero/bench/trace.py)")
     ap.add_argument("--trace-steps", type=checks.whole(1), default=2,
                     help="with --trace: steps traced (after --warmup)")
     args = ap.parse_args(argv)

@@ -43,8 +43,10 @@ TARGETS = (("minizero-ddp", "torch-ddp", 1.05, "minizero DDP within 5% of torch 
            ("minizero-zero3-offload", "minizero-zero3-init", 1.15, "ZeRO-3 + cpu offload within 1.15x of ZeRO-3"),
            ("minizero-zero2-dpu", "minizero-zero2-offload", 1.00, "DPU faster than no DPU"),
            ("minizero-zero3-nvme", "minizero-zero3-nvme-noprefetch", 1.00, "disk offload: prefetch faster than none"),
-           ("minizero-zero2-offload", "deepspeed-z2-offload", 1.00, "minizero ZeRO-2 + offload no slower than DeepSpeed's"),
-           ("minizero-zero3-offload", "deepspeed-z3-offload", 1.00, "minizero ZeRO-3 + offload no slower than DeepSpeed's"))
+           ("minizero-zero2-offload", "deepspeed-z2-offload", 1.00,
+            "minizero ZeRO-2 + offload no slower than DeepSpeed's"),
+           ("minizero-zero3-offload", "deepspeed-z3-offload", 1.00,
+            "minizero ZeRO-3 + offload no slower than DeepSpeed's"))
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -298,7 +300,8 @@ _COUNTED = {  # name -> (op in the ring accounting, payload: the full tensor(s) 
     "broadcast": ("broadcast", lambda a: a[0]), "reduce": ("reduce", lambda a: a[0]),
     "all_gather_single": ("all_gather", lambda a: a[0]), "all_gather_into_tensor": ("all_gather", lambda a: a[0]),
     "_all_gather_base": ("all_gather", lambda a: a[0]), "all_gather": ("all_gather", lambda a: a[0]),
-    "reduce_scatter_single": ("reduce_scatter", lambda a: a[1]), "reduce_scatter_tensor": ("reduce_scatter", lambda a: a[1]),
+    "reduce_scatter_single": ("reduce_scatter", lambda a: a[1]),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a: a[1]),
     "_reduce_scatter_base": ("reduce_scatter", lambda a: a[1]), "reduce_scatter": ("reduce_scatter", lambda a: a[1]),
     "all_to_all_single": ("all_to_all", lambda a: a[1]),
 }

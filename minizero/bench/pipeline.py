@@ -183,8 +183,8 @@ def report(s, out=sys.stdout):
         print(f"{name:<28}| {r['median_step_s'] * 1e3:9.1f} | {ratio:>20} | {r['last_loss']:8.5f} | "
               f"{r['grad_atol_vs_torch']:13.1e} | {peaks:>36}", file=out)
     for t in s["targets"]:
-        print(f"target {t['what']} <= {t['limit']:.2f}: {t['ratio']:.3f} (95% CI {t['ci95'][0]:.3f}-{t['ci95'][1]:.3f}): "
-              f"{t['verdict']}", file=out)
+        print(f"target {t['what']} <= {t['limit']:.2f}: {t['ratio']:.3f} (95% CI "
+              f"{t['ci95'][0]:.3f}-{t['ci95'][1]:.3f}): {t['verdict']}", file=out)
     print(f"\nbubble on the emulated device (stages wait instead of computing), p={s['p']}, m={s['m']}; 1-min load "
           f"{load['after_bubble'][0]:.2f} after:", file=out)
     for name, b in s["bubble"].items():

@@ -133,8 +133,10 @@ def report(results: dict) -> str:
         if f:
             out.append(f"{name:<27} peak RSS/rank ~ {f['rss']['a']:.1f} B·Ψ/N + {f['rss']['b']:.1f} B·Ψ + "
                        f"{f['rss']['c'] / mib:.0f} MiB; ledger {f['ledger']['a']:.1f}·Ψ/N + {f['ledger']['b']:.1f}·Ψ; "
-                       f"memory.estimate {f['estimate']['a']:.1f}·Ψ/N + {f['estimate']['b']:.1f}·Ψ ({f['points']} probes, "
-                       f"N = {', '.join(map(str, f['ranks']))}{': one N, so all of it in the Ψ term' if len(f['ranks']) == 1 else ''})")
+                       f"memory.estimate {f['estimate']['a']:.1f}·Ψ/N + {f['estimate']['b']:.1f}·Ψ ({f['points']} "
+                       "probes, N = "
+                       f"{', '.join(map(str, f['ranks']))}"
+                       f"{': one N, so all of it in the Ψ term' if len(f['ranks']) == 1 else ''})")
     for why in results.get("skipped", {}).items():
         out.append(f"{why[0]:<27} skipped: {why[1]}")
     if not results.get("calibration"):
@@ -227,7 +229,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.candidates, args.ranks, args.start, args.stop, args.resolution = \
             ["torch-ddp", "minizero-zero3-init"], 2, 4, 6, float("inf")
-        args.cap_above_first_gb, args.sweep_size, args.no_calibrate = args.cap_above_first_gb or 0.2, 0, True  # DDP needs ~0.3 GB more at s 6, ZeRO-3 ~0.1
+        # DDP needs ~0.3 GB more at s 6, ZeRO-3 ~0.1
+        args.cap_above_first_gb, args.sweep_size, args.no_calibrate = args.cap_above_first_gb or 0.2, 0, True
     if args.from_json:
         try:
             results = merge(args.from_json)
@@ -318,7 +321,8 @@ def prebuild_deepspeed_ops(candidates, timeout=1200) -> dict:
                                           text=True, timeout=timeout, check=False,
                                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
                     lines = (proc.stderr or "").strip().splitlines()
-                    built[what] = None if proc.returncode == 0 else f"{what} did not build: {lines[-1] if lines else '?'}"
+                    built[what] = (None if proc.returncode == 0
+                                   else f"{what} did not build: {lines[-1] if lines else '?'}")
                 except subprocess.TimeoutExpired:
                     built[what] = f"{what} did not build within {timeout} s"
             if built[what]:
@@ -344,7 +348,8 @@ def _read_run(path) -> dict:
         raise RunFileError(f"{path}: not valid JSON ({e})") from None
     missing = [k for k in RUN_KEYS if k not in res] if isinstance(res, dict) else list(RUN_KEYS)
     if missing or not isinstance(res["candidates"], dict):
-        raise RunFileError(f"{path}: not the JSON of a `bench scale --json` run (no {', '.join(missing or ['candidates'])})")
+        raise RunFileError(f"{path}: not the JSON of a `bench scale --json` run (no "
+                           f"{', '.join(missing or ['candidates'])})")
     return res
 
 

@@ -2,7 +2,8 @@
 own job, under a memory cap, and what it measured.
 
 Size rule, one knob s:  n_layer = s, n_embd = 64·s, n_head = s (head width 64), vocab 64, sequence 32,
-    Ψ ≈ 12·s·(64 s)² = 49152·s³  (s = 3: 1.4M ... s = 34: 1.93B, s = 35: 2.11B, s = 43: 3.91B; exact counts from a meta build).
+    Ψ ≈ 12·s·(64 s)² = 49152·s³  (s = 3: 1.4M ... s = 34: 1.93B, s = 35: 2.11B, s = 43: 3.91B; exact counts from a meta
+    build).
 Training: micro-batch 1, the same batch each step, torch Adam, fp32, lr 1e-4/s (Adam moves every weight by
 about lr: the step shrinks with the width, as in muP; measured: at a fixed 1e-3 the loss of a 108M model rose
 again at step 3 (4.34, 4.02, 5.11), and at 1e-3/s so did an 865M one (4.52, 4.24, 5.30), the depth adding
@@ -46,7 +47,8 @@ CANDIDATES = {  # scale name -> (bench candidate, build as its docs say for larg
     "deepspeed-z3-offload": ("deepspeed-z3-offload", True), "deepspeed-z3-nvme": ("deepspeed-z3-nvme", True)}
 DISK = ("minizero-zero3-nvme", "minizero-zero3-nvme-params", "deepspeed-z3-nvme")
 ESTIMATE = {"torch-ddp": 0, "torch-fsdp2": 3, "deepspeed-z3": 3, "deepspeed-z3-init": 3,
-            "deepspeed-z3-offload": 3, "deepspeed-z3-nvme": 3}  # ZeRO stage for memory.estimate; minizero-* by name below
+            # ZeRO stage for memory.estimate; minizero-* by name below
+            "deepspeed-z3-offload": 3, "deepspeed-z3-nvme": 3}
 
 
 def gpt(size: int) -> dict:
@@ -244,8 +246,8 @@ def run_probe(candidate, size, ranks=4, cap_bytes=12e9, timeout=900, folder=None
                 peak_pid[p] = max(peak_pid.get(p, 0), v)
             low = _available() < min_available
             if (sum(rss.values()) > cap_bytes or low) and not capped:
-                capped = "the machine's MemAvailable fell below " \
-                    f"{min_available / 1e9:.1f} GB" if low else f"the job's RssAnon+RssShmem passed {cap_bytes / 1e9:.1f} GB"
+                capped = (f"the machine's MemAvailable fell below {min_available / 1e9:.1f} GB" if low
+                          else f"the job's RssAnon+RssShmem passed {cap_bytes / 1e9:.1f} GB")
                 for p in pids:
                     with contextlib.suppress(OSError):
                         os.kill(p, signal.SIGKILL)

@@ -183,8 +183,9 @@ def report(summary, out=sys.stdout):
         for name, r in row["candidates"].items():
             print(f"{t:>2} {name:<12}| {r['median_step_s'] * 1e3:9.1f} | {r['ledger'][0]['parameters'] / 1e6:14.3f} | "
                   f"{r['saved_bytes'][0] / 1e6:13.3f} | {r['collectives']}", file=out)
-        verdict = "met" if row["ci95"][1] <= s["target"]["limit"] else "missed" if row["ci95"][0] > s["target"]["limit"] \
-            else "met by the median" if row["ratio"] <= s["target"]["limit"] else "missed by the median"
+        limit = s["target"]["limit"]
+        verdict = "met" if row["ci95"][1] <= limit else "missed" if row["ci95"][0] > limit \
+            else "met by the median" if row["ratio"] <= limit else "missed by the median"
         print(f"   t={t}: {s['target']['what']}: paired ratio {row['ratio']:.3f} (95% CI {row['ci95'][0]:.3f}-"
               f"{row['ci95'][1]:.3f}): {verdict}; first losses differ by {row['first_loss_diff']:.1e}", file=out)
 
@@ -198,11 +199,13 @@ def plot(summary, path):
     for i, (name, color) in enumerate((("minizero-tp", "tab:blue"), ("dtensor-tp", "tab:orange"))):
         a.bar([j + 0.38 * i for j in range(len(ts))], [summary["t"][t]["candidates"][name]["median_step_s"] * 1e3
                                                        for t in ts], width=0.38, color=color, label=name)
-    a.set(xticks=[j + 0.19 for j in range(len(ts))], xticklabels=[f"t = {t}" for t in ts], ylabel="ms per step (median)",
+    a.set(xticks=[j + 0.19 for j in range(len(ts))], xticklabels=[f"t = {t}" for t in ts],
+          ylabel="ms per step (median)",
           title="step time, same model, gloo")
     a.legend(fontsize=8)
     ratio = [summary["t"][t]["ratio"] for t in ts]
-    err = [[r - summary["t"][t]["ci95"][0] for r, t in zip(ratio, ts)], [summary["t"][t]["ci95"][1] - r for r, t in zip(ratio, ts)]]
+    err = [[r - summary["t"][t]["ci95"][0] for r, t in zip(ratio, ts)],
+           [summary["t"][t]["ci95"][1] - r for r, t in zip(ratio, ts)]]
     b.bar([f"t = {t}" for t in ts], ratio, yerr=err, color="tab:blue", capsize=4)
     b.axhline(summary["target"]["limit"], color="tab:red", ls="--", lw=1)
     b.set(ylabel="minizero / DTensor (paired median, 95% CI)", title=summary["target"]["what"])

@@ -62,7 +62,8 @@ def report(s: dict) -> None:
                            for g, b in r["sent"]["by_group"].items() if b)
         link, plink = r["sent"]["by_link"], r["planned"]["by_link"]
         print(f"{r['layout']:20} {r['rank']:4} {str(tuple(r['coords'])):>9} | {groups:55} | "
-              f"{link['intra-node']:10.0f} {link['cross-node']:10.0f} | {plink['intra-node']:.0f} / {plink['cross-node']:.0f}")
+              f"{link['intra-node']:10.0f} {link['cross-node']:10.0f} | {plink['intra-node']:.0f} / "
+              f"{plink['cross-node']:.0f}")
     print(f"\nevery rank's and layout's losses equal (rel 1e-5; one global batch): {s['losses_equal']}")
     print(f"bytes per step = the planner's + at most {ONE_ELEMENT_BYTES} B on every rank: {s['bytes_as_planned']} "
           "(the planner books a group's bytes under the slowest link it uses; the measurement shows which ranks' "

@@ -132,8 +132,10 @@ def main(steps=20, convergence_steps=300, timeout=900):
         print(f"  {n:<16} {tot * 1e3:8.1f} {q * 1e3:9.1f} {m * 1e3:8.1f} {(tot - q - m) * 1e3:9.1f}")
     psi = sum(p.numel() for p in build_model("tiny-gpt", seed=0, **BENCH_GPT).parameters())
     cost = quantize_cost(psi)
-    print(f"one rank's quantization work per step, alone in one process (Psi = {psi:,} as one unit, best of 10, CPU ms):")
-    print("  " + ", ".join(f"{name} {t * 1e3:.1f}" for name, t in cost.items()) + f"; total {sum(cost.values()) * 1e3:.1f}")
+    print(f"one rank's quantization work per step, alone in one process (Psi = {psi:,} as one unit, best of 10, CPU "
+          "ms):")
+    print("  " + ", ".join(f"{name} {t * 1e3:.1f}" for name, t in cost.items())
+          + f"; total {sum(cost.values()) * 1e3:.1f}")
     print(f"load average (1/5/15 min): {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
     if convergence_steps <= 0:
         print(f"({time.time() - t0:.0f} s; convergence check skipped)")

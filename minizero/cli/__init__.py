@@ -22,7 +22,8 @@ COMMANDS = {
     "train": ("minizero.cli.train", "under mpirun: train with a DeepSpeed JSON config; log, plot, checkpoints"),
     "torchrun": ("minizero.cli.torchrun", "torchrun, saying what a multi-node rendezvous waits for; no folder left"),
     "consolidate": ("minizero.cli.consolidate", "a sharded checkpoint -> one fp32 state dict (zero_to_fp32)"),
-    "handout": ("minizero.cli.handout", "the student's copy of the course: no solutions, the chosen labs' code stubbed"),
+    "handout": ("minizero.cli.handout",
+                "the student's copy of the course: no solutions, the chosen labs' code stubbed"),
     "gradescope": ("minizero.cli.gradescope", "a Gradescope autograder zip (setup.sh, run_autograder) for a lab"),
 }
 

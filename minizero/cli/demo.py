@@ -101,7 +101,8 @@ def _run_strategy(comm, strategy, steps, global_batch, lr, seed, progress):
     bar = None
     if progress and comm.rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=steps, desc=f"{strategy:>5} on {comm.size} rank{'s' * (comm.size != 1)}", file=sys.stdout, mininterval=0.2)
+        bar = tqdm(total=steps, desc=f"{strategy:>5} on {comm.size} rank{'s' * (comm.size != 1)}", file=sys.stdout,
+                   mininterval=0.2)
     for s in range(steps):
         x, y = (t.to(comm.device) for t in shard(data.batch(s, global_batch), comm.rank, comm.size))
         memory.transient.reset()
@@ -172,7 +173,8 @@ def report(results, out=sys.stdout):
     print(f"\n{n} rank{'s' * (n != 1)}, TinyGPT with {first['psi']:,} parameters, fp32 Adam. MB per rank: measured by "
           f"the ledger, (formula) from the estimator; bytes sent per step, (formula) from the ring model.", file=out)
     head = (f"{'strategy':>8} {'rank':>4} | {'final loss':>10} | {'params':>7} {'(formula)':>9} | {'grads':>7} "
-            f"{'(formula)':>9} | {'optim':>7} {'(formula)':>9} | {'total':>7} | {'sent/step':>9} {'(formula)':>9} | {'step ms':>7}")
+            f"{'(formula)':>9} | {'optim':>7} {'(formula)':>9} | {'total':>7} | {'sent/step':>9} {'(formula)':>9} | "
+            f"{'step ms':>7}")
     print(head + "\n" + "-" * len(head), file=out)
     ref = results[0]["single_process_losses"]
     for i, run0 in enumerate(results[0]["runs"]):
@@ -187,10 +189,12 @@ def report(results, out=sys.stdout):
                   f"{_mb(e['optimizer_state']):>9} | {_mb(r['ledger']['total'])} | {_mb(r['sent_per_step']):>9} "
                   f"{_mb(r['bytes_formula']):>9} | {r['median_step_s'] * 1e3:7.1f}", file=out)
     curves = [tuple(res["runs"][i]["losses"]) for i in range(len(results[0]["runs"])) for res in results]
-    same_ranks = all(len({tuple(res["runs"][i]["losses"]) for res in results}) == 1 for i in range(len(results[0]["runs"])))
+    same_ranks = all(len({tuple(res["runs"][i]["losses"]) for res in results}) == 1
+                     for i in range(len(results[0]["runs"])))
     gap = max(abs(a - b) for c in curves for a, b in zip(c, ref))
     print(f"\nEvery rank reports the same loss curve: {same_ranks}. One process on the full batch ends at "
-          f"{ref[-1]:.6f}; the largest gap of any strategy along the curve is {gap:.1e} (float summation order).", file=out)
+          f"{ref[-1]:.6f}; the largest gap of any strategy along the curve is {gap:.1e} (float summation order).",
+          file=out)
     print("Measured memory exceeds the formula by Adam's 4-byte step counters and by padding to a multiple of N; "
           "ZeRO-3's sent bytes by that padding too.", file=out)
 

@@ -80,7 +80,8 @@ def times(out: str) -> None:
                 f"Grading each lab's solution (every check runs to its end), one lab at a time, on "
                 f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d', time.gmtime())}. The load average is the "
                 f"machine's at each lab's start: other jobs shared these cores, so an idle machine is faster.\n\n"
-                "| lab | title | checks | seconds | load | result |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+                "| lab | title | checks | seconds | load | result |\n|---|---|---|---|---|---|\n" + "\n".join(rows)
+                + "\n")
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 from minizero.autograde import LABS, REPO, tree_digest
-from minizero.cli import labgen
+from minizero.autograde import labgen
 
 # The course's own tooling: it reads solutions/ or the SOLUTION markers, which a handout has neither of.
 STAFF_ONLY = ("solutions/", "labs/", "tests/mutants/", "tests/test_mutants.py", "tests/test_grader.py",
@@ -87,10 +87,10 @@ def lesson_note(needs: list[int]) -> str:
     """The note a lesson that runs a chosen lab's code starts with."""
     n = needs[-1]
     labs = ", ".join(map(str, needs))
-    return (f"> **After lab {n}.** This lesson runs your package, including code that lab{'s' if len(needs) > 1 else ''} "
-            f"{labs} ask{'' if len(needs) > 1 else 's'} you to write. Until then, a cell that reaches a part you "
-            f"have not written stops with `lab K: not implemented yet: ...`; once `python -m minizero grade "
-            f"--lab {n}` passes, its numbers are your code's.")
+    return (f"> **After lab {n}.** This lesson runs your package, including code that "
+            f"lab{'s' if len(needs) > 1 else ''} {labs} ask{'' if len(needs) > 1 else 's'} you to write. Until then, a "
+            "cell that reaches a part you have not written stops with `lab K: not implemented yet: ...`; once `python "
+            f"-m minizero grade --lab {n}` passes, its numbers are your code's.")
 
 
 def mark_lesson(text: str, needs: list[int]) -> str:
@@ -101,7 +101,8 @@ def mark_lesson(text: str, needs: list[int]) -> str:
 
 
 def makefile(labs: list[int]) -> str:
-    return f"""# The student's copy of minizero (labs {', '.join(map(str, labs))}): write the TODO(lab N) regions in minizero/.
+    which = ", ".join(map(str, labs))
+    return f"""# The student's copy of minizero (labs {which}): write the TODO(lab N) regions in minizero/.
 #   make demo    4 ranks train a tiny GPT           make test    quick checks of this copy
 #   make grade   grade your labs (results.json)     mpirun -n 4 python labs/labNN_*.py   run a lab's demo
 PYTHON ?= python3

@@ -34,7 +34,8 @@ _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 MAX_PARAMS = 1e15         # 1000x the largest trained models; 16 B/param x 1e15 = 1.6e7 GB still fits a column
 MAX_GPUS = 1_000_000      # 10x the largest clusters
 MAX_FIT_GPUS = 1024       # --fit plans every layout (cp and ep too), each in O(dp x cp + pp) per stage: 1e12 params on
-                          # 1024 GPUs take 2.7 s here (8.1 s before cp: each stage built the whole grid); 4096 GPUs minutes
+                          # 1024 GPUs take 2.7 s here (8.1 s before cp: each stage built the whole grid); 4096 GPUs
+                          # minutes
 MAX_COUNT = 1_000_000     # batch sizes, micro-batches, tp, pp, dp, --top: far beyond any run
 MAX_K = 64                # optimizer bytes per parameter: mixed Adam 12, fp64 Adam with fp64 masters 24
 # shape flags: far past today's largest (GPT-3: 96 layers, h 12288, 96 heads; 1e6-token contexts; 256k vocabularies)
@@ -106,12 +107,14 @@ def print_stages(p, times=None) -> None:
     cp = f" x cp {s.cp}{' (Ulysses)' if s.ulysses else ''}" if s.cp > 1 else ""
     ep = f", ep {s.ep} of {p.shape.experts} experts" if p.shape.experts else ""
     print(f"{s.name()}: {p.shape.num_params() / 1e9:.3g}B parameters on {s.world} GPUs (dp {s.dp} x pp {s.pp}{cp} x tp "
-          f"{s.tp}{ep}, {s.node_size} per node), micro-batch {s.micro_batch} x {s.micro_batches}, {s.precision}, {s.optimizer}")
+          f"{s.tp}{ep}, {s.node_size} per node), micro-batch {s.micro_batch} x {s.micro_batches}, {s.precision}, "
+          f"{s.optimizer}")
     for st in p.stages:
         cells = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.memory.items() if v)
         host = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.host.items() if v)
         print(f"  stage {st.stage}: {st.params / 1e6:.4g}M params/rank; device GB: {cells}"
-              + ("; transient: " + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.transient.items()) if st.transient else "")
+              + ("; transient: " + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in st.transient.items()) if st.transient
+                 else "")
               + f"; total {st.device_total / 1e9:.3g}" + (f"; host GB: {host}" if host else ""))
         sent = ", ".join(f"{g} {b / 1e9:.3g} ({st.link[g]})" for g, b in st.sent.items())
         links = st.sent_by_link
@@ -142,8 +145,8 @@ def _planner(args, parser) -> int:
         parser.error("give the model: --params N, or --layers --hidden --heads --seq --vocab")
     shape = replace(shape, experts=args.experts or 0, top_k=args.top_k, capacity_factor=args.capacity_factor)
     if shape.hidden % shape.heads:
-        parser.error(f"--hidden {shape.hidden} does not divide by --heads {shape.heads}: every head gets hidden / heads "
-                     "dimensions" + ("" if args.heads else " (without --heads: hidden // 128 heads)"))
+        parser.error(f"--hidden {shape.hidden} does not divide by --heads {shape.heads}: every head gets hidden / "
+                     "heads dimensions" + ("" if args.heads else " (without --heads: hidden // 128 heads)"))
     if args.layers is not None and shape.num_params() > MAX_PARAMS:  # (--params is checked above)
         parser.error(f"this shape has {_num(shape.num_params(), 3)} parameters, allowed: at most {_num(MAX_PARAMS)} "
                      "(as --params)")
@@ -155,8 +158,8 @@ def _planner(args, parser) -> int:
         parser.error(f"--fit searches every layout itself; it cannot take {' '.join(fixed)} (it would ignore them). "
                      "Leave them out, or plan that one layout without --fit")
     if args.fit is not None and world > MAX_FIT_GPUS:
-        parser.error(f"argument --gpus: got {world} with --fit, allowed: a whole number in [1, {MAX_FIT_GPUS}] (--fit plans "
-                     "every layout and would take minutes; plan one layout with --tp --pp --zero instead)")
+        parser.error(f"argument --gpus: got {world} with --fit, allowed: a whole number in [1, {MAX_FIT_GPUS}] (--fit "
+                     "plans every layout and would take minutes; plan one layout with --tp --pp --zero instead)")
     try:
         if args.fit is not None:
             ranked = fit(shape, world, args.fit * 1e9, hw, args.global_batch or args.micro_batch * world,
@@ -167,7 +170,8 @@ def _planner(args, parser) -> int:
             print(f"{len(ranked)} layouts fit in {args.fit:g} GB on {hw.name}; fastest first:")
             for p, t in ranked[:args.top]:
                 print(f"  {p.strategy.name():<34} {p.peak_device_bytes / 1e9:8.3g} GB  step {t['total'] * 1e3:9.1f} ms "
-                      f"(compute {t['compute'] * 1e3:.1f}, comm {t['comm'] * 1e3:.1f}, offload {t['offload'] * 1e3:.1f})")
+                      f"(compute {t['compute'] * 1e3:.1f}, comm {t['comm'] * 1e3:.1f}, offload "
+                      f"{t['offload'] * 1e3:.1f})")
             return 0
         if args.dp is not None and args.dp * args.tp * args.pp * args.cp != world:
             cp = f" x cp {args.cp}" if args.cp > 1 else ""
@@ -203,16 +207,20 @@ def main(argv: list[str] | None = None) -> int:
                        ("seq", "sequence length"), ("vocab", "vocabulary")):
         shape.add_argument(f"--{name}", type=_in_range(1, SHAPE_MAX[name], integer=True), help=what)
     shape.add_argument("--tied", action="store_true", help="lm_head shares wte's weight")
-    shape.add_argument("--experts", type=_in_range(1, MAX_EXPERTS, integer=True), help="MoE: experts per block (default dense)")
+    shape.add_argument("--experts", type=_in_range(1, MAX_EXPERTS, integer=True),
+                       help="MoE: experts per block (default dense)")
     shape.add_argument("--top-k", type=int, choices=(1, 2), default=1, help="MoE: experts per token (default 1)")
     shape.add_argument("--capacity-factor", type=_in_range(0, MAX_CAPACITY_FACTOR, open_low=True), default=1.25,
                        help="MoE: slots per expert over the even share (default 1.25)")
     strat = parser.add_argument_group("strategy (the planner)")
-    strat.add_argument("--node-size", type=_in_range(1, MAX_NODE, integer=True), default=8, help="GPUs per node (default 8)")
-    for name, what in (("tp", "tensor-parallel"), ("pp", "pipeline stages"), ("cp", "context-parallel (s/cp tokens per rank)"),
+    strat.add_argument("--node-size", type=_in_range(1, MAX_NODE, integer=True), default=8,
+                       help="GPUs per node (default 8)")
+    for name, what in (("tp", "tensor-parallel"), ("pp", "pipeline stages"),
+                       ("cp", "context-parallel (s/cp tokens per rank)"),
                        ("ep", "expert-parallel (with --experts)")):
         strat.add_argument(f"--{name}", type=count, default=1, help=f"{what} size (default 1)")
-    strat.add_argument("--ulysses", action="store_true", help="context parallelism by DeepSpeed-Ulysses' all-to-alls (with --cp)")
+    strat.add_argument("--ulysses", action="store_true",
+                       help="context parallelism by DeepSpeed-Ulysses' all-to-alls (with --cp)")
     strat.add_argument("--dp", type=count, help="data-parallel size (default: gpus / (tp x pp))")
     strat.add_argument("--zero", type=int, choices=range(4), help="ZeRO stage over the DP group")
     strat.add_argument("--offload", action="store_true", help="ZeRO-Offload of the optimizer to the host")
@@ -227,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     strat.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="bf16")
     strat.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     search = parser.add_argument_group("--fit: which layouts fit, fastest first")
-    search.add_argument("--fit", type=_in_range(0, MAX_MEMORY_GB, open_low=True), metavar="MEMORY_GB", help="device memory per GPU, GB")
+    search.add_argument("--fit", type=_in_range(0, MAX_MEMORY_GB, open_low=True), metavar="MEMORY_GB",
+                        help="device memory per GPU, GB")
     search.add_argument("--global-batch", type=count, help="sequences per step (default micro-batch x gpus)")
     search.add_argument("--top", type=count, default=10, help="how many to list")
     search.add_argument("--hardware", choices=sorted(HARDWARE), default="h100-ib",

@@ -53,7 +53,8 @@ def main(argv=None) -> int:
         torchrun.run(args)
     except (RendezvousError, DistError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
-        _say(f"the rendezvous at {where} did not complete: {type(e).__name__}" + (f": {first}" if first != type(e).__name__
+        _say(f"the rendezvous at {where} did not complete: {type(e).__name__}"
+             + (f": {first}" if first != type(e).__name__
              else "") + f". Were all {args.nnodes} agents started with the same --nnodes and rendezvous, and can they "
              "reach that address? (MINIZERO_INIT_TIMEOUT_S or --rdzv-conf sets the wait)")
         return 2

@@ -81,9 +81,9 @@ def notes(engine) -> list[str]:
     extra = (" ZeRO++ (qwZ, hpZ, qgZ) acts on sharded parameters only, so it did nothing either."
              if getattr(engine.wrapped, "quantized_weights", None) is not None else "")
     return [f"nothing is sharded: every tensor is below stage3_param_persistence_threshold = "
-            f"{int(zero['stage3_param_persistence_threshold']):,} elements (the largest has {largest:,}), so every rank "
-            f"holds the whole model and all-reduces its gradients, as DDP does. Set the threshold below {largest:,} "
-            f"(or train a larger model) to shard.{extra}"]
+            f"{int(zero['stage3_param_persistence_threshold']):,} elements (the largest has {largest:,}), so every "
+            "rank holds the whole model and all-reduces its gradients, as DDP does. Set the threshold below "
+            f"{largest:,} (or train a larger model) to shard.{extra}"]
 
 
 class NonFiniteLoss(ValueError):
@@ -91,7 +91,8 @@ class NonFiniteLoss(ValueError):
 
 
 def nonfinite_message(step: int, loss: float, lr: float, dtype) -> str:
-    return (f"step {step}: the global-batch loss is {loss} and the step was applied: in {str(dtype).replace('torch.', '')} "
+    return (f"step {step}: the global-batch loss is {loss} and the step was applied: in "
+            f"{str(dtype).replace('torch.', '')} "
             "no loss scaler skips a step (fp16's does, as DeepSpeed's), so the weights are no longer finite and every "
             f"later step would be {loss} too. Likely causes: a learning rate far too large (lr was {lr:g}), no "
             "gradient_clipping, or inputs out of range")
@@ -125,7 +126,8 @@ def train(comm, config, model_name=None, steps=50, out="runs/train", save_every=
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=steps, initial=engine.global_steps, desc=f"{describe(engine)} on {size} rank{'s' * (size != 1)}",
+        bar = tqdm(total=steps, initial=engine.global_steps,
+                   desc=f"{describe(engine)} on {size} rank{'s' * (size != 1)}",
                    file=sys.stdout, mininterval=0.2)
     records = []
     while engine.global_steps < steps:
@@ -165,7 +167,7 @@ def train(comm, config, model_name=None, steps=50, out="runs/train", save_every=
                 log.write(json.dumps(rec) + "\n")
                 log.close()
             raise NonFiniteLoss(nonfinite_message(rec["step"], rec["loss"], lr, engine.dtype) + ". The run stops here "
-                                f"(its log ends with this step); --on-nonfinite continue would go on")
+                                "(its log ends with this step); --on-nonfinite continue would go on")
         if bad and rank == 0 and not any(not math.isfinite(r["loss"]) and not r["skipped"] for r in records[:-1]):
             print(f"\nminizero train: warning: {nonfinite_message(rec['step'], rec['loss'], lr, engine.dtype)}. "
                   "Going on (--on-nonfinite continue)", file=sys.stderr, flush=True)
@@ -184,7 +186,8 @@ def train(comm, config, model_name=None, steps=50, out="runs/train", save_every=
     if rank == 0:
         log.close()
     return {"records": records, "ledger": engine.memory().as_dict(), "rank": rank, "n_params": n_params,
-            "stage": engine.stage, "layout": describe(engine), "dtype": str(engine.dtype).replace("torch.", ""), "world": size,
+            "stage": engine.stage, "layout": describe(engine), "dtype": str(engine.dtype).replace("torch.", ""),
+            "world": size,
             "batch": (micro, acc, engine.train_batch_size()), "skipped": engine.skipped_steps, "notes": notes(engine)}
 
 

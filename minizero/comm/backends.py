@@ -225,15 +225,15 @@ class MPIBackend:
 
     def _reduction(self, tensors, start, op):
         """Run a reduction; for 16-bit floats (and staged tensors) reduce a host fp32 copy and write it back."""
-        half = tensors[0].dtype in (torch.bfloat16, torch.float16)
-        work = [self._host(t).float() if half else self._host(t) for t in tensors]
+        sixteen_bit = tensors[0].dtype in (torch.bfloat16, torch.float16)  # fp16 or bf16: MPI has neither
+        work = [self._host(t).float() if sixteen_bit else self._host(t) for t in tensors]
         req = start(*[w.numpy() for w in work], self._ops[op])
 
         def done():
             out = work[0]
             if op == "avg":
                 out.div_(self.size)
-            if half or self._staged(tensors[0]):
+            if sixteen_bit or self._staged(tensors[0]):
                 tensors[0].detach().copy_(out)
         return Work(req.Wait, "reduction", done)
 
@@ -334,7 +334,8 @@ class TorchBackend:
         return Work(self.dist.broadcast(t.detach(), self.ranks[src], group=self.group, async_op=True).wait, "broadcast")
 
     def all_to_all(self, out, inp):
-        return Work(self.dist.all_to_all_single(out.detach(), inp.detach(), group=self.group, async_op=True).wait, "all_to_all")
+        return Work(self.dist.all_to_all_single(out.detach(), inp.detach(), group=self.group, async_op=True).wait,
+                    "all_to_all")
 
     # No poll: gloo's p2p work reports is_completed() only once wait() ran (so polling would never end),
     # and its wait() sleeps on a condition variable instead of spinning, so it needs none.

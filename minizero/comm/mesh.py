@@ -191,6 +191,6 @@ class Mesh:
 
     def __repr__(self):
         return (f"Mesh(dp={self.dp_size}, pp={self.pp_size}, cp={self.cp_size}, tp={self.tp_size}, "
-                f"node_size={self.node_size} ({self.node_source}); rank {self.world.rank} at (d={self.dp_rank}, p={self.pp_rank}, "
-                f"c={self.cp_rank}, t={self.tp_rank}), "
+                f"node_size={self.node_size} ({self.node_source}); rank {self.world.rank} at (d={self.dp_rank}, "
+                f"p={self.pp_rank}, c={self.cp_rank}, t={self.tp_rank}), "
                 f"node {self.node_index})")

@@ -34,7 +34,6 @@ Bytes one rank sends per step (bytes_per_step), n parameters, N ranks:
 """
 from __future__ import annotations
 
-import math
 
 import torch
 

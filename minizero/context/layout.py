@@ -32,7 +32,8 @@ def check_sequence(seq_len: int, cp: int, balanced: bool):
     """Context parallelism cuts the sequence into equal chunks: a clear error before any collective."""
     parts = 2 * cp if balanced else cp
     if seq_len % parts:
-        why = f"2 x cp = {parts} chunks (load balancing: two mirrored chunks per rank)" if balanced else f"cp = {cp} shards"
+        why = (f"2 x cp = {parts} chunks (load balancing: two mirrored chunks per rank)" if balanced
+               else f"cp = {cp} shards")
         raise ValueError(f"context parallelism: sequence length {seq_len} is not divisible into {why}. "
                          f"Use a sequence length that is a multiple of {parts}")
 

@@ -51,36 +51,21 @@ Decisions, and why:
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from minizero import comm as comm_mod
+from minizero.comm.bucket import Bucket, SyncSwitch, group_params
 from minizero.comm.labels import labelled
 from minizero.comm.stats import bucket_numel_from_mb
 
 MODES = ("naive", "bucketed", "overlap")
 
 
-class GradBucket:
-    """One flat buffer and the parameters whose gradients live in it."""
-
-    def __init__(self, params: list[nn.Parameter], device):
-        self.params = params
-        numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=device)
-        self.views, offset = [], 0  # views[i]: params[i]'s slot, shaped like the parameter
-        for p in params:
-            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        self.reset()
-
-    def reset(self):
-        self.filled = [False] * len(self.params)
-        self.had_grad = [False] * len(self.params)
-        self.work = None  # the async all-reduce handle once launched
+class GradBucket(Bucket):
+    """A bucket (comm/bucket.py) whose buffer, kept for the life of the wrapper, holds the gradients."""
 
     def fill(self, i: int):
         """Put params[i]'s local gradient (or zeros) into its slot and make p.grad that slot."""
@@ -123,7 +108,7 @@ def _hook(ddp_ref, i):
     return on_grad_ready
 
 
-class DDP(nn.Module):
+class DDP(SyncSwitch, nn.Module):
     def __init__(self, module: nn.Module, comm: comm_mod.Communicator | None = None,
                  bucket_numel: int | None = 6_250_000, overlap: bool = True, mode: str | None = None,
                  broadcast_buffers: bool = True, bucket_cap_mb: float | None = None):
@@ -148,10 +133,9 @@ class DDP(nn.Module):
         self.buckets = [] if self.mode == "naive" else self._make_buckets(bucket_numel)
         # _where[i] = (bucket index, slot) of self.params[i]; None in naive mode
         self._where = [None] * len(self.params)
-        index = {id(p): i for i, p in enumerate(self.params)}
         for b, bucket in enumerate(self.buckets):
-            for s, p in enumerate(bucket.params):
-                self._where[index[id(p)]] = (b, s)
+            for s, i in enumerate(bucket.index):
+                self._where[i] = (b, s)
         self._sync = True          # False inside no_sync()
         self._pending = False      # a synced backward happened and is not finished yet
         self._got_grad = [False] * len(self.params)
@@ -171,17 +155,16 @@ class DDP(nn.Module):
         self.comm.broadcast_tensors([*self.module.parameters(), *self.module.buffers()])
 
     def _make_buckets(self, bucket_numel: int) -> list[GradBucket]:
-        buckets, current, numel = [], [], 0
-        for p in reversed(self.params):
-            # Close the bucket when it would overflow or change dtype (one flat buffer has
-            # one dtype). A parameter bigger than the cap gets a bucket of its own.
-            if current and (numel + p.numel() > bucket_numel or p.dtype != current[0].dtype):
-                buckets.append(GradBucket(current, self.comm.device))
-                current, numel = [], 0
-            current.append(p)
-            numel += p.numel()
-        if current:
-            buckets.append(GradBucket(current, self.comm.device))
+        groups = group_params([p.numel() for p in self.params], bucket_numel, [p.dtype for p in self.params])
+        buckets, lo = [], 0  # the flat order: the buckets' buffers one after the other
+        for b, group in enumerate(groups):
+            params = [self.params[i] for i in group]
+            offsets = [lo + sum(p.numel() for p in params[:s]) for s in range(len(params))]
+            hi = lo + sum(p.numel() for p in params)
+            bucket = GradBucket(f"ddp.bucket{b}", params, group, offsets, lo, hi)
+            bucket.allocate(params[0].dtype, self.comm.device)
+            buckets.append(bucket)
+            lo = hi
         return buckets
 
     # ------------------------------------------------------------------ torch conventions
@@ -199,16 +182,6 @@ class DDP(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        """torch DDP's switch (nanoGPT: False on all but the last micro-batch): False = no_sync() for the
-        backwards that follow, until it is set True again."""
-        return self._sync
-
-    @require_backward_grad_sync.setter
-    def require_backward_grad_sync(self, value: bool):
-        self._sync = bool(value)
-
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ on the module's parameters, once their gradients are averaged
@@ -217,17 +190,6 @@ class DDP(nn.Module):
             raise RuntimeError("DDP.clip_grad_norm_(): call model.finish_gradient_synchronization() first: "
                                "the gradients are not averaged over the ranks yet")
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
-
-    @contextmanager
-    def no_sync(self):
-        """Gradient accumulation: backward passes inside only add into p.grad locally.
-        The next backward outside reduces the accumulated sum, once: k micro-batches cost
-        one all-reduce instead of k. Scale each micro-batch loss by 1/k yourself."""
-        prev, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = prev
 
     # ------------------------------------------------------------------ backward
     def _on_grad_ready(self, i: int):
@@ -257,7 +219,7 @@ class DDP(nn.Module):
 
     @labelled("mz.bucket.launch")  # a profiler range (comm/labels.py)
     def _launch(self, bucket: GradBucket):
-        bucket.work = self.comm.all_reduce(bucket.buffer, op="sum", async_op=True)
+        bucket.works.append(self.comm.all_reduce(bucket.buffer, op="sum", async_op=True))
         self._next += 1
 
     @torch.no_grad()
@@ -293,7 +255,8 @@ class DDP(nn.Module):
                         bucket.fill(s)
                 self._launch(bucket)
             for bucket in self.buckets:
-                bucket.work.wait()
+                for work in bucket.works:
+                    work.wait()
                 bucket.buffer.div_(n)  # sum / N: the mean over the global batch
                 for p, view, had in zip(bucket.params, bucket.views, bucket.had_grad):
                     if had or view.any():

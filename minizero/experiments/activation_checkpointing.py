@@ -71,36 +71,41 @@ def step_times(comm, repeats=5, gpt=None, batch=8):
     return {k: v[1:] for k, v in times.items()}
 
 
-def describe_recompute(plain: float, checkpointed: float, forward: float, blocks_forward: float, recompute: float) -> str:
+def describe_recompute(plain: float, checkpointed: float, forward: float, blocks_forward: float,
+                       recompute: float) -> str:
     """What checkpointing cost, split into the recompute and the per-call overhead (seconds in, Markdown out)."""
     extra = checkpointed - plain
     overhead = extra - recompute
-    pct = lambda t: f"{t / plain:.0%}"
-    s = (f"Checkpointing made the step {pct(extra)} longer ({plain * 1e3:.1f} → {checkpointed * 1e3:.1f} ms). The recompute "
-         f"itself, the blocks' forwards run again inside backward, took {recompute * 1e3:.1f} ms ({pct(recompute)} of the "
-         "plain step). ")
+    def pct(t):
+        return f"{t / plain:.0%}"
+    s = (f"Checkpointing made the step {pct(extra)} longer ({plain * 1e3:.1f} → {checkpointed * 1e3:.1f} ms). The "
+         f"recompute itself, the blocks' forwards run again inside backward, took {recompute * 1e3:.1f} ms "
+         f"({pct(recompute)} of "
+         "the plain step). ")
     if overhead >= 0:
-        s += (f"The rest, {overhead * 1e3:.1f} ms ({pct(overhead)}), is the per-call overhead of the checkpoint machinery "
-              "(saving and unpacking hooks, a context entered per block, a second module call), and noise. ")
+        s += (f"The rest, {overhead * 1e3:.1f} ms ({pct(overhead)}), is the per-call overhead of the checkpoint "
+              "machinery (saving and unpacking hooks, a context entered per block, a second module call), and noise. ")
     else:
         s += (f"The rest is negative ({overhead * 1e3:.1f} ms): the step grew by less than the recompute took, so the "
-              "timing noise here is larger than the machinery's overhead (and a checkpointed forward, which keeps nothing "
-              "for backward, can itself be faster than a plain one). ")
+              "timing noise here is larger than the machinery's overhead (and a checkpointed forward, which keeps "
+              "nothing for backward, can itself be faster than a plain one). ")
     if abs(recompute / blocks_forward - 1) <= 0.25:
-        s += (f"The recompute is about what the blocks' forward cost in the plain step ({blocks_forward * 1e3:.1f} ms), as "
-              "it should be: the same arithmetic run again. ")
+        s += (f"The recompute is about what the blocks' forward cost in the plain step ({blocks_forward * 1e3:.1f} "
+              "ms), as it should be: the same arithmetic run again. ")
     elif recompute < blocks_forward:
         s += (f"The recompute took {recompute / blocks_forward:.2f}× the blocks' forward in the plain step "
               f"({blocks_forward * 1e3:.1f} ms): torch stops each recompute once it has every tensor backward needs, "
               "and the plain forward's time includes its hooks and any wait for a core. ")
     else:
         s += (f"The recompute took {recompute / blocks_forward:.1f}× the blocks' forward in the plain step "
-              f"({blocks_forward * 1e3:.1f} ms): the same arithmetic, run slower (inside backward, on a shared machine). ")
+              f"({blocks_forward * 1e3:.1f} ms): the same arithmetic, run slower (inside backward, on a shared "
+              "machine). ")
     s += (f"A whole forward (embeddings, blocks, head and loss) was {pct(forward)} of the plain step; the recompute "
-          + (f"stayed within one forward." if recompute <= forward else f"exceeded one forward ({recompute / forward:.1f}×)."))
+          + ("stayed within one forward." if recompute <= forward
+             else f"exceeded one forward ({recompute / forward:.1f}×)."))
     if overhead > recompute:
-        s += (" The overhead was larger than the recompute: on a model this small each block's arithmetic is short, and "
-              "the machinery around it is a fixed cost per call; on a large model the recompute dominates.")
+        s += (" The overhead was larger than the recompute: on a model this small each block's arithmetic is short, "
+              "and the machinery around it is a fixed cost per call; on a large model the recompute dominates.")
     elif overhead >= 0:
         s += " The overhead was smaller than the recompute."
     return s

@@ -182,7 +182,8 @@ def _sizes(sizes) -> str:
 
 
 def _off(error: float) -> str:
-    """'37% above' / '12% below' / '4.2× the time of': a measurement against a model, from error = model / measured - 1."""
+    """'37% above' / '12% below' / '4.2× the time of': a measurement against a model, from error = model / measured -
+    1."""
     ratio = 1 / (1 + error)
     if ratio >= 2:
         return f"{ratio:.1f}× the time of"
@@ -226,54 +227,60 @@ def findings(res, gloo, pp_alpha, pp_beta, load, cores) -> dict:
 
 def describe(f: dict) -> str:
     """Lesson 01's conclusions as Markdown, one sentence for each side of every comparison."""
-    us = lambda t: f"{t * 1e6:.0f} µs"
+    def us(t):
+        return f"{t * 1e6:.0f} µs"
     out = ["All comparisons below use the best of 10 repeats, as the bandwidth tables do."]
     if f["load"] > 0.5 * f["cores"]:
-        out.append(f"**The machine was busy while measuring** (load average up to {f['load']:.1f} on {f['cores']} cores): "
-                   "other programs competed with our ranks, so the medians are inflated, and even the best times may be.")
+        out.append(f"**The machine was busy while measuring** (load average up to {f['load']:.1f} on {f['cores']} "
+                   "cores): other programs competed with our ranks, so the medians are inflated, and even the best "
+                   "times may be.")
     else:
-        out.append(f"The machine was quiet while measuring (load average at most {f['load']:.1f} on {f['cores']} cores).")
+        out.append(f"The machine was quiet while measuring (load average at most {f['load']:.1f} on {f['cores']} "
+                   "cores).")
 
     # ping-pong vs collective bandwidth: one extra pass over memory (the addition) explains at most about 2x
     pp, bus2 = f["pp_GBps"], f["bus_GBps"][2]
     r = pp / bus2
-    s = (f"* **Ping-pong vs collectives (2 ranks).** The ping-pong gave α = {f['pp_alpha'] * 1e6:.1f} µs and {pp:.1f} GB/s; "
-         f"the ring fit on all-reduce gives α = {f['fit_alpha'][2] * 1e6:.1f} µs per step and {f['fit_GBps'][2]:.1f} GB/s, and the "
-         f"best all-reduce busbw on 2 ranks was {bus2:.1f} GB/s. ")
+    s = (f"* **Ping-pong vs collectives (2 ranks).** The ping-pong gave α = {f['pp_alpha'] * 1e6:.1f} µs and {pp:.1f} "
+         f"GB/s; the ring fit on all-reduce gives α = {f['fit_alpha'][2] * 1e6:.1f} µs per step and "
+         f"{f['fit_GBps'][2]:.1f} GB/s, and the best all-reduce busbw on 2 ranks was {bus2:.1f} GB/s. ")
     if r < 0.8:
-        s += (f"The collective's busbw beat the ping-pong's bandwidth ({1 / r:.1f}×), so neither figure is the memory's limit "
-              "here: both are the fastest of a few repeats, and on a shared machine a few repeats may all be slowed.")
+        s += (f"The collective's busbw beat the ping-pong's bandwidth ({1 / r:.1f}×), so neither figure is the "
+              "memory's limit here: both are the fastest of a few repeats, and on a shared machine a few repeats may "
+              "all be slowed.")
     elif r <= 1.25:
         s += "The two are close: copying the bytes, not adding them, limits the collective here."
     elif r <= 2.2:
-        s += (f"The collective was {r:.1f}× slower than the ping-pong, which the reduction can explain: adding the received "
-              "chunk into its own is one more pass over memory, and at shared-memory speeds it costs about as much as the copy.")
+        s += (f"The collective was {r:.1f}× slower than the ping-pong, which the reduction can explain: adding the "
+              "received chunk into its own is one more pass over memory, and at shared-memory speeds it costs about as "
+              "much as the copy.")
     else:
-        s += (f"The collective was {r:.1f}× slower than the ping-pong: more than the reduction explains (one more pass over "
-              "memory costs at most about 2×). The rest is what the α-β model leaves out: every ring step waits for the other "
-              "rank, and a rank that is not running at that moment (other programs, the scheduler) delays both.")
+        s += (f"The collective was {r:.1f}× slower than the ping-pong: more than the reduction explains (one more pass "
+              "over memory costs at most about 2×). The rest is what the α-β model leaves out: every ring step waits "
+              "for the other rank, and a rank that is not running at that moment (other programs, the scheduler) "
+              "delays both.")
     out.append(s)
 
     # small messages: the ring model's 2 : 1 : 1, and whether one alpha describes all three ops
     t = f["small_times"]
     spread = max(t.values()) / min(t.values())
-    s = (f"* **Small messages.** At {size_label(f['small'])} on 2 ranks, all-reduce took {us(t['all_reduce'])}, reduce-scatter "
-         f"{us(t['reduce_scatter'])} and all-gather {us(t['all_gather'])}, against the ring model's 2 : 1 : 1. For small "
-         "messages MPI libraries do not run a ring: they switch to latency-optimised algorithms (recursive doubling, or "
-         "flag-based shared-memory schemes within one node). ")
+    s = (f"* **Small messages.** At {size_label(f['small'])} on 2 ranks, all-reduce took {us(t['all_reduce'])}, "
+         f"reduce-scatter {us(t['reduce_scatter'])} and all-gather {us(t['all_gather'])}, against the ring model's 2 : "
+         "1 : 1. For small messages MPI libraries do not run a ring: they switch to latency-optimised algorithms "
+         "(recursive doubling, or flag-based shared-memory schemes within one node). ")
     if spread <= 2:
         s += f"Here the three ops are within {spread:.1f}× of each other: none pays for a ring's many steps. "
     else:
         slow, fast = max(t, key=t.get), min(t, key=t.get)
         s += (f"Here they differ by {spread:.1f}× ({slow.replace('_', '-')} the slowest, {fast.replace('_', '-')} the "
-              "fastest): no single α describes all three, since each op and size gets its own algorithm, and at a few µs "
-              "per message one scheduling delay shows. ")
+              "fastest): no single α describes all three, since each op and size gets its own algorithm, and at a few "
+              "µs per message one scheduling delay shows. ")
     per_message = [x / f["pp_alpha"] for x in t.values()]
     if max(per_message) <= 2 and min(per_message) >= 0.5:
         s += f"Each cost about one ping-pong message (α = {us(f['pp_alpha'])}): one round of messages."
     elif max(per_message) < 0.5:
-        s += (f"Each cost less than one ping-pong message's α ({us(f['pp_alpha'])}): the ping-pong ran at another moment "
-              "of a shared machine, and its α is not the collectives' here.")
+        s += (f"Each cost less than one ping-pong message's α ({us(f['pp_alpha'])}): the ping-pong ran at another "
+              "moment of a shared machine, and its α is not the collectives' here.")
     else:
         s += (f"They cost {min(per_message):.1f}-{max(per_message):.1f} ping-pong messages (α = {us(f['pp_alpha'])}), "
               "not one round.")
@@ -286,9 +293,10 @@ def describe(f: dict) -> str:
     worst = max(e, key=lambda x: abs(e[x]))
     s = (f"* **Where the α-β model fits (2 ranks).** Fitted on the all-reduce, the ring model is within "
          f"{FIT_TOLERANCE:.0%} of the measured all-reduce at {_sizes(fits)}, and off by more at {_sizes(misses)} "
-         f"(worst at {size_label(worst)}, where the measurement was {_off(e[worst])} the model). Its median error is {f['fit_error']['all_reduce']:.0%} on the "
-         f"all-reduce it was fitted on, and {f['fit_error']['reduce_scatter']:.0%} on reduce-scatter and "
-         f"{f['fit_error']['all_gather']:.0%} on all-gather (predicted). ")
+         f"(worst at {size_label(worst)}, where the measurement was {_off(e[worst])} the model). Its median error is "
+         f"{f['fit_error']['all_reduce']:.0%} on the all-reduce it was fitted on, and "
+         f"{f['fit_error']['reduce_scatter']:.0%} on reduce-scatter and {f['fit_error']['all_gather']:.0%} on "
+         "all-gather (predicted). ")
     fe = f["fit_error"]
     if max(fe.values()) <= FIT_TOLERANCE:
         s += "So on this machine two numbers, α and β, are a fair first estimate of a collective's time."
@@ -297,33 +305,34 @@ def describe(f: dict) -> str:
               f"machine (more than {FIT_TOLERANCE:.0%} off): the library runs each op its own way.")
     else:
         s += ("So on this machine α and β are not the cost: the model misses by more than "
-              f"{FIT_TOLERANCE:.0%} even on the data it was fitted on. What it leaves out here is the library switching "
-              "algorithms by size and ranks waiting for a core.")
+              f"{FIT_TOLERANCE:.0%} even on the data it was fitted on. What it leaves out here is the library "
+              "switching algorithms by size and ranks waiting for a core.")
     out.append(s)
-    s = (f"* **Large messages (≥ 64 KiB).** The model says reduce-scatter and all-gather each take 0.5× the all-reduce "
+    s = ("* **Large messages (≥ 64 KiB).** The model says reduce-scatter and all-gather each take 0.5× the all-reduce "
          "time. Measured (the median over those sizes): ")
     parts = []
     for op in ("reduce_scatter", "all_gather"):
         h = f["half"][op]
-        verdict = "close to the model" if abs(h - 0.5) <= 0.15 else ("more than the model" if h > 0.5 else "less than the model")
+        verdict = ("close to the model" if abs(h - 0.5) <= 0.15
+                   else ("more than the model" if h > 0.5 else "less than the model"))
         parts.append(f"{h:.2f}× for {op.replace('_', '-')} ({verdict})")
     s += "; ".join(parts) + "."
     if f["half"]["reduce_scatter"] > 0.65:
-        s += (" A reduce-scatter also adds what it receives, and MPICH runs its own algorithm for it: a model that counts "
-              "only messages and bytes sees neither.")
+        s += (" A reduce-scatter also adds what it receives, and MPICH runs its own algorithm for it: a model that "
+              "counts only messages and bytes sees neither.")
     out.append(s)
 
     # 2 -> 4 ranks
     nr, npred, b4 = f["n_ratio"], f["n_pred"], f["bus_GBps"][4]
-    s = (f"* **2 → 4 ranks.** At {size_label(f['big'])} the 2-rank model predicts that 4 ranks take {npred:.2f}× as long "
-         f"(the bandwidth term grows like $2(N-1)/N$, from 1 to 1.5). Measured: {nr:.2f}×. ")
+    s = (f"* **2 → 4 ranks.** At {size_label(f['big'])} the 2-rank model predicts that 4 ranks take {npred:.2f}× as "
+         f"long (the bandwidth term grows like $2(N-1)/N$, from 1 to 1.5). Measured: {nr:.2f}×. ")
     if nr > 1.25 * npred:
         s += ("That is more than the model: the cost of oversubscription, 4 ranks on "
               f"{f['cores']} cores waiting for the scheduler rather than for the copy.")
     elif nr < 0.8 * npred:
         s += (f"That is less than the model, which no link model can explain: the 2-rank time at this size was "
-              f"{_off(f['all_reduce_error'][f['big']])} its own fit, so the noise of single measurements, not the ring, "
-              "sets this ratio.")
+              f"{_off(f['all_reduce_error'][f['big']])} its own fit, so the noise of single measurements, not the "
+              "ring, sets this ratio.")
     else:
         s += "That is within 25% of the model, even with oversubscribed ranks."
     s += f" The best 4-rank busbw was {b4:.2f} GB/s against {bus2:.2f} GB/s on 2 ranks: "
@@ -334,8 +343,9 @@ def describe(f: dict) -> str:
         s += "lower, as two ranks sharing each core predicts."
     else:
         s += "about the same, as the model says."
-    s += (f" The 4-rank fit gives α = {f['fit_alpha'][4] * 1e6:.0f} µs per step against {f['fit_alpha'][2] * 1e6:.1f} µs, and "
-          f"a typical call took {f['spread'][4]:.2f}× its best repeat on 4 ranks against {f['spread'][2]:.2f}× on 2.")
+    s += (f" The 4-rank fit gives α = {f['fit_alpha'][4] * 1e6:.0f} µs per step against {f['fit_alpha'][2] * 1e6:.1f} "
+          f"µs, and a typical call took {f['spread'][4]:.2f}× its best repeat on 4 ranks against {f['spread'][2]:.2f}× "
+          "on 2.")
     out.append(s)
 
     # gloo vs MPI, size by size
@@ -346,13 +356,15 @@ def describe(f: dict) -> str:
     if not gloo_wins:
         s += "This run supports minizero's choice of MPI for CPU collectives at every size measured."
     elif not mpi_wins:
-        s += "In this run gloo was faster at every size: the speed argument for minizero's MPI default did not hold here."
+        s += ("In this run gloo was faster at every size: the speed argument for minizero's MPI default did not hold "
+              "here.")
     else:
-        s += (f"So the faster backend depends on the message size in this run: MPI won at {len(mpi_wins)} of {len(gm)} sizes, "
-              f"gloo at {len(gloo_wins)}; minizero's MPI default is the faster choice only where MPI won.")
+        s += (f"So the faster backend depends on the message size in this run: MPI won at {len(mpi_wins)} of {len(gm)} "
+              f"sizes, gloo at {len(gloo_wins)}; minizero's MPI default is the faster choice only where MPI won.")
     g = f["gloo_rs_vs_ar"]
     s += f" gloo's reduce-scatter took {g:.1f}× as long as its own all-reduce at {size_label(f['big'])}: "
-    s += ("it has no native reduce-scatter on CPU and emulates it, so it is slower than the all-reduce that contains it."
+    s += ("it has no native reduce-scatter on CPU and emulates it, so it is slower than the all-reduce that contains "
+          "it."
           if g > 1 else "no slower than the all-reduce that contains it, although gloo emulates reduce-scatter on CPU.")
     out.append(s)
     return "\n".join(out)
@@ -366,11 +378,12 @@ def gpu_comparison(alpha_s: float, GBps: float) -> str:
     for name, link in GPU_LINKS.items():
         lo, hi = link["step_us"]
         n_half = [x * 1e-6 * link["GBps"] * 1e9 / 2**10 for x in (lo, hi)]
-        rows.append(f"| {name} | {lo:g}-{hi:g} µs | {link['call_us'][0]:g}-{link['call_us'][1]:g} µs | {link['GBps']:g} GB/s | "
-                    f"{n_half[0]:.0f}-{n_half[1]:.0f} KiB |")
+        rows.append(f"| {name} | {lo:g}-{hi:g} µs | {link['call_us'][0]:g}-{link['call_us'][1]:g} µs | "
+                    f"{link['GBps']:g} GB/s | {n_half[0]:.0f}-{n_half[1]:.0f} KiB |")
     nv = GPU_LINKS["NVLink 4 (H100, one node)"]
-    rows.append(f"\nNVLink carries {nv['GBps'] / GBps:.0f}× the bandwidth fitted here, at {alpha_s * 1e6 / nv['step_us'][1]:.0f}"
-                f"-{alpha_s * 1e6 / nv['step_us'][0]:.0f}× less latency per ring step. Where n½ is larger than here, more "
-                "messages are latency-bound: NCCL answers with its low-latency protocols (LL, LL128) and tree algorithms "
-                "for small and medium messages, and DDP with buckets far above n½ (torch's 25 MiB).")
+    rows.append(f"\nNVLink carries {nv['GBps'] / GBps:.0f}× the bandwidth fitted here, at "
+                f"{alpha_s * 1e6 / nv['step_us'][1]:.0f}-{alpha_s * 1e6 / nv['step_us'][0]:.0f}× less latency per ring "
+                "step. Where n½ is larger than here, more messages are latency-bound: NCCL answers with its "
+                "low-latency protocols (LL, LL128) and tree algorithms for small and medium messages, and DDP with "
+                "buckets far above n½ (torch's 25 MiB).")
     return "\n".join(rows)

@@ -150,7 +150,8 @@ def work_per_rank(comm, seq=2048, heads=4, head_dim=16, repeats=2) -> dict:
                 shard_sequence(grad_out, comm.rank, comm.size, balanced))
             best = work if best is None or work.compute_s < best.compute_s else best
         out["balanced" if balanced else "contiguous"] = best.as_dict()
-    out["formula"] = {name: scores_per_rank(seq, comm.size, True, name == "balanced") for name in ("contiguous", "balanced")}
+    out["formula"] = {name: scores_per_rank(seq, comm.size, True, name == "balanced")
+                      for name in ("contiguous", "balanced")}
     return out
 
 
@@ -205,7 +206,8 @@ def torch_context_parallel(comm) -> dict:
                         t.requires_grad_(False)
             full = context_parallel_unshard(mesh, [y.detach(), *grads], [2, 2, 2, 2])
             want = [ref.detach()] + [t.grad for t in leaves]
-            out[backend] = {"max_diff": {n: (a - b).abs().max().item() for n, a, b in zip(("out", "dq", "dk", "dv"), full, want)}}
+            out[backend] = {"max_diff": {n: (a - b).abs().max().item()
+                                         for n, a, b in zip(("out", "dq", "dk", "dv"), full, want)}}
         except Exception as e:  # noqa: BLE001 - what torch raised is the result
             out[backend] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
     return out

@@ -301,15 +301,16 @@ def describe_data_parallel(f: dict) -> str:
     serial {2, 4} (forward+backward vs one), step {2, 4} (whole step vs one replica's), ddp_compute {2, 4},
     ddp_step2, dp_step2, ddp_comm2 (DDP's step minus its compute), dp_copies2 (reduce + sync), bytes_into {2, 4},
     ddp_sent4, psi, load, cores."""
-    ms = lambda t: f"{t * 1e3:.1f} ms"
+    def ms(t):
+        return f"{t * 1e3:.1f} ms"
     c2, c4 = f["ddp_compute"][2], f["ddp_compute"][4]
-    s = (f"* **Step time.** One process computes the replicas one after another, so n replicas cost n times one replica's "
-         f"forward and backward ({ms(f['one'])} here) if nothing else changes. Measured: forward and backward took "
-         f"{f['serial'][2]:.1f}× as long with 2 replicas ({_vs_n(f['serial'][2], 2)}) and {f['serial'][4]:.1f}× with 4 "
-         f"({_vs_n(f['serial'][4], 4)}); the whole step {f['step'][2]:.1f}× and {f['step'][4]:.1f}× (the reduction into "
-         f"replica 0 and the copies back out come on top; load average up to {f['load']:.1f} on {f['cores']} cores). "
-         f"DDP with N=2 ranks computed for {ms(c2)} per step ({c2 / f['one']:.1f}× one replica alone), its ranks in "
-         f"parallel. ")
+    s = ("* **Step time.** One process computes the replicas one after another, so n replicas cost n times one "
+         f"replica's forward and backward ({ms(f['one'])} here) if nothing else changes. Measured: forward and "
+         f"backward took {f['serial'][2]:.1f}× as long with 2 replicas ({_vs_n(f['serial'][2], 2)}) and "
+         f"{f['serial'][4]:.1f}× with 4 ({_vs_n(f['serial'][4], 4)}); the whole step {f['step'][2]:.1f}× and "
+         f"{f['step'][4]:.1f}× (the reduction into replica 0 and the copies back out come on top; load average up to "
+         f"{f['load']:.1f} on {f['cores']} cores). DDP with N=2 ranks computed for {ms(c2)} per step "
+         f"({c2 / f['one']:.1f}× one replica alone), its ranks in parallel. ")
     if f["cores"] < 4:
         s += f"With N=4 on {f['cores']} cores DDP is oversubscribed (two ranks per core), and its compute "
         s += (f"grew to {ms(c4)}." if c4 > 1.1 * c2 else
@@ -324,20 +325,21 @@ def describe_data_parallel(f: dict) -> str:
     else:
         why = []
         if c2 > 1.3 * f["one"]:
-            why.append(f"each DDP rank computed {c2 / f['one']:.1f}× slower than a lone replica: two processes compete for "
-                       f"the cores (with each other and with other programs)")
+            why.append(f"each DDP rank computed {c2 / f['one']:.1f}× slower than a lone replica: two processes compete "
+                       f"for the cores (with each other and with other programs)")
         if f["ddp_comm2"] > f["dp_copies2"]:
-            why.append(f"its communication and optimizer took {ms(f['ddp_comm2'])}, more than DataParallel's reduce and "
-                       f"sync ({ms(f['dp_copies2'])}), which are plain copies inside one process")
+            why.append(f"its communication and optimizer took {ms(f['ddp_comm2'])}, more than DataParallel's reduce "
+                       f"and sync ({ms(f['dp_copies2'])}), which are plain copies inside one process")
         s += "DDP was not faster here" + (": " + "; and ".join(why) + "." if why else
                                           ", and neither its compute nor its communication alone explains it: noise.")
-    s += (" On GPUs, where each replica has its own device, `DataParallel`'s serial Python driving and its hub are what stop "
-          "it scaling.")
+    s += (" On GPUs, where each replica has its own device, `DataParallel`'s serial Python driving and its hub are "
+          "what stop it scaling.")
     hub = f["bytes_into"][4] / f["ddp_sent4"]
     s += (f"\n* **The hub.** Into replica 0 flow {f['bytes_into'][2] / 1e6:.1f} MB per step with 2 replicas and "
-          f"{f['bytes_into'][4] / 1e6:.1f} MB with 4, $(n-1)\\Psi\\cdot 4$ bytes, and as much flows back out as weights. "
-          f"A DDP rank at N=4 sent {f['ddp_sent4'] / 1e6:.1f} MB, {hub:.1f}× less than replica 0 receives, and that stays "
-          f"under $2\\Psi\\cdot4$ = {8 * f['psi'] / 1e6:.1f} MB at any N while the hub's load grows with n.")
+          f"{f['bytes_into'][4] / 1e6:.1f} MB with 4, $(n-1)\\Psi\\cdot 4$ bytes, and as much flows back out as "
+          f"weights. A DDP rank at N=4 sent {f['ddp_sent4'] / 1e6:.1f} MB, {hub:.1f}× less than replica 0 receives, "
+          f"and that stays under $2\\Psi\\cdot4$ = {8 * f['psi'] / 1e6:.1f} MB at any N while the hub's load grows "
+          "with n.")
     return s
 
 
@@ -347,16 +349,18 @@ def describe_modes(f: dict) -> str:
     m, ms = f["m"], (lambda t: f"{t * 1e3:.1f} ms")
     extra = {N: m[N]["naive"]["messages"] - m[N]["bucketed"]["messages"] for N in m}
     per_msg = {N: (m[N]["naive"]["finish"] - m[N]["bucketed"]["finish"]) / extra[N] for N in m}
-    out = [f"* **Same bytes, different messages.** Every mode sent exactly {m[2]['naive']['sent'] / 1e6:.2f} MB per rank per "
-           f"step at N=2 and {m[4]['naive']['sent'] / 1e6:.2f} MB at N=4, the ring's $2\\frac{{N-1}}{{N}}\\Psi\\cdot4$. Naive "
+    out = [f"* **Same bytes, different messages.** Every mode sent exactly {m[2]['naive']['sent'] / 1e6:.2f} MB per "
+           f"rank per step at N=2 and {m[4]['naive']['sent'] / 1e6:.2f} MB at N=4, the ring's "
+           f"$2\\frac{{N-1}}{{N}}\\Psi\\cdot4$. Naive "
            f"needs {m[2]['naive']['messages']} messages, the buckets {m[2]['bucketed']['messages']}."]
     s = (f"* **Naive vs bucketed.** At N=2 naive's `finish` took {ms(m[2]['naive']['finish'])} against bucketed's "
-         f"{ms(m[2]['bucketed']['finish'])}; at N=4, {ms(m[4]['naive']['finish'])} against {ms(m[4]['bucketed']['finish'])}. ")
+         f"{ms(m[2]['bucketed']['finish'])}; at N=4, {ms(m[4]['naive']['finish'])} against "
+         f"{ms(m[4]['bucketed']['finish'])}. ")
     s += f"A message's latency α is {f['alpha'] * 1e6:.0f} µs here (lesson 01's ping-pong, rerun in this job). "
     for N in m:
         if per_msg[N] <= 0:
-            s += (f"At N={N} naive was not slower: with few timed steps on a busy machine the noise is larger than what "
-                  f"{extra[N]} extra messages cost. ")
+            s += (f"At N={N} naive was not slower: with few timed steps on a busy machine the noise is larger than "
+                  f"what {extra[N]} extra messages cost. ")
         else:
             s += (f"At N={N} each extra message cost {per_msg[N] * 1e6:.0f} µs, " +
                   ("the order of α. " if per_msg[N] < 4 * f["alpha"] else f"{per_msg[N] / f['alpha']:.0f}× α. "))
@@ -366,19 +370,22 @@ def describe_modes(f: dict) -> str:
               f"{f['load']:.1f}; or a second rank on its core) makes all of them wait. ")
     if per_msg[2] > 0 and per_msg[4] > 3 * per_msg[2]:
         s += (f"A message cost {per_msg[4] / per_msg[2]:.0f}× more at N=4 than at N=2: with two ranks per core, every "
-              "blocking all-reduce waits until all four ranks have been scheduled, and naive pays that wait once per tensor. "
-              "Buckets are launched together and waited for together, so the wait is paid about once. ")
+              "blocking all-reduce waits until all four ranks have been scheduled, and naive pays that wait once per "
+              "tensor. Buckets are launched together and waited for together, so the wait is paid about once. ")
     elif per_msg[2] > 0 and per_msg[4] > 0:
         s += f"A message cost {per_msg[4] / per_msg[2]:.1f}× as much at N=4 as at N=2. "
     s += f"(Bucketed also pays for copying {4 * f['psi'] / 1e6:.1f} MB into the buckets inside `finish`.)"
     out.append(s)
     o2, b2, o4, b4 = m[2]["overlap"], m[2]["bucketed"], m[4]["overlap"], m[4]["bucketed"]
-    verdict = lambda o, b: "faster" if o["step"] < b["step"] else "no faster"
+    def verdict(o, b):
+        return "faster" if o["step"] < b["step"] else "no faster"
     out.append(f"* **Overlapped vs bucketed.** Overlap moves the copies and the launches *into* backward: its "
                f"forward+backward took {ms(o2['compute'])} against {ms(b2['compute'])} at N=2, and its `finish` "
-               f"{ms(o2['finish'])} against {ms(b2['finish'])}. The whole step: {ms(o2['step'])} against {ms(b2['step'])}, "
-               f"{verdict(o2, b2)} at N=2; at N=4 {ms(o4['step'])} against {ms(b4['step'])}, {verdict(o4, b4)}. Whether the "
-               "all-reduces really ran *during* backward is not visible in these totals. Section 4 looks inside one step.")
+               f"{ms(o2['finish'])} against {ms(b2['finish'])}. The whole step: {ms(o2['step'])} against "
+               f"{ms(b2['step'])}, {verdict(o2, b2)} at N=2; at N=4 {ms(o4['step'])} against {ms(b4['step'])}, "
+               f"{verdict(o4, b4)}. "
+               "Whether the all-reduces really ran *during* backward is not visible in these totals. Section 4 looks "
+               "inside one step.")
     return "\n".join(out)
 
 
@@ -395,20 +402,25 @@ def describe_progress(f: dict) -> str:
     MPICH_ASYNC_PROGRESS, nbytes and compute_s (the probe's), default / threaded = timeline_waits(...) plus the
     overlapped step's compute and step (seconds), cores, load."""
     pd, pa, d, t = f["pd"], f["pa"], f["default"], f["threaded"]
-    ms = lambda x: f"{x * 1e3:.2f} ms"
-    hidden = lambda p: float(min(max(1 - p["best_wait"] / p["best_all_reduce"], 0), 1))
+    def ms(x):
+        return f"{x * 1e3:.2f} ms"
+    def hidden(p):
+        return float(min(max(1 - p["best_wait"] / p["best_all_reduce"], 0), 1))
     out = ["**What we measured.**", ""]
-    s = (f"* **The probe, MPICH default.** A blocking {f['nbytes'] / 1e6:.0f} MB all-reduce took {ms(pd['best_all_reduce'])}. "
-         f"Launched async before {f['compute_s'] * 1e3:.0f} ms of compute, its `wait()` still took {ms(pd['best_wait'])} "
+    s = (f"* **The probe, MPICH default.** A blocking {f['nbytes'] / 1e6:.0f} MB all-reduce took "
+         f"{ms(pd['best_all_reduce'])}. Launched async before {f['compute_s'] * 1e3:.0f} ms of compute, its `wait()` "
+         f"still took {ms(pd['best_wait'])} "
          "afterwards: ")
     s += ("**no background progress**; the all-reduce ran inside `wait()`, after the compute, as if it had never been "
           "launched early." if hidden(pd) < 0.5 else f"about {hidden(pd):.0%} of it was done before the wait.")
     if pd["best_wait"] > pd["best_all_reduce"]:
-        s += " (The wait even exceeds the blocking all-reduce: it also absorbs the other rank arriving late from its compute.)"
+        s += (" (The wait even exceeds the blocking all-reduce: it also absorbs the other rank arriving late from its "
+              "compute.)")
     out.append(s)
     s = (f"* **The probe, `MPICH_ASYNC_PROGRESS=1`.** Each rank now has {pa['os_threads']} OS threads instead of "
-         f"{pd['os_threads']}{': the progress thread exists' if pa['os_threads'] > pd['os_threads'] else ''}. The wait took "
-         f"{ms(pa['best_wait'])} after the compute, against a blocking all-reduce of {ms(pa['best_all_reduce'])}: ")
+         f"{pd['os_threads']}{': the progress thread exists' if pa['os_threads'] > pd['os_threads'] else ''}. The wait "
+         f"took {ms(pa['best_wait'])} after the compute, against a blocking all-reduce of "
+         f"{ms(pa['best_all_reduce'])}: ")
     s += (f"about {hidden(pa):.0%} of the all-reduce happened during the compute." if hidden(pa) >= 0.5 else
           "the thread did not get the all-reduce done during the compute.")
     ratio = pa["best_all_reduce"] / pd["best_all_reduce"]
@@ -416,33 +428,36 @@ def describe_progress(f: dict) -> str:
           + (f": two busy-polling threads and two ranks share {f['cores']} cores." if ratio > 1.5 else "."))
     out.append(s)
     s = (f"* **The timeline, MPICH default.** {d['launched']} of {d['buckets']} buckets were launched during backward"
-         + (", as designed" if d["launched"] == d["buckets"] else ", fewer than designed (the rest when backward was over)")
-         + f", and rank 0 then sat {d['blocked'] * 1e3:.1f} ms blocked in `wait()` after backward, {d['first'] * 1e3:.1f} ms "
-         "of it in the **first** wait. A timeline sees when `wait()` returns, not when the bytes moved; the probe says where "
-         "they moved. Any MPI call runs MPICH's progress engine for *every* pending request, so one long wait can complete "
-         "the later buckets too, and their own waits return at once. The same rule gives the default MPICH its only "
-         "overlap: each launch is an MPI call, so it advances the all-reduces already pending a little, between two "
-         "layers' gradients (exercise 3 makes use of that).")
+         + (", as designed" if d["launched"] == d["buckets"]
+            else ", fewer than designed (the rest when backward was over)")
+         + f", and rank 0 then sat {d['blocked'] * 1e3:.1f} ms blocked in `wait()` after backward, "
+         f"{d['first'] * 1e3:.1f} ms "
+         "of it in the **first** wait. A timeline sees when `wait()` returns, not when the bytes moved; the probe says "
+         "where they moved. Any MPI call runs MPICH's progress engine for *every* pending request, so one long wait "
+         "can complete the later buckets too, and their own waits return at once. The same rule gives the default "
+         "MPICH its only overlap: each launch is an MPI call, so it advances the all-reduces already pending a little, "
+         "between two layers' gradients (exercise 3 makes use of that).")
     out.append(s)
-    out.append(f"* **The timeline, async progress.** {t['launched']} of {t['buckets']} buckets were launched during backward, "
-               f"and rank 0 was blocked for {t['blocked'] * 1e3:.1f} ms in `wait()` ({t['first'] * 1e3:.1f} ms in the first). "
-               f"Its forward+backward took {t['compute'] * 1e3:.1f} ms, against {d['compute'] * 1e3:.1f} ms without the thread, "
-               f"and a whole overlapped step {t['step'] * 1e3:.1f} ms against {d['step'] * 1e3:.1f} ms. "
+    out.append(f"* **The timeline, async progress.** {t['launched']} of {t['buckets']} buckets were launched during "
+               f"backward, and rank 0 was blocked for {t['blocked'] * 1e3:.1f} ms in `wait()` ({t['first'] * 1e3:.1f} "
+               f"ms in the first). Its forward+backward took {t['compute'] * 1e3:.1f} ms, against "
+               f"{d['compute'] * 1e3:.1f} ms without the thread, and a whole overlapped step {t['step'] * 1e3:.1f} ms "
+               f"against {d['step'] * 1e3:.1f} ms. "
                + ("The progress threads cost more than the overlap saved." if t["step"] > d["step"] else
                   "Here the overlap paid for the thread."))
     out.append("")
-    s = ("So on this CPU, with MPICH's default, overlapped DDP **launches early but communicates late**: the bytes move "
-         "inside `wait()`." if hidden(pd) < 0.5 else
-         f"With MPICH's default, {hidden(pd):.0%} of the probe's all-reduce was done before its wait: more than MPICH's "
-         "rule predicts.")
+    s = ("So on this CPU, with MPICH's default, overlapped DDP **launches early but communicates late**: the bytes "
+         "move inside `wait()`." if hidden(pd) < 0.5 else
+         f"With MPICH's default, {hidden(pd):.0%} of the probe's all-reduce was done before its wait: more than "
+         "MPICH's rule predicts.")
     s += f" The progress thread moved {hidden(pa):.0%} of it in the background"
     if hidden(pa) < 0.5:
-        s += (f", not more, because it competed for the {f['cores']} cores with the ranks (and other programs: load average "
-              f"{f['load']:.1f}).")
+        s += (f", not more, because it competed for the {f['cores']} cores with the ranks (and other programs: load "
+              f"average {f['load']:.1f}).")
     # what the thread is for: the same launch + compute + wait finishing sooner than without it
     elif pa["best_overlapped"] < pd["best_overlapped"]:
-        s += (f", and that saved time: launch + compute + wait took {ms(pa['best_overlapped'])} with the thread against "
-              f"{ms(pd['best_overlapped'])} without it.")
+        s += (f", and that saved time: launch + compute + wait took {ms(pa['best_overlapped'])} with the thread "
+              f"against {ms(pd['best_overlapped'])} without it.")
     else:
         s += (f", yet saved no time: launch + compute + wait took {ms(pa['best_overlapped'])} with the thread against "
               f"{ms(pd['best_overlapped'])} without it (the compute alone {ms(pa['best_compute'])} against "

@@ -1,4 +1,4 @@
-"""Expert parallelism, measured: what lesson 13, lab 12 and tests/test_experts.py launch.
+"""Expert parallelism, measured: what lesson 13, lab 12 and tests/test_moe.py launch.
 
 The model is the smallest that has both kinds of parameter and a gradient through both all-to-alls:
 tokens x [T, d] (T per rank, one GShard group each), u = Linear(x), h = u + MoELayer(u), a dense head

@@ -123,8 +123,10 @@ def zero2_offload(comm, steps=STEPS):
     config = {"train_micro_batch_size_per_gpu": BATCH_PER_RANK,
               "optimizer": {"type": "AdamW", "params": {"lr": LR}},
               "zero_optimization": {"stage": 2,
-                                    "offload_optimizer": {"device": "cpu"}}}  # ZeRO-Offload: master, Adam and step on the host
-    engine, _, _, _ = initialize(model=net, config=config, comm=comm)  # DeepSpeed's call (engine, optimizer, ...): the engine wraps
+                                    # ZeRO-Offload: master, Adam and step on the host
+                                    "offload_optimizer": {"device": "cpu"}}}
+    # DeepSpeed's call (engine, optimizer, ...): the engine wraps
+    engine, _, _, _ = initialize(model=net, config=config, comm=comm)
     # the model and builds the optimizer (runtime/engine.py)
     losses = []
     for batch in global_batches(net, steps, BATCH_PER_RANK * comm.size):

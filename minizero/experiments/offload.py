@@ -100,7 +100,8 @@ def _engine(comm, stage, offload=None, param=None, fp16=False, opt="adam", sub_g
     model = build_model("tiny-gpt", seed=0, **(model_kwargs or LESSON_GPT))
     engine = build_engine(model, cfg, comm)
     losses, times = [], []
-    for batch in global_batches(model if stage != 3 else build_model("tiny-gpt", seed=0, **(model_kwargs or LESSON_GPT)),
+    for batch in global_batches(model if stage != 3
+                                else build_model("tiny-gpt", seed=0, **(model_kwargs or LESSON_GPT)),
                                 steps, 4 * comm.size):
         x, y = shard(batch, comm.rank, comm.size)
         if engine.offload is not None:

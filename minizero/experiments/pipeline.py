@@ -100,7 +100,8 @@ def train(comm, schedule="1f1b", p=2, m=4, v=1, steps=5, micro=2, lr=0.1, gpt=No
            "sent": [], "sent_by_op": [], "peak_in_flight": [], "peak_activation_bytes": [], "transient_peak": [],
            "p2p_theory": stage.p2p_bytes_per_step(m), "activation_nbytes": stage.activation_nbytes,
            "activation_shape": list(stage.activation_shape), "tied_numel": sum(q.numel() for q in stage.tied),
-           "numel": sum(q.numel() for q in params), "padded_numel": getattr(getattr(opt, "layout", None), "padded_numel", None),
+           "numel": sum(q.numel() for q in params),
+           "padded_numel": getattr(getattr(opt, "layout", None), "padded_numel", None),
            "activation_bytes": None, "config": dict(schedule=schedule, p=p, m=m, v=v, dp=mesh.dp_size)}
     for x, y in batches:
         x, y = shard((x, y), mesh.dp_rank, mesh.dp_size)

@@ -51,7 +51,8 @@ def shape_of(name: str) -> ModelShape:
 
 
 def strategy_of(c: dict, world: int, node_size: int, micro_batch: int) -> Strategy:
-    return Strategy(world, node_size, tp=c.get("tp", 1), sp=c.get("sp", False), zero=c["zero"], offload=c.get("offload", False), micro_batch=micro_batch,
+    return Strategy(world, node_size, tp=c.get("tp", 1), sp=c.get("sp", False), zero=c["zero"],
+                    offload=c.get("offload", False), micro_batch=micro_batch,
                     micro_batches=c["micro_batches"], checkpointing=c.get("checkpointing", False),
                     precision="fp32", optimizer="sgd")
 

@@ -121,7 +121,8 @@ def run_mode(comm, mesh, mode, batches, reference, m=4, lr=0.05, seed=0, tie="sh
     from minizero.models import GPTConfig
     from minizero.pipeline import PipelineRuntime, make_schedule
     cfg = GPTConfig(**GPT)
-    stage, opt, data_parallel, wrapped, names, shapes = _build(mesh, mode, cfg, lr, seed, batches[0][0].shape[0] // (m * mesh.dp_size))
+    stage, opt, data_parallel, wrapped, names, shapes = _build(mesh, mode, cfg, lr, seed,
+                                                               batches[0][0].shape[0] // (m * mesh.dp_size))
     tie_comm = stage.tie_comm
     sharded_tie = mode != "zero1"
     if sharded_tie:
@@ -137,7 +138,8 @@ def run_mode(comm, mesh, mode, batches, reference, m=4, lr=0.05, seed=0, tie="sh
             samples.append(_states(memory.measure(*objects)))
             return t
         return run
-    out = {"mode": mode, "tie": tie if sharded_tie else "full gradients", "rank": comm.rank, "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "m": m,
+    out = {"mode": mode, "tie": tie if sharded_tie else "full gradients", "rank": comm.rank, "pp_rank": mesh.pp_rank,
+           "dp_rank": mesh.dp_rank, "m": m,
            "dp": mesh.dp_size, "pp": mesh.pp_size, "numel": sum(q.numel() for q in stage.parameters()),
            "tied_numel": sum(q.numel() for q in stage.tied),
            "step_s": [], "sent_by_op": None, "losses": []}

@@ -239,15 +239,15 @@ def describe_tp_vs_dp(tp_sent: float, dp_sent: float, tp_calls: int, dp_calls: i
          f"micro-batch, DP's with the parameters), in {tp_calls} collectives against DP's {dp_calls} bucket "
          f"all-reduce{'s' if dp_calls > 1 else ''}"
          + (f": {tp_calls - dp_calls} more latencies α. " if tp_calls > dp_calls else ". "))
-    s += (f"In minizero every one of them waits for its result: the {fwd_calls} forward ones because the next operation "
-          f"needs their sum, the {tp_calls - fwd_calls} backward ones because `CopyToTensorParallel` waits too. Libraries "
-          "hide both kinds: Megatron-LM overlaps the backward all-reduce of a layer's input gradient with its weight-gradient "
-          "GEMM (`LinearWithGradAccumulationAndAsyncCommunication`), and the forward ones too with Megatron-Core's "
-          "`tp_comm_overlap` (`megatron/core/model_parallel_config.py`: Transformer Engine splits each GEMM into chunks and "
-          "overlaps one chunk's all-gather or reduce-scatter with the next chunk's compute), torchtitan's "
-          "`compile.enable_async_tensor_parallel` (torch's micro-pipelined all-gather-matmul and matmul-reduce-scatter) and "
-          "DeepSpeed's Domino (`runtime/domino/transformer.py`: the batch split in two, one half's all-reduce launched async "
-          "while the other half computes).")
+    s += (f"In minizero every one of them waits for its result: the {fwd_calls} forward ones because the next "
+          f"operation needs their sum, the {tp_calls - fwd_calls} backward ones because `CopyToTensorParallel` waits "
+          "too. Libraries hide both kinds: Megatron-LM overlaps the backward all-reduce of a layer's input gradient "
+          "with its weight-gradient GEMM (`LinearWithGradAccumulationAndAsyncCommunication`), and the forward ones too "
+          "with Megatron-Core's `tp_comm_overlap` (`megatron/core/model_parallel_config.py`: Transformer Engine splits "
+          "each GEMM into chunks and overlaps one chunk's all-gather or reduce-scatter with the next chunk's compute), "
+          "torchtitan's `compile.enable_async_tensor_parallel` (torch's micro-pipelined all-gather-matmul and "
+          "matmul-reduce-scatter) and DeepSpeed's Domino (`runtime/domino/transformer.py`: the batch split in two, one "
+          "half's all-reduce launched async while the other half computes).")
     return s
 
 

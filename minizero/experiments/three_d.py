@@ -72,7 +72,8 @@ def _calls(comm) -> int:
 
 def _one_step(engine, comm, x, y, micro):
     """One optimizer step on this rank's rows; returns the loss (the same on every rank)."""
-    rows = shard((x, y), engine.dp_rank, engine.dp_size) if hasattr(engine, "dp_rank") else shard((x, y), comm.rank, comm.size)
+    rows = (shard((x, y), engine.dp_rank, engine.dp_size) if hasattr(engine, "dp_rank")
+            else shard((x, y), comm.rank, comm.size))
     pieces = list(zip(rows[0].split(micro), rows[1].split(micro)))
     if hasattr(engine, "train_batch"):
         return engine.train_batch(iter(pieces)).item()

@@ -29,7 +29,8 @@ SMALL_BUCKET_BYTES = {"tiny-gpt": 20_000, "edge": 200}  # per bucket, whatever t
 
 def build_zero(stage, cls, model, comm, opt, lr, bucket_numel=6_250_000):
     """-> (forward, step, zero_grad, objects for memory.measure, the FlatLayout, the wrapper)."""
-    optimizer_cls, kw = (torch.optim.SGD, {"lr": lr, "momentum": 0.9}) if opt == "sgd" else (torch.optim.Adam, {"lr": lr})
+    optimizer_cls, kw = ((torch.optim.SGD, {"lr": lr, "momentum": 0.9}) if opt == "sgd"
+                         else (torch.optim.Adam, {"lr": lr}))
     if stage == 1:
         z = cls(model.parameters(), optimizer_cls, comm, **kw)
         return model, z.step, z.zero_grad, (model, z), z.layout, z
@@ -228,7 +229,7 @@ def lesson_zero2(comm):
 def describe_saving(formula: float, measured: float) -> str:
     """The ZeRO-1 saving at N = 4, formula against the TinyGPT run (lesson 04, section 7)."""
     if f"{formula:.2f}" == f"{measured:.2f}":
-        return (f"(measured on TinyGPT: {measured:.2f}×, the same to two decimals: the padding and the step counters the "
-                "formula leaves out are too few bytes to show)")
+        return (f"(measured on TinyGPT: {measured:.2f}×, the same to two decimals: the padding and the step counters "
+                "the formula leaves out are too few bytes to show)")
     return (f"(measured on TinyGPT: {measured:.2f}×, {'below' if measured < formula else 'above'} the formula by "
             f"{abs(measured - formula):.2f}: the padding and the step counters the formula leaves out)")

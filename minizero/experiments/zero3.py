@@ -110,19 +110,20 @@ def describe_scaling(states: list, gathered: list, acts: list, z3_total: list, d
     i4 = Ns.index(4)
     claimed = ddp_total[0] / 64  # "ZeRO-3 divides DDP's memory by N"
     s = (f"At N=4 the model states are {states[0] / states[i4]:.2f}× smaller than at N=1. Everything a rank holds is "
-         f"{ddp_total[i4] / z3_total[i4]:.2f}× less than under DDP. The gathered peak ({gathered[i4]:.3f} MB: the root plus "
-         f"three blocks' worth, see section 5) and the activations ({acts[i4]:.3f} MB) ")
+         f"{ddp_total[i4] / z3_total[i4]:.2f}× less than under DDP. The gathered peak ({gathered[i4]:.3f} MB: the root "
+         f"plus three blocks' worth, see section 5) and the activations ({acts[i4]:.3f} MB) ")
     flat = abs(gathered[i4] + acts[i4] - gathered[0] - acts[0]) <= 0.05 * (gathered[0] + acts[0])
     s += ("do not shrink with N. " if flat else
           f"changed with N (from {gathered[0] + acts[0]:.3f} MB at N=1), though nothing in them is sharded. ")
-    s += (f"Extrapolated to 64 ranks, the total would be {projected64:.3f} MB; the claim that ZeRO-3 divides DDP's memory "
-          f"by N would make it {claimed:.3f} MB ({ddp_total[0]:.3f} MB ÷ 64). ")
+    s += (f"Extrapolated to 64 ranks, the total would be {projected64:.3f} MB; the claim that ZeRO-3 divides DDP's "
+          f"memory by N would make it {claimed:.3f} MB ({ddp_total[0]:.3f} MB ÷ 64). ")
     s += ("So **the saving is ∝ N for model states only**, and the total levels off at gathered peak + activations. "
           if projected64 > 2 * claimed else "Here the extrapolation comes close to the claim. ")
-    s += ("The 40 GB → 5 GB table (8× on 4 GPUs) cannot be right either: 4 ranks can divide the model states by at most 4. ")
+    s += ("The 40 GB → 5 GB table (8× on 4 GPUs) cannot be right either: 4 ranks can divide the model states by at "
+          "most 4. ")
     r1 = ddp_total[0] / z3_total[0]
-    s += (f"And at N=1 ZeRO-3 holds *more* than DDP (DDP's total is {r1:.2f}× ZeRO-3's): a gathered unit is a second copy of weights "
-          "the only rank already has." if r1 < 1 else
+    s += (f"And at N=1 ZeRO-3 holds *more* than DDP (DDP's total is {r1:.2f}× ZeRO-3's): a gathered unit is a second "
+          "copy of weights the only rank already has." if r1 < 1 else
           f"At N=1 ZeRO-3 holds no more than DDP ({r1:.2f}×).")
     return s
 
@@ -132,8 +133,8 @@ def describe_persistence(p0: dict, p65: dict, pall: dict, MB: float) -> str:
     ({"whole", "calls", "sent": {op: bytes}, "ledger"})."""
     saved = sum(p0["sent"].values()) - sum(p65["sent"].values())
     s = f"Keeping the {p65['whole']:,} smallest elements whole "
-    s += (f"saves {saved:.0f} bytes per step: a persistent element is all-reduced (2 transfers) instead of gathered twice "
-          "and reduce-scattered (3). " if saved > 0 else
+    s += (f"saves {saved:.0f} bytes per step: a persistent element is all-reduced (2 transfers) instead of gathered "
+          "twice and reduce-scattered (3). " if saved > 0 else
           f"saves nothing here ({-saved:.0f} bytes more per step). ")
     if p65["calls"] > p0["calls"]:
         s += (f"But it raises the collective count from {p0['calls']} to {p65['calls']}, because in a *flat-parameter* "
@@ -144,6 +145,7 @@ def describe_persistence(p0: dict, p65: dict, pall: dict, MB: float) -> str:
           "(`partitioned_param_coordinator.py`, `fetch_sub_module`), so a model of many small modules pays many small, "
           "latency-bound collectives, and its threshold removes those. ")
     s += (f"With every parameter persistent it is DDP again: {pall['sent'].get('all_reduce', 0):.0f} bytes, "
-          + ("all-reduce only" if set(k for k, v in pall["sent"].items() if v) <= {"all_reduce"} else "mostly all-reduce")
+          + ("all-reduce only" if set(k for k, v in pall["sent"].items() if v) <= {"all_reduce"}
+             else "mostly all-reduce")
           + f", and {sum(pall['ledger'].values()) / MB:.3f} MB per rank.")
     return s

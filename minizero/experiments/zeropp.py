@@ -60,7 +60,8 @@ def _split(comm):
 
 # ----------------------------------------------------------------------------- bytes per step
 def traffic(comm, node_size=2, dtype="fp16", model="tiny-gpt", model_kwargs=None, steps=2, micro=2,
-            weight_block_numel=2048, grad_block_numel=512, variants=tuple(VARIANTS), wrap=None, persistence_threshold=0):
+            weight_block_numel=2048, grad_block_numel=512, variants=tuple(VARIANTS), wrap=None,
+            persistence_threshold=0):
     """For each variant: this rank's bytes of the last of `steps` steps, {"forward"|"backward":
     {op: [intra, cross]}}, its ledger after backward, the units' padded sizes, the loss."""
     torch.set_num_threads(1)
@@ -198,7 +199,8 @@ def error_samples(comm, node_size=2, block_numel=(2048, 512), steps=5, count=400
         opt.zero_grad(set_to_none=True)
     weights = torch.cat([p.detach().reshape(-1) for p in net.h[0].parameters()])
     out = {}
-    for kind, x, bits, block in (("weights int8", weights, 8, block_numel[0]), ("gradients int4", grads, 4, block_numel[1])):
+    for kind, x, bits, block in (("weights int8", weights, 8, block_numel[0]),
+                                 ("gradients int4", grads, 4, block_numel[1])):
         codes, scales = quantize_blockwise(x, block, bits)
         err = (x - dequantize_blockwise(codes, scales, block)[0]).abs()
         scale = scales[0].repeat_interleave(block)[:x.numel()]

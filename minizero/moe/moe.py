@@ -54,7 +54,8 @@ class MoE(nn.Module):
                  use_residual: bool = False, noisy_gate_policy=None, drop_tokens: bool = True,
                  use_rts: bool = False, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False):
         super().__init__()
-        for name, value, default in (("use_residual", use_residual, False), ("noisy_gate_policy", noisy_gate_policy, None),
+        for name, value, default in (("use_residual", use_residual, False),
+                                     ("noisy_gate_policy", noisy_gate_policy, None),
                                      ("drop_tokens", drop_tokens, True), ("use_rts", use_rts, False),
                                      ("use_tutel", use_tutel, False),
                                      ("enable_expert_tensor_parallelism", enable_expert_tensor_parallelism, False)):
@@ -78,7 +79,8 @@ class MoE(nn.Module):
     def set_expert_parallel(self, ep_comm):
         """The engine's hook: keep this rank's E/ep experts; the all-to-all runs over ep_comm (mesh.ep)."""
         if ep_comm.size != self.ep_size:
-            raise ValueError(f"MoE: built with ep_size={self.ep_size}, given an expert-parallel group of {ep_comm.size}")
+            raise ValueError(f"MoE: built with ep_size={self.ep_size}, given an expert-parallel group of "
+                             f"{ep_comm.size}")
         self.layer.experts.shard(ep_comm.rank, ep_comm.size)
         self.layer.ep_comm = ep_comm
 

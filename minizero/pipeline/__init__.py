@@ -17,5 +17,6 @@ from minizero.pipeline.stage import PipelineError, PipelineModel, PipelineStage,
 from minizero.pipeline.trace import format_events, format_schedule
 
 __all__ = ["Action", "PipelineError", "PipelineModel", "PipelineRuntime", "PipelineStage", "SCHEDULES", "Schedule",
-           "ScheduleError", "SplitBackward", "StageChunk", "bubble", "bubble_formula", "format_events", "format_schedule",
+           "ScheduleError", "SplitBackward", "StageChunk", "bubble", "bubble_formula", "format_events",
+           "format_schedule",
            "in_flight_formula", "make_schedule", "partition", "peak_in_flight", "simulate"]

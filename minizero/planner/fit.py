@@ -59,7 +59,8 @@ def step_time(p: Plan, hw: Hardware) -> dict:
         for group, nbytes in stage.sent.items():
             intra = stage.link[group] == "intra-node"
             calls = _calls(group, s, shape)
-            seconds += calls * (hw.intra_alpha if intra else hw.inter_alpha) + nbytes / (hw.intra_bw if intra else hw.inter_bw)
+            seconds += calls * (hw.intra_alpha if intra else hw.inter_alpha) + nbytes / (hw.intra_bw if intra
+                                                                                         else hw.inter_bw)
         comm = max(comm, seconds)
     offload = 0.0
     if s.offload:
@@ -107,7 +108,8 @@ def candidates(shape: ModelShape, world: int, node_size: int, global_batch: int,
         if global_batch % (micro_batch * dp):
             continue
         eps = [e for e in divisors if dp % e == 0 and shape.experts % e == 0] if shape.experts else [1]
-        for ep, zero, offload, ckpt, sp in itertools.product(eps, range(4), (False, True), (False, True), (False, True)):
+        for ep, zero, offload, ckpt, sp in itertools.product(eps, range(4), (False, True), (False, True),
+                                                             (False, True)):
             s = Strategy(world, node_size, tp, pp, sp, zero, offload, micro_batch, global_batch // (micro_batch * dp),
                          "1f1b", ckpt, precision, optimizer, cp=cp, ulysses=ulysses, ep=ep)
             try:
@@ -126,7 +128,8 @@ def fit(shape: ModelShape, world: int, budget_bytes: float, hardware: Hardware, 
     every = list(candidates(shape, world, node_size, global_batch, micro_batch, precision, optimizer))
     if not every:
         raise PlanError(f"no layout of {world} ranks is valid for this model (heads {shape.heads}, layers "
-                        f"{shape.layers}, node size {node_size}, global batch {global_batch}, micro-batch {micro_batch})")
+                        f"{shape.layers}, node size {node_size}, global batch {global_batch}, micro-batch "
+                        f"{micro_batch})")
     fits = [p for p in every if p.peak_device_bytes <= budget_bytes]
     if any(p.strategy.cp == 1 for p in fits):
         fits = [p for p in fits if p.strategy.cp == 1]

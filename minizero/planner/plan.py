@@ -25,7 +25,8 @@ Everything is a formula of minizero's own layouts, so a run of the same configur
   the head on the last stage: the LN and LM-head inputs and the log-softmax, w·s·b·(2h + V/t)
   (with SP the two inputs are sequence shards: 2h/t).
 * Bytes sent per step (comm.stats' ring model, f = (N-1)/N of the group): DP stage 0 all-reduce
-  2f·Ψ·b_g (with gradient clipping, ZeRO 1-2 add one float's all-reduce); stage 1 reduce-scatter + all-gather f·Ψ(b_g + b_p); stage 2 reduce every micro-batch
+  2f·Ψ·b_g (with gradient clipping, ZeRO 1-2 add one float's all-reduce); stage 1 reduce-scatter + all-gather f·Ψ(b_g +
+  b_p); stage 2 reduce every micro-batch
   m·f·Ψ·b_g + all-gather f·Ψ·b_p; stage 3 (every unit gathered in forward and again in backward,
   reduce-scattered, per micro-batch) 3·m·f·Ψ·b_c. TP: the tensor package's own count
   (tensor.parallel_gpt.collectives_per_step): 4 all-reduces of s·b·h per layer per micro-batch (2
@@ -50,7 +51,7 @@ Everything is a formula of minizero's own layouts, so a run of the same configur
   moe.all_to_all_bytes(E, C, h, w, ep) = (ep-1)/ep·E·C·h·w, C = moe.capacity(b·s/cp, E, k, cf).
   The expert MLP's two 4h-wide saved tensors cover E·C slots instead of b·s/cp tokens (not validated
   against a run). tests/test_planner.py checks the cp and ep bytes against the formulas that
-  tests/test_context.py and tests/test_experts.py measure with comm.stats.
+  tests/test_context.py and tests/test_moe.py measure with comm.stats.
 """
 from __future__ import annotations
 
@@ -257,7 +258,8 @@ def plan(shape: ModelShape, s: Strategy) -> Plan:
         layers = sizes + (stage < extra)
         first, last = stage == 0, stage == s.pp - 1
         experts = layers * shape.experts // s.ep * shape.mlp_params()  # expert elements on this rank
-        block = shape.block_params() - shape.experts * shape.mlp_params() if shape.experts else (12 * h * h + 7 * h) // t + 6 * h
+        block = (shape.block_params() - shape.experts * shape.mlp_params() if shape.experts
+                 else (12 * h * h + 7 * h) // t + 6 * h)
         params = layers * block + experts
         params += (v * h // t + sq * h) if first else 0
         params += (2 * h + (0 if shape.tied and first else v * h // t)) if last else 0
@@ -300,7 +302,8 @@ def _capacity(shape: ModelShape, s: Strategy) -> int:
 
 def _dp_bytes(s: Strategy, params, group) -> float:
     f, w, m = (group - 1) / group, DTYPES[s.precision], s.micro_batches
-    return {0: 2 * f * params * w, 1: f * params * 2 * w, 2: (m + 1) * f * params * w, 3: 3 * m * f * params * w}[s.zero]
+    return {0: 2 * f * params * w, 1: f * params * 2 * w, 2: (m + 1) * f * params * w,
+            3: 3 * m * f * params * w}[s.zero]
 
 
 def _comm(sp: StagePlan, s: Strategy, params, experts, stage, first, last, layers, shape):
@@ -326,7 +329,8 @@ def _comm(sp: StagePlan, s: Strategy, params, experts, stage, first, last, layer
         sp.link["expert_dp"] = _link([at(d, stage, c, 0) for d in range(0, s.dp, s.ep) for c in range(s.cp)],
                                      s.node_size)
     if s.tp > 1:
-        sp.sent["tp"], sp.link["tp"] = _tp_bytes(s, shape, layers, first, last), _link([at(0, stage, 0, k) for k in range(s.tp)], s.node_size)
+        sp.sent["tp"], sp.link["tp"] = _tp_bytes(s, shape, layers, first,
+                                                 last), _link([at(0, stage, 0, k) for k in range(s.tp)], s.node_size)
     if s.cp > 1:  # the mechanism's bytes per attention layer; the recompute repeats the forward
         ring = (ulysses_bytes_per_layer if s.ulysses else ring_bytes_per_layer)(
             s.micro_batch, shape.seq, shape.hidden // s.tp, s.cp, w)
@@ -360,7 +364,8 @@ def _tp_bytes(s: Strategy, shape: ModelShape, layers, first, last) -> float:
     from minizero.comm.stats import ring_bytes_sent
     from minizero.tensor.parallel_gpt import collectives_per_step
     w, t = DTYPES[s.precision], s.tp
-    count = collectives_per_step(layers, s.micro_batch, shape.seq // s.cp, shape.hidden, shape.seq, t, s.sp, bytes_per=w)
+    count = collectives_per_step(layers, s.micro_batch, shape.seq // s.cp, shape.hidden, shape.seq, t, s.sp,
+                                 bytes_per=w)
 
     def sent(ops):
         return sum(ring_bytes_sent(op, payload, t) for op, (_, payload) in ops.items())

@@ -298,6 +298,7 @@ def split_numel(module: nn.Module) -> tuple[int, int]:
     return sharded, sum(p.numel() for p in module.parameters()) - sharded
 
 
-__all__ = ["ParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "CopyToTensorParallel", "ReduceFromTensorParallel",
+__all__ = ["ParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "CopyToTensorParallel",
+           "ReduceFromTensorParallel",
            "GatherFromTensorParallel", "copy_to_tensor_parallel", "reduce_from_tensor_parallel",
            "gather_from_tensor_parallel", "shard", "unshard", "mark_sharded", "check_divisible", "split_numel"]

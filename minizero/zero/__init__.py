@@ -32,7 +32,7 @@ from minizero.zero.offload import HostOptimizer, Traffic
 from minizero.zero.fsdp import FSDP
 from minizero.zero.fsdp_optimizer import FSDPOptimizer
 from minizero.zero.hybrid import HybridShard
-from minizero.zero.shard_grad_op import ReduceBucket, ShardGradOp
+from minizero.zero.shard_grad_op import ShardGradOp
 from minizero.zero.sharded_optimizer import ShardedOptimizer
 from minizero.zero.tiers import OffloadSpec
 from minizero.zero.zeropp import ZeroPP
@@ -40,4 +40,4 @@ from minizero.zero.zeropp import ZeroPP
 STAGES = {1: ShardedOptimizer, 2: ShardGradOp, 3: FSDP}
 
 __all__ = ["DiskOptimizer", "FSDP", "FSDPOptimizer", "FlatLayout", "GatheredParameters", "HostOptimizer", "HybridShard",
-           "Init", "OffloadSpec", "ReduceBucket", "STAGES", "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]
+           "Init", "OffloadSpec", "STAGES", "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]

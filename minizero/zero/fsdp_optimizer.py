@@ -62,7 +62,8 @@ class FSDPOptimizer(FlatShardOptimizer):
             for part, master in (("shard", unit.shard), ("whole", unit.whole)):
                 if master is None:
                     continue
-                pieces = [(index[id(unit.visible[j])], lo, lo + numel, offset) for j, offset, numel, lo in unit.slots[part]
+                pieces = [(index[id(unit.visible[j])], lo, lo + numel, offset)
+                          for j, offset, numel, lo in unit.slots[part]
                           if numel and id(unit.visible[j]) in index]
                 data_end = sum(numel for _, _, numel, _ in unit.slots[part])  # the rank's elements, then padding
                 masters.append((master, pieces, data_end, part == "whole"))

@@ -114,7 +114,8 @@ class DiskOptimizer(OffloadedOptimizer):
             self.offsets.append(self.offsets[-1] + p.numel())
         self.numel = self.offsets[-1]
         self.sub_group_numel = min(int(sub_group_numel), max(self.numel, 1))
-        self.bounds = [(lo, min(lo + self.sub_group_numel, self.numel)) for lo in range(0, self.numel, self.sub_group_numel)]
+        self.bounds = [(lo, min(lo + self.sub_group_numel, self.numel))
+                       for lo in range(0, self.numel, self.sub_group_numel)]
         self._work = torch.nn.Parameter(torch.zeros(1), requires_grad=False)  # each sub-group is swapped in here
         self.optim = cpu_optimizer(optimizer_cls, [self._work], **optimizer_kwargs)
         self.keys = None                           # elementwise state names, known after the first step

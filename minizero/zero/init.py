@@ -90,7 +90,8 @@ class Recorder(TorchDispatchMode):
             real[1].pop("device", None)
             func(*real[0], **real[1])
         out = func(*args, **kwargs)
-        written = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        written = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None
+                   and a.alias_info.is_write]
         enc_args, enc_kwargs = tree_map(self._encode, (args, kwargs))
         stored_rng = None if rng is None else rng[1]  # a fresh generator in this state draws the same numbers
         if written:
@@ -99,14 +100,17 @@ class Recorder(TorchDispatchMode):
                 ref = self._ref(target)
                 rec = self.recipes[ref.key]
                 if len(written) > 1 or target.dtype != rec.dtype:
-                    rec.error = rec.error or f"{func} writes it through {'two outputs' if len(written) > 1 else 'a view of another dtype'}"
+                    rec.error = (rec.error
+                                 or f"{func} writes it through "
+                                 f"{'two outputs' if len(written) > 1 else 'a view of another dtype'}")
                 rec.ops.append((func, written[0], enc_args, enc_kwargs, stored_rng))
             return out
         for o in (out if isinstance(out, (tuple, list)) else [out]):
             if torch.is_tensor(o) and o.is_meta and _key(o) not in self.recipes:
                 rec = self.recipes[_key(o)] = _Recipe(o.dtype, o.untyped_storage().nbytes() // o.element_size())
                 self.keep.append(o)
-                rec.creator = (func, enc_args, enc_kwargs, stored_rng, (tuple(o.size()), tuple(o.stride()), o.storage_offset()))
+                rec.creator = (func, enc_args, enc_kwargs, stored_rng,
+                               (tuple(o.size()), tuple(o.stride()), o.storage_offset()))
         return out
 
     # ------------------------------------------------------------------ replay

@@ -83,7 +83,8 @@ def clip_shard_grad_norm_(comm, grad_shard: torch.Tensor, max_norm: float, norm_
         return precision.clip_grad_norm_([grad_shard], max_norm, shard_comm=comm)[0]
     if norm_type != float("inf"):
         raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type}")
-    total = grad_shard.float().abs().max().reshape(1) if grad_shard.numel() else torch.zeros(1, device=grad_shard.device)
+    total = (grad_shard.float().abs().max().reshape(1) if grad_shard.numel()
+             else torch.zeros(1, device=grad_shard.device))
     comm.all_reduce(total, op="max")
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     grad_shard.mul_(coef.to(grad_shard.dtype))

@@ -93,7 +93,8 @@ def run_group(names, nprocs, backend, quick, deadline, timeouts, env=None) -> di
             note = os.path.join(out_dir, f"{name}.timeout")
             if os.path.exists(note):
                 with open(note) as f:
-                    why = f"timed out after {timeouts[name]:g} s; " + "; ".join(f.read().split("\n")[:nprocs]).strip("; ")
+                    why = (f"timed out after {timeouts[name]:g} s; "
+                           + "; ".join(f.read().split("\n")[:nprocs]).strip("; "))
             elif isinstance(error, launch.LaunchTimeout):
                 why = f"the launch ran out of time: {str(error).splitlines()[0]}"
             else:
@@ -156,15 +157,17 @@ def markdown(info, rows, parts, args, seconds) -> str:
                 if info["cuda_available"] else " (no CUDA device: these are CPU figures)")
              + f", torch {info['torch']}, Python {info['python']}; {args.nprocs} ranks for the multi-rank parts over "
              f"the mpi backend, collectives staged through the host (NCCL refuses two ranks on one GPU), "
-             f"one rank over torch.distributed ({'NCCL' if info['cuda_available'] else 'gloo'}) for the world-of-one parts; "
-             f"{'--quick sizes; ' if args.quick else ''}{seconds:.0f} s in all. "
+             f"one rank over torch.distributed ({'NCCL' if info['cuda_available'] else 'gloo'}) for the world-of-one "
+             f"parts; {'--quick sizes; ' if args.quick else ''}{seconds:.0f} s in all. "
              f"**{len(rows) - failed} of {len(rows)} rows pass.**", "",
              "Produced by `make test-gpu` (`python tests/gpu/check.py`); what each part compares is in "
              "`tests/gpu/parts.py`. Every figure below was measured in that run.", "",
              "| check | expected | measured | pass |", "|---|---|---|---|"]
-    lines += [f"| {cell(r['check'])} | {cell(r['expected'])} | {cell(r['measured'])} | {'yes' if r['pass'] else '**no**'} |"
+    lines += [f"| {cell(r['check'])} | {cell(r['expected'])} | {cell(r['measured'])} | "
+              f"{'yes' if r['pass'] else '**no**'} |"
               for r in rows]
-    lines += ["", "Seconds per part: " + ", ".join(f"{n} {p['seconds']:.0f}" for n, p in parts.items()) + ".", "", ABOUT]
+    lines += ["", "Seconds per part: " + ", ".join(f"{n} {p['seconds']:.0f}" for n, p in parts.items()) + ".", "",
+              ABOUT]
     return "\n".join(lines)
 
 
@@ -173,7 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the same parts, small (the CPU suite's smoke run)")
     ap.add_argument("--out", help="where the Markdown report goes (default: docs/gpu.md with CUDA, else build/gpu.md)")
     ap.add_argument("--selftest", action="store_true",
-                    help="first run two parts that must fail (a wrong ring all-reduce, a hung one): the check's own test")
+                    help="first run two parts that must fail (a wrong ring all-reduce, a hung one): the check's own "
+                    "test")
     ap.add_argument("--json", help="also write the rows and the machine as JSON here")
     ap.add_argument("--nprocs", type=int, default=4, help="ranks of the multi-rank parts (default 4; at least 2)")
     ap.add_argument("--budget-s", type=float, default=480, help="stop launching after this many seconds (default 480)")
@@ -196,7 +200,8 @@ def main(argv=None) -> int:
         args.quick = True
     out = args.out or os.path.join(ROOT, "docs" if info["cuda_available"] else "build", "gpu.md")
     info["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    timeouts = {n: HANG_TIMEOUT_S if n == "selftest_hang" else TIMEOUT_S["quick" if args.quick else "full"] for n in names}
+    timeouts = {n: HANG_TIMEOUT_S if n == "selftest_hang" else TIMEOUT_S["quick" if args.quick else "full"]
+                for n in names}
     t0 = time.monotonic()
     deadline = t0 + args.budget_s
     parts = {}
@@ -204,7 +209,8 @@ def main(argv=None) -> int:
     one = [n for n in names if n in ONE]
     if world:  # leaves the world-of-one parts (NCCL, tensor cores) their share of the budget
         # MINIZERO_MPI_STAGE: on CPU too, every collective takes the host-staging path CUDA tensors take
-        parts.update(run_group(world, args.nprocs, "mpi", args.quick, deadline - (ONE_RESERVE_S if one else 0), timeouts,
+        parts.update(run_group(world, args.nprocs, "mpi", args.quick, deadline - (ONE_RESERVE_S if one else 0),
+                               timeouts,
                                env={"MINIZERO_MPI_STAGE": "1"}))
     if one:
         parts.update(run_group(one, 1, "torch", args.quick, deadline, timeouts))
@@ -218,7 +224,8 @@ def main(argv=None) -> int:
         f.write(markdown(info, rows, {n: parts[n] for n in names}, args, seconds))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"info": info, "rows": rows, "seconds": seconds, "parts": {n: parts[n] for n in names}}, f, indent=1)
+            json.dump({"info": info, "rows": rows, "seconds": seconds, "parts": {n: parts[n] for n in names}}, f,
+                      indent=1)
     failed = sum(not r["pass"] for r in rows)
     print(f"\n{len(rows) - failed}/{len(rows)} rows pass; wrote {out}")
     return 0 if failed == 0 else 1

@@ -137,7 +137,8 @@ def memory_row(comm, name, ledger, stage_plan, shape, cats=CATS) -> dict:
     ok = all(not b for _, _, _, b, _ in per_rank) and all(p is None or p >= d for d, _, _, _, p in per_rank)
     dev = [d for d, *_ in per_rank]
     measured = f"ledger device {_mb(min(dev))}..{_mb(max(dev))}, host {_mb(max(h for _, h, *_ in per_rank))}" + \
-        (f", CUDA peak {_mb(min(p for *_, p in per_rank))}..{_mb(max(p for *_, p in per_rank))}" if peak is not None else "")
+        (f", CUDA peak {_mb(min(p for *_, p in per_rank))}..{_mb(max(p for *_, p in per_rank))}" if peak is not None
+         else "")
     first_bad = next((f"rank {r}: {b[0]}" for r, (*_, b, _) in enumerate(per_rank) if b), "")
     expected = (f"planner per category, +0..{pad} B padding" + ("" if cats == CATS else f" ({', '.join(cats)})")
                 + ("; CUDA peak >= ledger device" if peak is not None else ""))
@@ -163,7 +164,8 @@ def ring(comm, quick, corrupt=False):
     diff = max(d for w in all_worst for d, _ in w)
     rows = [row(("self-test, one element off: " if corrupt else "") +
                 f"ring all-reduce = backend all-reduce (N={comm.size}, sizes {lab01.SIZES}, fp32/fp64)",
-                "rel. diff <= 1e-5 (fp32), 1e-12 (fp64)", f"max |diff| {diff:.1e}", all(ok for w in all_worst for _, ok in w))]
+                "rel. diff <= 1e-5 (fp32), 1e-12 (fp64)", f"max |diff| {diff:.1e}",
+                all(ok for w in all_worst for _, ok in w))]
     if corrupt:
         return rows
     n = 1 << (12 if quick else 22)
@@ -198,10 +200,12 @@ def strategies(comm, quick):
         # against 0.4-1.8 MB of states), the same for all four
         held[name] = max(live) if live[0] is not None else max(r["ledger"]["total"] for r in runs)
         est = sum(run0["estimate"].values())
-        measured = f"ledger {_mb(min(r['ledger']['total'] for r in runs))}..{_mb(max(r['ledger']['total'] for r in runs))}"
+        measured = ("ledger "
+                    f"{_mb(min(r['ledger']['total'] for r in runs))}..{_mb(max(r['ledger']['total'] for r in runs))}")
         ok = all(0 <= o <= slack for o in over)
         if peak[0] is not None:
-            measured += f", CUDA allocated above baseline {_mb(min(live))}..{_mb(max(live))}, peak {_mb(min(peak))}..{_mb(max(peak))}"
+            measured += (f", CUDA allocated above baseline {_mb(min(live))}..{_mb(max(live))}, peak "
+                         f"{_mb(min(peak))}..{_mb(max(peak))}")
             ok = ok and all(p >= a >= r["ledger"]["by_location"]["device"] for p, a, r in zip(peak, live, runs))
         rows.append(row(f"{name}: model states = estimator (memory.estimate)", f"{_mb(est)} +0..{slack} B" +
                         ("; CUDA peak >= allocated >= ledger device" if peak[0] is not None else ""), measured, ok))
@@ -470,7 +474,8 @@ def quantizer(comm, quick):
     return [row(f"ZeRO++ quantizer on {comm.device.type}: error bound ({cases} cases)", "|x - dq(q(x))| <= scale/2",
                 f"worst excess {worst:.1e}; int8 on {x.numel() / 2 ** 20:.0f} Mi fp32: quantize "
                 f"{rate['quantize']:.3g} GB/s, dequantize {rate['dequantize']:.3g} GB/s", worst <= 0),
-            row(f"ZeRO++ quantizer on {comm.device.type}: codes = the CPU's", "0 codes differ", f"{differ}", differ == 0)]
+            row(f"ZeRO++ quantizer on {comm.device.type}: codes = the CPU's", "0 codes differ", f"{differ}",
+                differ == 0)]
 
 
 def selftest_hang(comm, quick):

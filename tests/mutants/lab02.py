@@ -1,4 +1,5 @@
-"""Student bugs in solutions/lab02_bucketed_ddp.py (bucketed, overlapped DDP). See tests/mutants/__init__.py for the record."""
+"""Student bugs in solutions/lab02_bucketed_ddp.py (bucketed, overlapped DDP). See tests/mutants/__init__.py for the
+record."""
 from tests.mutants import Mutant
 
 MUTANTS = [

@@ -1,4 +1,5 @@
-"""Student bugs in solutions/lab03_loss_scaler.py (the fp16 loss scaler). See tests/mutants/__init__.py for the record."""
+"""Student bugs in solutions/lab03_loss_scaler.py (the fp16 loss scaler). See tests/mutants/__init__.py for the
+record."""
 from tests.mutants import Mutant
 
 MUTANTS = [

@@ -1,4 +1,5 @@
-"""Student bugs in solutions/lab05_zero2.py (ZeRO-2 gradient reduction). See tests/mutants/__init__.py for the record."""
+"""Student bugs in solutions/lab05_zero2.py (ZeRO-2 gradient reduction). See tests/mutants/__init__.py for the
+record."""
 from tests.mutants import Mutant
 
 MUTANTS = [
@@ -18,7 +19,8 @@ MUTANTS = [
            "part = bucket.buffer[a - bucket.lo:b - bucket.lo]",
            "check_matches_ddp", "not divided by N"),
     Mutant("copies the gradient but keeps p.grad (the full gradient survives backward: memory kept)",
-           "            p.grad = None\n        bucket.filled.add(i)", "        bucket.filled.add(i)",
+           "            p.grad = None\n        bucket.filled[bucket.slot[i]] = True",
+           "        bucket.filled[bucket.slot[i]] = True",
            "check_gradients_sharded", "still hold a full gradient"),
     Mutant("puts the gradient at its flat offset, not its offset inside the bucket (wrong offset)",
            "            a = self.layout.offsets[i] - bucket.lo\n", "            a = self.layout.offsets[i]\n",

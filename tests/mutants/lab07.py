@@ -1,4 +1,5 @@
-"""solutions/lab07_offload.py (the offloaded step): plausible student bugs, each caught by one check with the cause named."""
+"""solutions/lab07_offload.py (the offloaded step): plausible student bugs, each caught by one check with the cause
+named."""
 from tests.mutants import Mutant
 
 MUTANTS = [
@@ -16,7 +17,8 @@ MUTANTS = [
            "check_matches_ddp", "does not hold the device gradient"),
     Mutant("keeps the device gradient as the host buffer (no copy)",
            "        for host, g in zip(self.grads, device_grads):\n            host.copy_(g.reshape(-1))",
-           "        for i, (host, g) in enumerate(zip(self.grads, device_grads)):\n            self.grads[i] = g.reshape(-1).float()",
+           "        for i, (host, g) in enumerate(zip(self.grads, device_grads)):\n            self.grads[i] = "
+           "g.reshape(-1).float()",
            "check_memory_by_location", "same storage"),
     Mutant("forgets to run the CPU optimizer",
            "        self.optim.step()\n",

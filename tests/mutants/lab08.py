@@ -60,9 +60,12 @@ MUTANTS = [
     Mutant("waits and decodes before returning the handle", GATHER,
            GATHER + "    finish()\n", "check_one_async_gather", "waited on the all-gather before returning"),
     Mutant("decodes before waiting (reads rows still being received)", GATHER,
-           GATHER.replace("        work.wait()\n        decode(rows, shard.numel(), block_numel, 8, out=output.view(comm.size, -1))\n",
+           GATHER.replace("        work.wait()\n        decode(rows, shard.numel(), block_numel, 8, "
+                          "out=output.view(comm.size, -1))\n",
                           "        work.wait()\n")
-           .replace("    def finish():", "    decode(rows, shard.numel(), block_numel, 8, out=output.view(comm.size, -1))\n\n    def finish():"),
+           .replace("    def finish():",
+                    "    decode(rows, shard.numel(), block_numel, 8, out=output.view(comm.size, -1))\n\n    def "
+                    "finish():"),
            "check_one_async_gather", "wrote into output before wait()"),
     Mutant("forgets to quantize: gathers the fp32 shard (right values, no bytes saved)",
            GATHER, GATHER.replace("encode(shard, block_numel, 8)", "shard.float().reshape(1, -1)")

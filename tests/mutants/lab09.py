@@ -27,7 +27,8 @@ MUTANTS = [
     Mutant("backward before forward in the steady state", STEADY,
            '        actions += [Action("B", k), Action("F", warmup + k)]\n', "check_valid", "comes before F0"),
     Mutant("no cool-down", COOLDOWN, "", "check_valid", "never runs B"),
-    Mutant("steady state backs the newest micro-batch", STEADY, STEADY.replace('Action("B", k)', 'Action("B", warmup + k)'),
+    Mutant("steady state backs the newest micro-batch", STEADY,
+           STEADY.replace('Action("B", k)', 'Action("B", warmup + k)'),
            "check_valid", "runs B1 twice"),
 ]
 MUTANTS += [

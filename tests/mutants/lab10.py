@@ -40,7 +40,8 @@ MUTANTS = [
            .replace("        return grad, None", "        grad = grad.contiguous().clone()\n"
                     "        ctx.comm.all_reduce(grad, op=\"sum\")\n        return grad, None"),
            "check_fg", "g is the identity in backward"),
-    Mutant("the column layer uses g where f belongs", "F.linear(copy_to_tensor_parallel(x, self.comm), self.weight, self.bias)",
+    Mutant("the column layer uses g where f belongs",
+           "F.linear(copy_to_tensor_parallel(x, self.comm), self.weight, self.bias)",
            "F.linear(reduce_from_tensor_parallel(x, self.comm), self.weight, self.bias)",
            "check_mlp", "ColumnParallelLinear forward: 1 all_reduce, expected no collective: f is the identity"),
     Mutant("the row layer uses f where g belongs", "reduce_from_tensor_parallel(F.linear(x, self.weight), self.comm)",
@@ -59,7 +60,8 @@ MUTANTS = [
            G_FORWARD.replace("out = x.contiguous().clone()", "out = x.contiguous().float()"),
            "check_fg", "doubles the bytes on the wire"),
     Mutant("f's backward reduces the gradient in float32", F_ALL_REDUCE,
-           F_ALL_REDUCE.replace("        ctx.comm.all_reduce", "        grad = grad.float()\n        ctx.comm.all_reduce"),
+           F_ALL_REDUCE.replace("        ctx.comm.all_reduce",
+                                "        grad = grad.float()\n        ctx.comm.all_reduce"),
            "check_fg", "f's backward all-reduce carried"),
     # the group: f and g run on the tp group they are given, never the world
     Mutant("g all-reduces over the world group, not the tp group", G_FORWARD,

@@ -14,7 +14,8 @@ MUTANTS = [
     Mutant("log-sum-exp without subtracting the max (overflows)", LSE,
            "    lse = torch.log(torch.exp(scores).sum(-1))\n", "check_block", "subtract the row max"),
     Mutant("L_B keeps its last dimension", LSE + OUT,
-           "    lse = torch.logsumexp(scores, dim=-1, keepdim=True)\n    out = (torch.exp(scores - lse).to(v.dtype)) @ v\n",
+           "    lse = torch.logsumexp(scores, dim=-1, keepdim=True)\n    out = (torch.exp(scores - lse).to(v.dtype)) @ "
+           "v\n",
            "check_block", "no keepdim"),
     Mutant("o_B not normalized", OUT, "    out = (torch.exp(scores).to(v.dtype)) @ v\n", "check_block",
            "not normalized"),

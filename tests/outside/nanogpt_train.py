@@ -106,7 +106,8 @@ def train(mode, world):
                   "gradient_clipping": CLIP, "zero_optimization": {"stage": int(mode[-1])},
                   "bf16": {"enabled": variant == "bf16"}}
         model, optimizer, _, _ = minizero.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
+            model=model, optimizer=optimizer,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
             config=config, comm=world)
         return deepspeed_loop(mode, model, world, cfg)
     if variant == "torch_clip":

@@ -1,8 +1,9 @@
-"""What tests/test_engine_keys.py launches (never inside pytest): the context-parallel and MoE engine keys on 4 ranks,
+"""What tests/test_engine_cp_ep.py launches (never inside pytest): the context-parallel and MoE engine keys on 4 ranks,
 in ONE job.
 
 sequence: sequence_parallel_size 2 (dp 2 x cp 2, DeepSpeed-Ulysses in TinyGPT's attention) at ZeRO
-stages 0-3, and ring attention (context_parallel.attention "ring", two mirrored chunks per rank) at stage 1, STEPS SGD-momentum steps of M micro-batches with the clip active; per stage the losses (each
+stages 0-3, and ring attention (context_parallel.attention "ring", two mirrored chunks per rank) at stage 1, STEPS
+SGD-momentum steps of M micro-batches with the clip active; per stage the losses (each
 rank's mean over its s/cp tokens, averaged over dp x cp), the clip's norm and the full state dict.
 experts: TinyGPT with MoE blocks (E experts, top-2, capacity factor 1: tokens dropped), ep_size 2 over
 dp 4 (two ep groups, expert_dp of 2), stages 0 and 1; the losses, norms, each rank's own parameters and its
@@ -23,7 +24,8 @@ CLIP = 0.05
 
 
 def config(dp, stage, sp=1, attention="ulysses"):
-    return {"context_parallel": {"attention": attention},"train_batch_size": MICRO * M * dp, "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
+    return {"context_parallel": {"attention": attention},"train_batch_size": MICRO * M * dp,
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
             "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
             "zero_optimization": {"stage": stage}, "sequence_parallel_size": sp}
 
@@ -57,7 +59,8 @@ def run(comm):
         engine = minizero.initialize(model=TinyGPT(GPTConfig(**GPT)), config=cfg, comm=comm).engine
         losses, norms = train(engine)
         full = engine.full_state_dict()
-        out["sequence"][stage] = {"losses": losses, "norms": norms, "coords": [engine.mesh.dp_rank, engine.mesh.cp_rank],
+        out["sequence"][stage] = {"losses": losses, "norms": norms,
+                                  "coords": [engine.mesh.dp_rank, engine.mesh.cp_rank],
                                   "dp_comm": engine.dp_comm.size, "dp_size": engine.dp_size,
                                   "state": {k: v.reshape(-1).tolist() for k, v in full.items()}}
     out["experts"] = {}

@@ -1,6 +1,6 @@
 """Expert parallelism (minizero.moe) against the single-process MoE written by hand.
 
-ONE 4-rank job (tests/experts_workers.py) runs ep = 4 (one expert-parallel group) and ep = 2 (two
+ONE 4-rank job (tests/moe_workers.py) runs ep = 4 (one expert-parallel group) and ep = 2 (two
 groups x expert-data parallel over 2), top-1 and top-2, even and skewed routers: 6 lockstep runs of
 3 SGD steps against experiments.experts.reference_forward (slots filled token by token, each expert
 applied to one token at a time, the loss the mean over the 4 ranks' groups).
@@ -21,7 +21,7 @@ _job = []
 
 def results(case):
     if not _job:
-        _job.append(launch.run("tests/experts_workers.py:run_all", nprocs=4, timeout=300))
+        _job.append(launch.run("tests/moe_workers.py:run_all", nprocs=4, timeout=300))
     return [out[case] for out in _job[0]]
 
 

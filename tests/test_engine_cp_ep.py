@@ -1,12 +1,13 @@
 """The context-parallel (sequence_parallel_size, ring) and MoE (ep_size) engine keys, against one process
-(one 4-rank launch: tests/engine_keys_workers.py).
+(one 4-rank launch: tests/engine_cp_ep_workers.py).
 
 * sequence_parallel_size 2 (DeepSpeed's key; dp 2 x cp 2, Ulysses in TinyGPT's attention), ZeRO stages 0-3,
   and with context_parallel.attention "ring" (minizero's key: ring attention, chunks r and 2cp-1-r) at stage 1:
   the losses, the clip's global norm and every parameter after 3 SGD-momentum steps (2 micro-batches each,
   clip active) equal one process training on the whole global batch with torch's clip_grad_norm_.
   Tolerance rtol 1e-5 / atol 1e-6 in fp32: Ulysses' attention is torch's scaled_dot_product_attention on
-  the whole sequence, ring attention an online softmax over blocks, the reference TinyGPT's written-out softmax, and the gradients are summed in another
+  the whole sequence, ring attention an online softmax over blocks, the reference TinyGPT's written-out softmax, and the
+  gradients are summed in another
   order (2 x 2 ranks, ring all-reduce), so the two differ by float32 rounding (measured: tests/notes).
 * An MoE TinyGPT (minizero.moe.MoE with ep_size 2; 4 experts, top-2, capacity factor 1 so tokens drop) at
   stages 0 and 1 on dp 4: the same against one process that routes each rank's micro-batch as that rank does
@@ -18,7 +19,7 @@ import torch
 
 from minizero import launch
 from minizero.models import GPTConfig, TinyGPT
-from tests import engine_keys_workers as W
+from tests import engine_cp_ep_workers as W
 
 RTOL, ATOL = 1e-5, 1e-6
 _job = []
@@ -26,7 +27,7 @@ _job = []
 
 def results():
     if not _job:
-        _job.append(launch.run("tests/engine_keys_workers.py:run", nprocs=4, timeout=300))
+        _job.append(launch.run("tests/engine_cp_ep_workers.py:run", nprocs=4, timeout=300))
     return _job[0]
 
 
@@ -43,7 +44,8 @@ def one_process(gpt: dict, dp: int, per_rank: bool):
             if per_rank:
                 loss = sum(model(*ranks[r][m])[1] for r in range(dp)) / dp
             else:
-                loss = model(torch.cat([ranks[r][m][0] for r in range(dp)]), torch.cat([ranks[r][m][1] for r in range(dp)]))[1]
+                loss = model(torch.cat([ranks[r][m][0] for r in range(dp)]),
+                             torch.cat([ranks[r][m][1] for r in range(dp)]))[1]
             (loss / W.M).backward()
             total += loss.item() / W.M
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), W.CLIP).item())
@@ -54,7 +56,8 @@ def one_process(gpt: dict, dp: int, per_rank: bool):
 
 
 def _close(got, want, what):
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL,
+                               msg=lambda m: f"{what}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +125,7 @@ def test_moe_takes_deepspeeds_arguments_and_refuses_what_it_does_not_implement()
     torch.testing.assert_close(l_aux, 4 * (first.float() / 10 * probs.mean(0)).sum())
     assert layer.layer.last_routing.capacity == 5  # max(min_capacity 3, ceil(2 * 10 * 1.0 / 4) = 5)
     for bad, words in (({"use_rts": True}, "use_rts=True is not implemented"), ({"ep_size": 3}, "ep_size=3 must"),
-                       ({"drop_tokens": False}, "drop_tokens=False"), ({"expert": torch.nn.Linear(32, 32)}, "two nn.Linear")):
+                       ({"drop_tokens": False}, "drop_tokens=False"),
+                       ({"expert": torch.nn.Linear(32, 32)}, "two nn.Linear")):
         with pytest.raises(ValueError, match=words):
             MoE(**{"hidden_size": 32, "expert": 64, "num_experts": 4, **bad})

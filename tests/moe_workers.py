@@ -1,4 +1,4 @@
-"""What tests/test_experts.py launches (never inside pytest). One 4-rank job: the MoE model with
+"""What tests/test_moe.py launches (never inside pytest). One 4-rank job: the MoE model with
 experts over ep = 4 (one expert-parallel group) and ep = 2 (two groups x expert-data parallel over
 2), top-1 and top-2, with an even and a skewed router (uneven loads, dropped tokens), 3 SGD steps
 each against the single-process reference; and the groups mesh.ep / mesh.expert_dp really hold."""
