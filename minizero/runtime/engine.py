@@ -67,8 +67,7 @@ class Engine(BaseEngine):
     def __init__(self, model: torch.nn.Module, plan: Plan, comm, mesh=None):
         super().__init__()           # an nn.Module, as DeepSpeed's engine (runtime/trainer.py)
         self.plan = plan             # the resolved config (runtime/resolve.py): the chain below is a function of it
-        self.world = comm            # every rank of the job: votes (fp16 overflow), norms, checkpoints
-        self.comm = comm             # the same (DeepSpeed scripts and the tests read engine.comm)
+        self.comm = comm             # every rank of the job: votes (fp16 overflow), norms, checkpoints
         self.stage = plan.stage      # the ZeRO stage
         self.dtype = plan.dtype      # fp32, fp16 or bf16
         self.mixed_precision = plan.mixed_precision  # fp16 or bf16 parameters, fp32 masters

@@ -58,8 +58,7 @@ class PipelineEngine(BaseEngine):
     def __init__(self, model, plan: Plan, comm):
         super().__init__()                # an nn.Module, as DeepSpeed's engine (runtime/trainer.py)
         self.plan = plan                  # the resolved config (runtime/resolve.py)
-        self.world = comm                 # every rank of the job
-        self.comm = comm                  # the same, as in Engine
+        self.comm = comm                  # every rank of the job
         self.stage = plan.stage           # 0 or 1 (the config refuses 2 and 3)
         self.dtype, self.mixed_precision = torch.float32, False
         self.device = comm.device

@@ -122,7 +122,7 @@ class BaseEngine(torch.nn.Module):
 
     An nn.Module, as DeepSpeed's engine: `engine.module` is the user's model (registered, so parameters(),
     named_parameters(), state_dict() and to() are the module's, under "module."), and train()/eval() switch it.
-    A subclass calls BaseEngine.__init__ first, sets plan, world, comm, device, mesh, dp_comm, dp_rank, dp_size,
+    A subclass calls BaseEngine.__init__ first, sets plan, comm (every rank of the job), device, mesh, dp_comm, dp_rank, dp_size,
     module and the names a checkpoint maps back to (name_of, aliases, state_dict_keys, param_shapes,
     local_shapes, tp_split, tied_names), then calls _attach(strategy, model_comms). Wrappers and stages that
     share the module's parameters are held, not registered (`_hold`): the state dict names each tensor once."""
@@ -161,11 +161,11 @@ class BaseEngine(torch.nn.Module):
     # ------------------------------------------------------------------ DeepSpeed's accessors
     @property
     def global_rank(self) -> int:
-        return self.world.rank
+        return self.comm.rank
 
     @property
     def world_size(self) -> int:
-        return self.world.size
+        return self.comm.size
 
     @property
     def local_rank(self) -> int:
@@ -174,7 +174,7 @@ class BaseEngine(torch.nn.Module):
         for var in ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
             if os.environ.get(var, "").isdigit():
                 return int(os.environ[var])
-        return self.world.rank
+        return self.comm.rank
 
     @property
     def dp_world_size(self) -> int:
@@ -240,7 +240,7 @@ class BaseEngine(torch.nn.Module):
         weight_of = self.weight_of()
         weights = norm_weights(grads, self.strategy.grad_names(self.param_names) if weight_of else None,
                                weight_of, self.device)
-        return self.core.clip(grads, weights, self.strategy.norm_comm(self.world),
+        return self.core.clip(grads, weights, self.strategy.norm_comm(self.comm),
                               self.model_comms if self.strategy.has_replicated else [])
 
     def apply_step(self, grads, micro_steps: int = 0):
@@ -266,7 +266,7 @@ class BaseEngine(torch.nn.Module):
 
     def comm_stats(self) -> dict:
         """Bytes this rank sent per collective since comm.stats.reset() (comm.CommStats.as_dict)."""
-        return self.world.stats.as_dict()
+        return self.comm.stats.as_dict()
 
     # ------------------------------------------------------------------ checkpoints (runtime/checkpoint.py)
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
@@ -296,7 +296,7 @@ class BaseEngine(torch.nn.Module):
         self._check_checkpointable()
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and \
                 not os.path.isfile(os.path.join(load_dir, "checkpoints", "latest")):
-            if self.world.rank == 0:
+            if self.comm.rank == 0:
                 warnings.warn(f"load_checkpoint: no 'latest' file in {os.path.abspath(load_dir)}: nothing was loaded "
                               "(DeepSpeed returns (None, None) here too); pass tag=... to load a named checkpoint",
                               stacklevel=2)
