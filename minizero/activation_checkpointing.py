@@ -122,8 +122,8 @@ def checkpoint_blocks(model: torch.nn.Module, blocks: list[str] | None = None, g
         cores = [[m for m in module.modules() if callable(getattr(m, "core_attention", None))] for module in modules]
         if not all(cores):
             missing = [n for n, c in zip(names, cores) if not c]
-            raise ValueError(f"{type(model).__name__}: blocks {missing} have no submodule with a core_attention(q, k, v) "
-                             "to recompute selectively; use granularity 'full'")
+            raise ValueError(f"{type(model).__name__}: blocks {missing} have no submodule with a "
+                             "core_attention(q, k, v) to recompute selectively; use granularity 'full'")
         for attention in (m for found in cores for m in found):
             if not isinstance(attention.__dict__.get("core_attention"), SelectiveCore):
                 attention.core_attention = SelectiveCore(attention.core_attention)

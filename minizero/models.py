@@ -65,7 +65,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.cp_comm = None  # the context-parallel group (TinyGPT.set_context_parallel): attention over it
         self.cp_ring = False  # True: ring attention on two mirrored chunks per rank; False: Ulysses
-        self.sparse_attention = None  # a minizero.sparse SparsityConfig: block-sparse attention (apply_sparse_attention)
+        self.sparse_attention = None  # a minizero.sparse SparsityConfig: block-sparse attention
+                                      # (apply_sparse_attention)
 
     def forward(self, x):
         qkv = self.c_attn(x)

@@ -319,9 +319,9 @@ class ShardedOptimizer(FlatShardOptimizer):
         if self._consolidated is None or self._consolidated[0] != self.comm.rank:
             where = "" if self._consolidated is None else \
                 f" (the last one consolidated to rank {self._consolidated[0]}, this is rank {self.comm.rank})"
-            raise RuntimeError(f"{type(self).__name__}.state_dict(): this rank holds 1/{self.comm.size} of the optimizer "
-                               f"state{where}. Call optimizer.consolidate_state_dict(to=0) on every rank after the "
-                               "last step (as torch's ZeroRedundancyOptimizer), then state_dict() on rank 0; "
+            raise RuntimeError(f"{type(self).__name__}.state_dict(): this rank holds 1/{self.comm.size} of the "
+                               f"optimizer state{where}. Call optimizer.consolidate_state_dict(to=0) on every rank "
+                               "after the last step (as torch's ZeroRedundancyOptimizer), then state_dict() on rank 0; "
                                "optimizer.local_state_dict() is this rank's shard")
         return self._consolidated[1]
 

@@ -515,7 +515,8 @@ class FSDP(nn.Module):
             if p.grad is None and (j in unit.used or (numel and bool(grad[offset:offset + numel].any()))):
                 # a ShardedGrad: its norm is the full parameter's (torch's clip line), as FSDP2's DTensors
                 p.grad = sharded_grad(flat[offset:offset + numel].view(p.shape), self.comm if part == "shard" else None,
-                                      full=(lambda unit=unit, j=j: self._full_grad(unit, j)) if part == "shard" else None)
+                                      full=((lambda unit=unit, j=j: self._full_grad(unit, j)) if part == "shard"
+                                            else None))
 
     @torch.no_grad()
     def _full_grad(self, unit, j: int) -> torch.Tensor:

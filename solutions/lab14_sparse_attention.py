@@ -131,7 +131,8 @@ class FixedSparsityConfig(SparsityConfig):
         _positive("num_local_blocks", self.num_local_blocks)
         _positive("num_global_blocks", self.num_global_blocks)
         _check(self.num_local_blocks % self.num_global_blocks == 0,
-               f"num_local_blocks {self.num_local_blocks} must be a multiple of num_global_blocks {self.num_global_blocks}")
+               f"num_local_blocks {self.num_local_blocks} must be a multiple of "
+               f"num_global_blocks {self.num_global_blocks}")
         _check(not (self.horizontal_global_attention and self.attention != "bidirectional"),
                "horizontal_global_attention needs attention 'bidirectional'")
         _positive("num_different_global_patterns", self.num_different_global_patterns)

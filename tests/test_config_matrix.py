@@ -82,7 +82,8 @@ def test_config_trains_through_the_train_command(matrix, name):
     log = matrix["logs"][name]
     assert log is not None, f"{name}: no train_log.jsonl\n{matrix['stdout'][-3000:]}"
     losses = [r["loss"] for r in log]
-    assert [r["step"] for r in log] == list(range(1, STEPS + 1)) and all(math.isfinite(x) for x in losses), (name, losses)
+    assert ([r["step"] for r in log] == list(range(1, STEPS + 1))
+            and all(math.isfinite(x) for x in losses)), (name, losses)
     if name == SEED:
         # 2^16 overflows: DeepSpeed skips the step; with hysteresis 2 the first overflow keeps the scale and
         # the second halves it; a skipped step does not advance WarmupLR, whose first lr is warmup_min_lr 0

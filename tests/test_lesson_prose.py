@@ -270,15 +270,17 @@ def _granularities(step_ms=(10, 15, 16), recompute_ms=(0, 2, 4), selective_extra
 
 
 GRANULARITIES = [
-    ("selective cheap per byte", dict(recompute_ms=(0, 1, 4)), ["to the byte", "25% of the full one's time and saved 35%", "the cheaper of the two here",
-                                      "Selective made the step's CPU time 50% longer", "5as/h = 80 against 34",
-                                      "drops 70%", "for 2.7% of its", "s/(6h + s) = 25%",
-                                      "25% of the full one's, about in proportion"],
+    ("selective cheap per byte", dict(recompute_ms=(0, 1, 4)),
+     ["to the byte", "25% of the full one's time and saved 35%", "the cheaper of the two here",
+      "Selective made the step's CPU time 50% longer", "5as/h = 80 against 34",
+      "drops 70%", "for 2.7% of its", "s/(6h + s) = 25%",
+      "25% of the full one's, about in proportion"],
      ["per byte saved full", "differ from"]),
-    ("selective dear per byte", dict(recompute_ms=(0, 3.6, 4)), ["90% of the full one's time", "per byte saved full was",
-                                                                 "ran slower than the linear layers"],
+    ("selective dear per byte", dict(recompute_ms=(0, 3.6, 4)),
+     ["90% of the full one's time", "per byte saved full was", "ran slower than the linear layers"],
      ["per byte saved it was", "about in proportion"]),
-    ("bytes off the formula", dict(selective_extra=256), ["differ from formula + extras in selective (+256 B)"], ["to the byte"]),
+    ("bytes off the formula", dict(selective_extra=256), ["differ from formula + extras in selective (+256 B)"],
+     ["to the byte"]),
     ("selective step shorter", dict(step_ms=(10, 9, 16)), ["Selective made the step's CPU time 10% shorter"],
      ["CPU time 10% longer"]),
 ]
@@ -293,10 +295,12 @@ DPU = [  # tail: mean loss of the last steps (no DPU, warm-up 2, warm-up 40); sa
     ("long warm-up closes most of the gap", (1.0, 1.1, 1.02), (True, True),
      ["+0.1000 from no DPU", "left 0.20 of the short one's gap", "what the paper's argument predicts"],
      ["did not help", "do NOT equal", "not tested"]),
-    ("long warm-up ends below no DPU", (1.0, 1.1, 0.98), (True, True), ["left -0.20", "it even ended below no DPU"], ["did not help"]),
-    ("long warm-up no better", (1.0, 1.1, 1.15), (True, True), ["did not help here", "1.50× the short one's"], ["left 1.50"]),
-    ("short warm-up not above", (1.0, 0.99, 1.01), (True, False), ["-0.0100 from no DPU", "not tested here", "do NOT equal"],
-     ["predicts"]),
+    ("long warm-up ends below no DPU", (1.0, 1.1, 0.98), (True, True), ["left -0.20", "it even ended below no DPU"],
+     ["did not help"]),
+    ("long warm-up no better", (1.0, 1.1, 1.15), (True, True), ["did not help here", "1.50× the short one's"],
+     ["left 1.50"]),
+    ("short warm-up not above", (1.0, 0.99, 1.01), (True, False),
+     ["-0.0100 from no DPU", "not tested here", "do NOT equal"], ["predicts"]),
 ]
 
 
@@ -311,7 +315,8 @@ def test_lesson07_dpu_conclusions(label, tail, same, want, avoid):
 def test_lesson07_ten_x_conclusions():
     from minizero.experiments.offload import describe_ten_x
     _check(describe_ten_x(1.41, 13.7, 1.9), ["9.7×", "off by 5%", "a consequence of the stated assumptions",
-                                             "the ratio is 7.2×, closer to the 8×"], ["do not reproduce", "no closer"], "match")
+                                             "the ratio is 7.2×, closer to the 8×"],
+           ["do not reproduce", "no closer"], "match")
     _check(describe_ten_x(2.5, 13.7, 3.0), ["off by 79%", "do not reproduce"], ["a consequence of"], "no match")
     _check(describe_ten_x(1.41, 13.7, 1.41), ["no closer to the 8×"], ["×, closer to the 8×"], "symmetric no closer")
 

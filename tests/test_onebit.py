@@ -99,7 +99,8 @@ def test_bytes_per_phase_measured_equal_formula(res, kind):
         for row in b["rows"]:
             assert row["replicated"], "the parameters differ between ranks after a step"
             if row["compressed"]:
-                assert row["sent"] == {"all_to_all": pytest.approx(one_bit / 2), "all_gather": pytest.approx(one_bit / 2)}
+                assert row["sent"] == {"all_to_all": pytest.approx(one_bit / 2),
+                                       "all_gather": pytest.approx(one_bit / 2)}
                 assert row["formula"] == pytest.approx(one_bit)
             else:
                 assert row["sent"] == {"all_reduce": pytest.approx(warm)}

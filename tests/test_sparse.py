@@ -129,7 +129,8 @@ def test_score_bytes_and_flops_are_the_formulas():
         with SavedTensors() as saved, FlopCounterMode(display=False) as flops:
             block_sparse_attention(q, k, v, layout, block, config.causal)
         # the scores kept for backward: the [b, nnz, block, block] probabilities, nothing n x n
-        scores = [nbytes for shape, _, nbytes in saved.shapes["other"] if shape[-2:] == (block, block) and len(shape) == 4]
+        scores = [nbytes for shape, _, nbytes in saved.shapes["other"]
+                  if shape[-2:] == (block, block) and len(shape) == 4]
         assert sum(scores) == score_bytes(layout, b, block, 4, config.causal)
         assert not [s for s, _, _ in saved.shapes["other"] if s[-2:] == (n, n)]
         # and besides them only q, k, v, the output and the kept blocks' (h, i, j): the gathers are redone in backward

@@ -56,7 +56,8 @@ def test_the_runtime_reads_only_what_the_protocol_declares():
 
 def test_the_scan_catches_an_undeclared_name(tmp_path, monkeypatch):
     (tmp_path / "minizero" / "runtime").mkdir(parents=True)
-    (tmp_path / "minizero" / "runtime" / "x.py").write_text("def f(e):\n    return e.strategy.ddp, getattr(e.strategy, 'bucket')\n")
+    (tmp_path / "minizero" / "runtime" / "x.py").write_text(
+        "def f(e):\n    return e.strategy.ddp, getattr(e.strategy, 'bucket')\n")
     monkeypatch.chdir(tmp_path)
     assert set(used_by_runtime()) == {"ddp", "bucket"}
 

@@ -204,7 +204,8 @@ def _zero2_details(comm):
         loss = loss + model.unused.sum()  # d/d(unused) = 1 on rank 0 only
     loss.backward()
     out["tied_hook_calls"] = len(fired)
-    out["edge_grads_left"] = [n for n, p in model.named_parameters() if p.grad is not None and not is_placeholder(p.grad)]
+    out["edge_grads_left"] = [n for n, p in model.named_parameters()
+                              if p.grad is not None and not is_placeholder(p.grad)]
     # the unused parameter's averaged gradient (1 + 0*(N-1))/N, read from the owner's shard
     L, r = z2.layout, comm.rank
     i = next(k for k, p in enumerate(z2.params) if p is model.unused)

@@ -36,8 +36,8 @@ HERE = Path(__file__).resolve().parent
 STAGE = ROOT / "build" / "site-src"
 BENCH = ROOT / "build" / "bench"
 # The guide's pages in the site's navigation, in reading order (a docs/*.md not named here comes after them).
-GUIDE_ORDER = ["engine", "offload", "zeropp", "onebit", "pipeline", "tensor", "context-experts", "sparse", "planner", "benchmark",
-               "scale", "dropin", "nodes", "api", "instructors", "grading", "website", "syllabus"]
+GUIDE_ORDER = ["engine", "offload", "zeropp", "onebit", "pipeline", "tensor", "context-experts", "sparse", "planner",
+               "benchmark", "scale", "dropin", "nodes", "api", "instructors", "grading", "website", "syllabus"]
 
 
 def run_stamp(run: dict) -> str:

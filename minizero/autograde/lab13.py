@@ -87,8 +87,10 @@ def allreduce_phase(comm, mod):
     return {"calls": calls, "sent": sent, "formula": ref.bytes_compressed(NUMEL, comm.size),
             "result": _rel(got, want), "norm_ratio": (got.float().norm() / want.norm()).item() if got.numel() else 0.0,
             "exact": _rel(got, exact / comm.size), "same_everywhere": all(torch.equal(got, o) for o in everyone),
-            "worker_error": _rel(worker, ref_worker), "worker_unchanged": bool(torch.equal(worker, _errors(comm, n)[0])),
-            "server_error": _rel(server, ref_server), "server_unchanged": bool(torch.equal(server, _errors(comm, n)[1])),
+            "worker_error": _rel(worker, ref_worker),
+            "worker_unchanged": bool(torch.equal(worker, _errors(comm, n)[0])),
+            "server_error": _rel(server, ref_server),
+            "server_unchanged": bool(torch.equal(server, _errors(comm, n)[1])),
             "shape": list(got.shape), "want_shape": list(want.shape)}
 
 
@@ -236,9 +238,9 @@ def judge_feedback(results) -> str:
     last, first = errs[str(max(FEEDBACK_CALLS))], errs["1"]
     for side in ("worker", "server"):
         if not r["touched"][side]:
-            raise CheckFailed(f"the {side} error buffer is still zeros after a call: without {side}-side error feedback "
-                              f"the running mean of {max(FEEDBACK_CALLS)} calls stays {last:.3f} away from the true "
-                              "mean (relative): the rounding is a bias")
+            raise CheckFailed(f"the {side} error buffer is still zeros after a call: without {side}-side error "
+                              f"feedback the running mean of {max(FEEDBACK_CALLS)} calls stays {last:.3f} away from "
+                              "the true mean (relative): the rounding is a bias")
     if not last < 0.05:
         raise CheckFailed(f"the running mean of {max(FEEDBACK_CALLS)} compressed all-reduces of the same vectors is "
                           f"{last:.3f} (relative) from the true mean, expected < 0.05: error feedback carries what "
@@ -257,10 +259,11 @@ def judge_adam(results) -> str:
             raise CheckFailed(f"compressed step {step} sent {sent:.0f} B, expected {r['formula']:.0f} B")
     mine, adam = r["losses"]["yours"], r["losses"]["Adam"]
     if not mine[-1] < mine[ADAM_FREEZE] or not abs(mine[-1] - adam[-1]) < 0.5:
-        raise CheckFailed(f"after {ADAM_STEPS} steps the loss is {mine[-1]:.3f} (at the freeze {mine[ADAM_FREEZE]:.3f}), "
-                          f"plain Adam's {adam[-1]:.3f}")
-    return (f"OneBitAdam with your all-reduce equals the reference's; loss {mine[ADAM_FREEZE]:.3f} -> {mine[-1]:.3f} "
-            f"over {ADAM_STEPS - ADAM_FREEZE} compressed steps (plain Adam {adam[-1]:.3f}), {r['formula']:.0f} B a step")
+        raise CheckFailed(f"after {ADAM_STEPS} steps the loss is {mine[-1]:.3f} "
+                          f"(at the freeze {mine[ADAM_FREEZE]:.3f}), plain Adam's {adam[-1]:.3f}")
+    return (f"OneBitAdam with your all-reduce equals the reference's; loss {mine[ADAM_FREEZE]:.3f} -> "
+            f"{mine[-1]:.3f} over {ADAM_STEPS - ADAM_FREEZE} compressed steps (plain Adam {adam[-1]:.3f}), "
+            f"{r['formula']:.0f} B a step")
 
 
 CHECKS = [

@@ -180,7 +180,8 @@ def attention_share(seq: int, hidden: int) -> float:
 
 
 def describe_granularities(r: dict) -> str:
-    """What the three modes measured say (figures in, Markdown out): bytes against the formula, CPU time against none."""
+    """What the three modes measured say (figures in, Markdown out): bytes against the formula, CPU time against
+    none."""
     saved, step, rec = r["saved"], r["step_cpu_s"], r["recompute_cpu_s"]
     exact = all(saved[m] == r["formula"][m] + r["extras"][m] for m in MODES)
     s = (("Every mode's measured bytes equal the formula plus the known extras, to the byte. " if exact else
@@ -192,7 +193,8 @@ def describe_granularities(r: dict) -> str:
     for mode in ("selective", "full"):
         extra = step[mode] / step["none"] - 1
         s += (f"{mode.capitalize()} made the step's CPU time {abs(extra):.0%} {'longer' if extra >= 0 else 'shorter'} "
-              f"({step['none'] * 1e3:.1f} → {step[mode] * 1e3:.1f} ms), its recompute taking {rec[mode] * 1e3:.1f} ms. ")
+              f"({step['none'] * 1e3:.1f} → {step[mode] * 1e3:.1f} ms), its recompute taking "
+              f"{rec[mode] * 1e3:.1f} ms. ")
     cost = rec["selective"] / rec["full"] if rec["full"] > 0 else float("nan")
     gain = (saved["none"] - saved["selective"]) / (saved["none"] - saved["full"])
     sh = r["shape"]
@@ -202,13 +204,15 @@ def describe_granularities(r: dict) -> str:
              "per byte saved full was the cheaper of the two here. ")
           + f"Both sides of that trade depend on the shape. The bytes: the scores grow with a·s/h "
           f"({sh['n_head'] * sh['block_size'] / sh['n_embd']:.0f} here), the linear outputs do not. The time: the core "
-          f"attention is s/(6h + s) = {share:.0%} of a layer's multiply-adds at s = {sh['block_size']}, h = {sh['n_embd']}"
+          f"attention is s/(6h + s) = {share:.0%} of a layer's multiply-adds at s = {sh['block_size']}, "
+          f"h = {sh['n_embd']}"
           + (f", and its recompute took {cost:.0%} of the full one's: per multiply-add its small batched matmuls and "
              "softmax ran slower than the linear layers. " if cost > 1.25 * share else
              f", and its recompute took {cost:.0%} of the full one's, about in proportion. ")
           + "At "
           f"Korthikanti's GPT-3 layer (a = 96, s = 2048, h = 12288) 5as/h = {5 * 96 * 2048 / 12288:.0f} against 34, so "
-          f"selective drops {1 - _gpt3('selective') / _gpt3(False):.0%} of a layer's bytes, for {gpt3_share:.1%} of its "
+          f"selective drops {1 - _gpt3('selective') / _gpt3(False):.0%} of a layer's bytes, "
+          f"for {gpt3_share:.1%} of its "
           "forward arithmetic: there selective wins on both counts.")
     return s
 

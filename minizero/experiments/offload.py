@@ -189,9 +189,9 @@ def describe_dpu(tail: dict, same: dict, warmups: dict) -> str:
               + ": what the paper's argument predicts (a gradient one update old costs less once the parameters move "
               "slowly), on one seed and a short run.")
     else:
-        s += (f"The longer warm-up did not help here: its gap is {gap_long / gap_short:.2f}× the short one's, so on this "
-              "run the paper's argument (a one-step-old gradient is close to a fresh one late in training) is not what "
-              "the numbers show.")
+        s += (f"The longer warm-up did not help here: its gap is {gap_long / gap_short:.2f}× the short one's, "
+              "so on this run the paper's argument (a one-step-old gradient is close to a fresh one late in training) "
+              "is not what the numbers show.")
     return s
 
 
@@ -200,8 +200,8 @@ def describe_ten_x(ddp_b: float, offload_b: float, symmetric_b: float, paper=(1.
     checkpointing (ddp_b), ZeRO-Offload with it (offload_b), DDP with it (symmetric_b), against the paper's two."""
     err = max(abs(ddp_b / paper[0] - 1), abs(offload_b / paper[1] - 1))
     s = (f"At micro-batch 4 the largest model is {ddp_b:.2f} B for DDP and {offload_b:.2f} B for ZeRO-Offload: "
-         f"{offload_b / ddp_b:.1f}×, against the paper's {paper[0]} B and {paper[1]} B ({paper[1] / paper[0]:.1f}×); the "
-         f"worse of the two is off by {err:.0%}. ")
+         f"{offload_b / ddp_b:.1f}×, against the paper's {paper[0]} B and {paper[1]} B "
+         f"({paper[1] / paper[0]:.1f}×); the worse of the two is off by {err:.0%}. ")
     s += ("That match is a consequence of the stated assumptions, not a derivation of the paper's figures: "
           if err <= 0.2 else "So these stated assumptions do not reproduce the paper's figures: ")
     s += (f"it needs checkpointing on the ZeRO-Offload side only. With checkpointing on both sides DDP reaches "

@@ -176,7 +176,8 @@ def report(runs: dict, ranks: int) -> list[str]:
         e2e = end_to_end_reduction(steps, r["freeze_step"], r["bytes_warmup"], r["bytes_compressed"])
         lines.append(f"| {name} | {min(r['freeze_step'], steps)} | {tail_loss(r['loss']):.3f} | "
                      f"{r['bytes_warmup']:,.0f} | {r['bytes_compressed']:,.0f} | {e2e:.2f}x fewer |")
-    lines.append(f"\nAdam's step-to-step loss spread over its last 20 steps: {torch.tensor(adam['loss'][-20:]).std():.3f}")
+    lines.append(f"\nAdam's step-to-step loss spread over its last 20 steps: "
+                 f"{torch.tensor(adam['loss'][-20:]).std():.3f}")
     return lines
 
 
@@ -202,7 +203,8 @@ def main(argv=None):
     import argparse
     from minizero import launch
     parser = argparse.ArgumentParser(prog="python -m minizero.experiments.onebit",
-                                     description="1-bit Adam against Adam on TinyGPT: the table and plot of docs/onebit.md")
+                                     description="1-bit Adam against Adam on TinyGPT: "
+                                                 "the table and plot of docs/onebit.md")
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--per-tensor", action="store_true", help="one compressed all-reduce per tensor (DeepSpeed's)")

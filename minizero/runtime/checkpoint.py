@@ -164,7 +164,8 @@ def _disk_full(ex: BaseException) -> bool:
 
 def _failure(ex: BaseException, directory: str) -> str:
     if _disk_full(ex):
-        return f"the disk is full: no space left in {directory} ({type(ex).__name__}: {ex}); free space or save elsewhere"
+        return (f"the disk is full: no space left in {directory} ({type(ex).__name__}: {ex}); "
+                "free space or save elsewhere")
     return f"{type(ex).__name__}: {ex}"
 
 
@@ -320,9 +321,10 @@ def _check_model(e, meta, path, inventories):
     layout, saved = e.checkpoint_layout(), meta["layout"]
     for axis, word in (("tp", "tensor-parallel"), ("pp", "pipeline")):
         if layout[axis] != saved[axis]:
-            raise CheckpointError(f"{path} was saved with {saved[axis]} {word} rank{'s' * (saved[axis] != 1)} ({axis}), this job has "
-                                  f"{layout[axis]}: a checkpoint reshards over data-parallel ranks only. Consolidate it "
-                                  "(python -m minizero consolidate) and load the state dict into the model instead")
+            raise CheckpointError(f"{path} was saved with {saved[axis]} {word} rank{'s' * (saved[axis] != 1)} "
+                                  f"({axis}), this job has {layout[axis]}: a checkpoint reshards over data-parallel "
+                                  "ranks only. Consolidate it (python -m minizero consolidate) and load the state dict "
+                                  "into the model instead")
     keys = {k: s for k, s in _union(inventories, "keys")}
     if keys != {k: s for k, s in meta["params"]}:
         raise CheckpointError(f"{path}: its tensors ({len(meta['params'])}) are not the ones this job's ranks hold "
@@ -463,7 +465,8 @@ def check_output(out) -> str:
     if os.path.isdir(out):
         raise CheckpointError(f"{out} is a directory: pass the file to write, e.g. {os.path.join(out, 'model.pt')}")
     if not os.path.isdir(os.path.dirname(out)):
-        raise CheckpointError(f"{os.path.dirname(out)} does not exist: create it, or pass a file in a directory that does")
+        raise CheckpointError(f"{os.path.dirname(out)} does not exist: create it, "
+                              "or pass a file in a directory that does")
     return out
 
 

@@ -30,7 +30,8 @@ SCHEMA = {
     "train_batch_size": None,                 # derived from the other two when absent
     "train_micro_batch_size_per_gpu": None,
     "gradient_accumulation_steps": None,
-    "gradient_clipping": 1.0,                 # max global L2 norm (across shards); 0 = off. DeepSpeed 0.19's default is 1.0
+    "gradient_clipping": 1.0,                 # max global L2 norm (across shards); 0 = off.
+                                              # DeepSpeed 0.19's default is 1.0
     "steps_per_print": 10,
     "wall_clock_breakdown": False,            # per-step forward/backward/step times in the log
     "seed": 0,                                # minizero extra: model init and data order
@@ -542,8 +543,8 @@ def load_config(config, world_size: int = 1) -> dict:
     """A dict or a JSON path -> a complete, validated config (see module docstring)."""
     if isinstance(config, CheckedConfig):
         if config.world_size != world_size:
-            raise ConfigError(f"this config was checked for {config.world_size} rank{'s' * (config.world_size != 1)}, not {world_size}: "
-                              "load the JSON again for this world size")
+            raise ConfigError(f"this config was checked for {config.world_size} rank{'s' * (config.world_size != 1)}, "
+                              f"not {world_size}: load the JSON again for this world size")
         return config
     if isinstance(config, (str, os.PathLike)):
         try:

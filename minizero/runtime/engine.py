@@ -85,7 +85,8 @@ class Engine(BaseEngine):
         self.local_shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}  # TP: slices
         # how TP cut each parameter it splits: {name: [dim, chunks]} (tensor.layers.unshard puts it back)
         self.tp_split = {n: [p.tensor_parallel_dim, p.tensor_parallel_chunks]
-                         for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "tensor_parallel_dim")}
+                         for n, p in model.named_parameters(remove_duplicate=False)
+                         if hasattr(p, "tensor_parallel_dim")}
         self.checkpointed_blocks = chain.apply_activation_checkpointing(model, plan)  # TP's split blocks stay so
         # the ranks that reduce the gradients (and shard ZeRO's states): dp, or dp x cp with sequence parallelism
         self.dp_comm = (self.mesh.dp_cp if plan.cp_size > 1 else self.mesh.dp) if self.mesh else comm

@@ -1,7 +1,7 @@
 """The data-parallel strategies that expert parallelism adds to the engine's chain.
 
-ExpertDDPStrategy / ExpertZero1Strategy (stage 0 / 1 with MoE layers of ep_size > 1, DeepSpeed-MoE's expert-data parallelism):
-dense gradients all-reduced over mesh.dp, expert ones over mesh.expert_dp (dp/ep ranks), both divided
+ExpertDDPStrategy / ExpertZero1Strategy (stage 0 / 1 with MoE layers of ep_size > 1, DeepSpeed-MoE's expert-data
+parallelism): dense gradients all-reduced over mesh.dp, expert ones over mesh.expert_dp (dp/ep ranks), both divided
 by dp (minizero/moe/expert_data_parallel.py gives the equation and the bytes). Gradients accumulate
 locally until the boundary (one reduction per step, as DDP's no_sync); ZeRO-1 reduce-scatters each group's
 flat buffer over its own group instead. For the global norm at stage 0 the expert
@@ -33,7 +33,8 @@ class ExpertDDPStrategy(DDPStrategy):
         mesh.expert_dp.broadcast_tensors([p for p in self.params if id(p) in self.expert])
         kw = spec.optimizer_kwargs
         self.optimizer = MixedPrecisionOptimizer(spec.groups or self.params, spec.optimizer_cls, None, 0.0, mesh.dp,
-                                                 **kw) if spec.mixed_precision else spec.optimizer_cls(spec.groups or self.params, **kw)
+                                                 **kw) if spec.mixed_precision \
+            else spec.optimizer_cls(spec.groups or self.params, **kw)
 
     def forward_prelude(self):
         if torch.is_grad_enabled():  # no wrapper: rank 0's buffers, as DDP does
@@ -100,7 +101,8 @@ class ExpertZero1Strategy(Strategy):
 
     def grad_names(self, name_of):
         """Per shard: [(name, shard_lo, numel)] of the pieces this rank holds, and the shard's size."""
-        return [([(name_of[id(opt.params[pc.index])], pc.shard_lo, pc.hi - pc.lo) for pc in opt.layout.pieces(opt.comm.rank)],
+        return [([(name_of[id(opt.params[pc.index])], pc.shard_lo, pc.hi - pc.lo)
+                  for pc in opt.layout.pieces(opt.comm.rank)],
                  opt.layout.shard_numel) for opt in self.optimizers.values()], []
 
     @torch.no_grad()

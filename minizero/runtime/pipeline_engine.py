@@ -1,7 +1,8 @@
 """minizero.runtime.pipeline_engine: the engine when `pipeline.stages` > 1 (DeepSpeed's PipelineEngine).
 
     engine, _, _, _ = minizero.initialize(model=model, config={
-        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": 2, "schedule": "1f1b"}, ...})
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+        "pipeline": {"stages": 2, "schedule": "1f1b"}, ...})
     for step in range(steps):
         loss = engine.train_batch(data_iter)   # m micro-batches through the pipeline, then the step
 
@@ -75,7 +76,8 @@ class PipelineEngine(BaseEngine):
         chain.apply_sparse_attention(named, plan)
         self.name_of, _, _, _ = chain.model_names(named)
         self.tp_split = {n: [p.tensor_parallel_dim, p.tensor_parallel_chunks]  # how TP cut what it splits
-                         for n, p in named.named_parameters(remove_duplicate=False) if hasattr(p, "tensor_parallel_dim")}
+                         for n, p in named.named_parameters(remove_duplicate=False)
+                         if hasattr(p, "tensor_parallel_dim")}
         # activation_checkpointing: each block keeps only its input and recomputes its inside when its backward
         # needs it (B; a split schedule's W unpacks the same tensors, and torch recomputes for it again)
         self.checkpointed_blocks = chain.apply_activation_checkpointing(torch.nn.ModuleList(parts.blocks), plan)

@@ -155,9 +155,9 @@ def _check_pipeline_modes(cfg: dict):
     zero = cfg["zero_optimization"]
     for section in ("offload_optimizer", "offload_param"):
         if zero[section]["device"] != "none":
-            raise ConfigError(f"zero_optimization.{section}.device {zero[section]['device']!r} with pipeline.stages > 1: "
-                              "not available; the pipeline engine keeps each stage's optimizer on the device "
-                              f"(set {section}.device 'none', or pipeline.stages 1)")
+            raise ConfigError(f"zero_optimization.{section}.device {zero[section]['device']!r} with "
+                              "pipeline.stages > 1: not available; the pipeline engine keeps each stage's optimizer "
+                              f"on the device (set {section}.device 'none', or pipeline.stages 1)")
 
 
 def _check_tensor_parallel(model, cfg: dict):
@@ -212,8 +212,8 @@ def _check_sequence_parallel(model, cfg: dict):
     gpt, ring = model.config, cfg["context_parallel"]["attention"] == "ring"
     if gpt.n_head % cp and not ring:
         raise ConfigError(f"sequence_parallel_size={cp}: Ulysses gives each of the {cp} ranks n_head/cp whole heads, "
-                          f"but the model has {gpt.n_head} heads; use a sequence_parallel_size that divides {gpt.n_head}, "
-                          "or context_parallel.attention 'ring'")
+                          f"but the model has {gpt.n_head} heads; use a sequence_parallel_size that divides "
+                          f"{gpt.n_head}, or context_parallel.attention 'ring'")
     parts = 2 * cp if ring else cp
     if gpt.block_size % parts:
         what = f"two chunks of seq_len/{parts} (ring attention's load balancing)" if ring else f"seq_len/{cp} tokens"
@@ -232,8 +232,8 @@ def _expert_parallel_size(model, cfg: dict, world_size: int) -> int:
     from minizero.moe import MoELayer
     split = [n for n, m in model.named_modules() if isinstance(m, MoELayer) and m.ep_comm is not None]
     if split:
-        raise ConfigError(f"{split[0]} already runs over an expert-parallel group: the engine splits the experts itself; "
-                          "build the model with minizero.moe.MoE(..., ep_size=N) and no group")
+        raise ConfigError(f"{split[0]} already runs over an expert-parallel group: the engine splits the experts "
+                          "itself; build the model with minizero.moe.MoE(..., ep_size=N) and no group")
     layers = moe_layers(model)
     if not layers:
         return 1
@@ -252,7 +252,8 @@ def _expert_parallel_size(model, cfg: dict, world_size: int) -> int:
                               "engine, which runs MoE layers without pipeline, tensor or sequence parallelism and "
                               "reduces expert parameters over expert_dp (ep_size > 1) at ZeRO stages 0 and 1, without "
                               "offload (DeepSpeed-MoE also takes ZeRO-2)")
-    dp = world_size // (cfg["pipeline"]["stages"] * cfg["tensor_parallel"]["autotp_size"] * cfg["sequence_parallel_size"])
+    dp = world_size // (cfg["pipeline"]["stages"] * cfg["tensor_parallel"]["autotp_size"]
+                        * cfg["sequence_parallel_size"])
     if dp % ep:
         raise ConfigError(f"the MoE layers' ep_size={ep} does not divide the {dp} data-parallel ranks: experts are "
                           f"shared out over slices of ep consecutive ranks; launch a multiple of {ep} ranks")
@@ -313,7 +314,8 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
     if zero["offload_optimizer"]["device"] != "none":  # DeepSpeed's sections -> what the strategy's tier is built from
         from minizero.zero.tiers import OffloadSpec
         opt, param, aio = zero["offload_optimizer"], zero["offload_param"], cfg["aio"]
-        offload = OffloadSpec(device=opt["device"], pin_memory=opt["pin_memory"], dpu_warmup_steps=opt["dpu_warmup_steps"],
+        offload = OffloadSpec(device=opt["device"], pin_memory=opt["pin_memory"],
+                              dpu_warmup_steps=opt["dpu_warmup_steps"],
                               nvme_path=opt["nvme_path"], sub_group_numel=int(zero["sub_group_size"]),
                               prefetch=aio["overlap_events"], io_threads=aio["thread_count"], params=param["device"],
                               param_nvme_path=param["nvme_path"])
@@ -379,7 +381,8 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
                 sequence_parallel=cfg["tensor_parallel"]["sequence_parallel"],
                 cp_attention=cfg["context_parallel"]["attention"],
                 activation_checkpointing=cfg["activation_checkpointing"] is not None,
-                loss_scaler={k: v for k, v in cfg["fp16"].items() if k != "enabled"} if cfg["fp16"]["enabled"] else None,
+                loss_scaler=({k: v for k, v in cfg["fp16"].items() if k != "enabled"} if cfg["fp16"]["enabled"]
+                             else None),
                 gradient_clipping=cfg["gradient_clipping"], train_batch_size=cfg["train_batch_size"],
                 micro_batch_size=cfg["train_micro_batch_size_per_gpu"],
                 gradient_accumulation_steps=cfg["gradient_accumulation_steps"], scheduler=cfg["scheduler"],
@@ -403,8 +406,8 @@ def _sparse_attention(model, cfg: dict):
     try:
         config = from_section(section, heads)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"sparse_attention: {e}".replace("sparse_attention: sparse_attention:", "sparse_attention:")) \
-            from None
+        raise ConfigError(f"sparse_attention: {e}".replace("sparse_attention: sparse_attention:",
+                                                           "sparse_attention:")) from None
     if not config.causal:
         raise ConfigError("sparse_attention.attention must be \"unidirectional\" for a causal model like "
                           f"{type(model).__name__} (DeepSpeed's default, bidirectional, lets tokens see the future)")

@@ -90,7 +90,8 @@ class WarmupDecayLR(WarmupLR):
 class WarmupCosineLR(_Schedule):
     def __init__(self, optimizer, total_num_steps, warmup_min_ratio=0.0, warmup_num_steps=1000,
                  cos_min_ratio=0.0001, warmup_type="log"):
-        self.total_num_steps, self.warmup_min_ratio, self.cos_min_ratio = total_num_steps, warmup_min_ratio, cos_min_ratio
+        self.total_num_steps, self.warmup_min_ratio, self.cos_min_ratio = (total_num_steps, warmup_min_ratio,
+                                                                           cos_min_ratio)
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
         super().__init__(optimizer, warmup_num_steps, warmup_type)
 

@@ -177,8 +177,8 @@ class DDPStrategy(Strategy):
             list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
         params = spec.groups or self.params
         kw = spec.optimizer_kwargs
-        self.optimizer = MixedPrecisionOptimizer(params, spec.optimizer_cls, None, 0.0, comm, **kw) if spec.mixed_precision \
-            else spec.optimizer_cls(params, **kw)
+        self.optimizer = MixedPrecisionOptimizer(params, spec.optimizer_cls, None, 0.0, comm, **kw) \
+            if spec.mixed_precision else spec.optimizer_cls(params, **kw)
 
     def backward_context(self, boundary: bool):
         return self.ddp.no_sync() if self.ddp is not None and not boundary else nullcontext()
@@ -302,7 +302,8 @@ class Zero2Strategy(FlatStrategy):
         super().__init__(model, comm, spec)
         from minizero.zero.shard_grad_op import ShardGradOp
         self.wrapped = ShardGradOp(model, spec.optimizer_cls, comm, bucket_numel=spec.bucket_numel,
-                                   overlap=spec.overlap, params=spec.groups, offload=spec.offload, **spec.optimizer_kwargs)
+                                   overlap=spec.overlap, params=spec.groups, offload=spec.offload,
+                                   **spec.optimizer_kwargs)
         self.optimizer = self.wrapped.optim
         self.offload = self.optimizer.tier
         self._shard_grad = None
@@ -366,7 +367,8 @@ class Zero3Strategy(Strategy):
     def reduced_grads(self) -> Grads:
         if self.offload is not None:  # already on the host, moved unit by unit during backward
             pairs = list(zip(self.offload.device_params, self.offload.grads))
-            return Grads([g for p, g in pairs if id(p) not in self._whole], [g for p, g in pairs if id(p) in self._whole])
+            return Grads([g for p, g in pairs if id(p) not in self._whole],
+                         [g for p, g in pairs if id(p) in self._whole])
         opt = self.optimizer
         parts = list(zip(opt.parts, opt.grads()))  # FSDP's flat fp32 gradients, unit by unit
         return Grads([g for (_, name), g in parts if name == "shard" and g is not None],
@@ -405,8 +407,9 @@ class Zero3Strategy(Strategy):
         for u in self.wrapped.units:  # the host optimizer steps whole flat shards, every element every step
             first = [fqns[0] for _, _, fqns in u.entries]
             if u.gathered_numel:
-                groups.append(Segment(self.offload.master_of(u.shard), self.offload, [Piece(first[pc.index], pc.lo, pc.hi, pc.shard_lo, True)
-                                                              for pc in u.layout.pieces(rank)], False))
+                groups.append(Segment(self.offload.master_of(u.shard), self.offload,
+                                      [Piece(first[pc.index], pc.lo, pc.hi, pc.shard_lo, True)
+                                       for pc in u.layout.pieces(rank)], False))
             if u.persistent_numel:
                 pieces, off = [], 0
                 for (shape, _, _), name in zip(u.entries[u.n_sharded:], first[u.n_sharded:]):

@@ -37,7 +37,8 @@ MUTANTS = [
     Mutant("key blocks gathered at the query block's index", "as_blocks(k)[:, h, j], as_blocks(v)[:, h, j]  # [B",
            "as_blocks(k)[:, h, i], as_blocks(v)[:, h, j]  # [B",
            "check_forward", "meets key and value block j[n]"),
-    Mutant("output normalized at the end, p returned unnormalized", NORMALIZE + "    out = torch.zeros(B, H * nb, block, d, "
+    Mutant("output normalized at the end, p returned unnormalized",
+           NORMALIZE + "    out = torch.zeros(B, H * nb, block, d, "
            "dtype=q.dtype, device=q.device)." + OUT, "    out = torch.zeros(B, H * nb, block, d, dtype=q.dtype, "
            "device=q.device).index_add_(1, row, p @ vg) / row_sum[..., None]\n", "check_forward",
            "normalized probabilities"),
