@@ -8,7 +8,8 @@ import pathlib
 import pytest
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "minizero"
-MECHANISMS = ("comm", "dp", "zero", "pipeline", "tensor", "context", "moe", "compression", "sparse")
+# ops: DeepSpeed's optimizer names (deepspeed.ops.adam) over torch's, a leaf like a mechanism
+MECHANISMS = ("comm", "dp", "zero", "pipeline", "tensor", "context", "moe", "compression", "sparse", "ops")
 SHARED = ("minizero.comm", "minizero.memory", "minizero.precision",
           "minizero.env")  # env: the one place MINIZERO_* variables are read and checked
 ABOVE = ("minizero.bench", "minizero.experiments", "minizero.cli", "minizero.autograde",
@@ -23,6 +24,8 @@ CHECKS = ("minizero.cli.checks",)
 # experiments (what lessons and graders launch) import no tool.
 TOOLS = {
     "planner": SHARED + tuple(f"minizero.{m}" for m in MECHANISMS),
+    # DeepSpeed's launcher (python -m minizero.launcher): starts mpirun or torchrun, nothing of the engine
+    "launcher": SHARED + ("minizero.launch",),
     "experiments": BELOW_TOOLS + ("minizero.runtime", "minizero.planner"),
     "bench": BELOW_TOOLS + ("minizero.runtime", "minizero.experiments") + CHECKS,
     "autograde": BELOW_TOOLS + ("minizero.experiments",) + CHECKS,

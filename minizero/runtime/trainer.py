@@ -122,8 +122,8 @@ class BaseEngine(torch.nn.Module):
 
     An nn.Module, as DeepSpeed's engine: `engine.module` is the user's model (registered, so parameters(),
     named_parameters(), state_dict() and to() are the module's, under "module."), and train()/eval() switch it.
-    A subclass calls BaseEngine.__init__ first, sets plan, comm (every rank of the job), device, mesh, dp_comm, dp_rank, dp_size,
-    module and the names a checkpoint maps back to (name_of, aliases, state_dict_keys, param_shapes,
+    A subclass calls BaseEngine.__init__ first, sets plan, comm (every rank of the job), device, mesh, dp_comm,
+    dp_rank, dp_size, module and the names a checkpoint maps back to (name_of, aliases, state_dict_keys, param_shapes,
     local_shapes, tp_split, tied_names), then calls _attach(strategy, model_comms). Wrappers and stages that
     share the module's parameters are held, not registered (`_hold`): the state dict names each tensor once."""
 
