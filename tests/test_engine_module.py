@@ -39,7 +39,7 @@ def _train(engine, steps, seed=0):
     g = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
-        x = torch.randint(0, 64, (2, 16), generator=g)
+        x = torch.randint(0, 64, (2, 16), generator=g).to(engine.device)  # your batch to the engine's device
         loss = engine(x, x)
         engine.backward(loss)
         engine.step()
@@ -120,8 +120,8 @@ def test_sparse_attention_section_runs_the_layout_through_the_engine(world_of_on
                                      config=_config(0, sparse_attention=section))
     layouts = [m.sparse_attention for m in engine.module.modules() if hasattr(m, "sparse_attention")]
     assert len(layouts) == GPT["n_layer"] and all(c == from_section(section, GPT["n_head"]) for c in layouts)
-    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    by_hand, dense = build_model("tiny-gpt", seed=0, **GPT), build_model("tiny-gpt", seed=0, **GPT)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)).to(engine.device)
+    by_hand, dense = (build_model("tiny-gpt", seed=0, **GPT).to(engine.device) for _ in range(2))
     apply_sparse_attention(by_hand, from_section(section, GPT["n_head"]))
     loss = engine(x, x).item()
     assert loss == pytest.approx(by_hand(x, x)[1].item(), rel=1e-6) and loss != pytest.approx(dense(x, x)[1].item())
