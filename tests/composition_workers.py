@@ -31,7 +31,9 @@ def config(layout, world):
     dp = world // ((pipeline or {"stages": 1})["stages"] * tp)
     cfg = {"train_batch_size": MICRO * M * dp, "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.05,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 0.1}},
+           # warmup_min_lr > 0: DeepSpeed's WarmupLR runs steps 1 and 2 at the minimum, which must train too
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_min_lr": 0.05,
+                                                        "warmup_max_lr": 0.1}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
            "tensor_parallel": {"autotp_size": tp}}
     if pipeline:
