@@ -145,6 +145,9 @@ class ShardGradOp(SyncSwitch, nn.Module):
         self._in_flight = None            # the bucket launched last (at most one in flight)
         self.launched_in_hooks = 0        # buckets launched during backward (vs at its end): overlap
         for i, p in enumerate(self.params):
+            # a backward without a forward through this wrapper (a pipeline's next micro-batch) must not
+            # accumulate into the placeholder .grad: drop it before autograd's accumulation, which follows this
+            p.register_hook(lambda g, i=i: self._drop_placeholder(i))
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad_ready(i))
 
     def _make_buckets(self, bucket_numel: int) -> list[Bucket]:
@@ -265,6 +268,10 @@ class ShardGradOp(SyncSwitch, nn.Module):
                                           lambda i=i: self.optim.full_grad(self._shard(), i), self._WHERE)
 
     _WHERE = "ShardGradOp reduced it into this rank's shard of the averaged gradient (model.grad_shard) during backward"
+
+    def _drop_placeholder(self, i: int):
+        if is_placeholder(self.params[i].grad):
+            self.params[i].grad = None
 
     def _drop_placeholders(self):
         for p in self.params:
