@@ -148,7 +148,10 @@ def visited(site):
             first_plot.scroll_into_view_if_needed()
         page.screenshot(path=str(SHOTS / f"lesson-{lesson[0].stem}.png"))
         page.goto((site / "search.html").as_uri() + "?q=ZeRO-1")
-        page.wait_for_selector("#search-results ul.search li", timeout=60_000)
+        # Sphinx shows results one by one (5 ms apart) and says "Search finished" after the last: read the list
+        # then, not at its first item (API pages come first, so a partial list may hold no lesson).
+        page.wait_for_function("() => (document.querySelector('#search-results p.search-summary') || {})"
+                               ".innerText?.startsWith('Search finished')", timeout=60_000)
         search = page.eval_on_selector_all("#search-results ul.search li a", "as => as.map(a => a.href)")
         browser.close()
     return {"site": site, "pages": pages, "search": search}
