@@ -1,5 +1,7 @@
+import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -23,15 +25,16 @@ class _GradeCache:
         self.tmp_dir, self.cache = tmp_dir, {}
 
     def __call__(self, lab: int, impl: str):
-        import json
         import subprocess
         key = (lab, impl)
         if key not in self.cache:
             out = self.tmp_dir / f"lab{lab}-{impl.replace('/', '_')}.json"
+            start = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "minizero", "grade", "--lab", str(lab),
                                    "--impl", impl, "--json", str(out)], capture_output=True, text=True, timeout=900)
             result = json.loads(out.read_text()) if out.exists() else None
             self.cache[key] = (proc, result)
+            _TIMES["grade_s"][f"lab{lab} {impl}"] = round(time.perf_counter() - start, 1)
         return self.cache[key]
 
 
@@ -57,3 +60,31 @@ def pytest_collection_modifyitems(config, items):
             _module_starts[path] = any(s in text for s in _STARTS_PROCESSES)
         if _module_starts[path] or "graded" in getattr(item, "fixturenames", ()):
             item.add_marker(marker)
+
+
+# The time every user waits, from this run (build/test-times.json): each test's seconds (setup + call +
+# teardown), each file's, each grading run's, and the load average at the start and the end, so a table of
+# waiting times says whether the machine was idle when it was measured.
+_TIMES = {"grade_s": {}, "test_s": {}}
+
+
+def pytest_sessionstart(session):
+    _TIMES["start"], _TIMES["load_at_start"] = time.time(), os.getloadavg()
+
+
+def pytest_runtest_logreport(report):
+    _TIMES["test_s"][report.nodeid] = round(_TIMES["test_s"].get(report.nodeid, 0.0) + report.duration, 2)
+
+
+def pytest_sessionfinish(session):
+    if "start" not in _TIMES or not _TIMES["test_s"]:
+        return
+    files = {}
+    for nodeid, seconds in _TIMES["test_s"].items():
+        files[nodeid.split("::")[0]] = round(files.get(nodeid.split("::")[0], 0.0) + seconds, 1)
+    report = {"wall_s": round(time.time() - _TIMES["start"], 1), "load_at_start": _TIMES["load_at_start"],
+              "load_at_end": os.getloadavg(), "tests": len(_TIMES["test_s"]), "file_s": files,
+              "grade_s": _TIMES["grade_s"], "test_s": _TIMES["test_s"]}
+    os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
+    with open(os.path.join(ROOT, "build", "test-times.json"), "w") as f:
+        json.dump(report, f, indent=1)
