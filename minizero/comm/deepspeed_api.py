@@ -40,6 +40,9 @@ def _op(op) -> str:
 
 def _group(group):
     if group is None:
+        if not is_initialized():  # DeepSpeed asserts here too; a silent world of one would hide a missing launch
+            raise RuntimeError("deepspeed.comm: the backend is not initialized: call deepspeed.init_distributed() "
+                               "(or deepspeed.initialize(...)) before deepspeed.comm's functions")
         return get()
     if not hasattr(group, "all_reduce") or not hasattr(group, "stats"):
         raise TypeError(f"deepspeed.comm: group must be a minizero Communicator (deepspeed.comm.new_group(ranks), or "
