@@ -35,6 +35,8 @@ def test_the_readme_is_a_front_page_and_its_links_resolve():
     names a file that exists, and none of them speaks of the project's own history."""
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
+    lessons, labs = len(list((ROOT / "lessons").glob("*.ipynb"))), len(list((ROOT / "labs").glob("lab*.py")))
+    assert f"{lessons} lessons" in readme and f"{labs} labs" in readme, "the README's counts of lessons and labs"
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     broken, internal = [], []
     for page in pages:
