@@ -218,6 +218,16 @@ def offload_groups(comm, tmp_dir):
         out[f"{stage}/vs_device"] = max_diff(offloaded.full_state_dict(), reference)
         out[f"{stage}/resumed"] = max_diff(resumed.full_state_dict(), offloaded.full_state_dict())
         out[f"{stage}/groups"] = len(offloaded.offload.optim.param_groups)
+        # torch's clip line after backward: the averaged gradient's norm as without offload, or a clear error
+        # (a None .grad everywhere would read 0 and clip nothing)
+        x, y = batch(comm, 3)
+        for engine in (plain, offloaded):
+            engine.backward(engine(x, y))
+        out[f"{stage}/clip_plain"] = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9).item()
+        try:
+            out[f"{stage}/clip_offload"] = torch.nn.utils.clip_grad_norm_(offloaded.parameters(), 1e9).item()
+        except RuntimeError as e:
+            out[f"{stage}/clip_offload"] = str(e)
     one_group = engine_for(1, "cpu", grouped=False)
     train(one_group, range(3))
     out["control"] = max_diff(one_group.full_state_dict(), reference)  # groups ignored would land here

@@ -79,6 +79,12 @@ def test_offload_with_two_param_groups_trains_like_the_device_and_resumes_bitwis
             assert out[f"{stage}/groups"] == 2
             assert out[f"{stage}/vs_device"] <= 1e-6, f"rank {rank} stage {stage}: {out[f'{stage}/vs_device']}"
             assert out[f"{stage}/resumed"] == 0.0, f"rank {rank} stage {stage}: resumed {out[f'{stage}/resumed']}"
+            # torch's clip line after an offloaded backward: ZeRO-1/2's right norm, FSDP's error at the call
+            plain, offloaded = out[f"{stage}/clip_plain"], out[f"{stage}/clip_offload"]
+            if stage < 3:
+                assert offloaded == pytest.approx(plain, rel=1e-6), (rank, stage, offloaded, plain)
+            else:
+                assert isinstance(offloaded, str) and "gradient_clipping" in offloaded, (rank, offloaded)
 
 
 def test_torch_clip_line_reaches_the_averaged_gradient_and_zero1_state_consolidates(res):

@@ -47,6 +47,10 @@ class ShardedGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        refused = next((t._mz_refuse for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple))
+                        else [a]) if isinstance(t, ShardedGrad) and t._mz_refuse), None)
+        if refused and getattr(func, "__name__", "") not in _METADATA:
+            raise RuntimeError(f"{getattr(func, '__name__', func)} on p.grad: {refused}")
         if func in _NORMS and isinstance(args[0], ShardedGrad):
             return _norm(func, *args, **kwargs)
         if func is torch._foreach_norm:
@@ -76,22 +80,23 @@ class ShardedGrad(torch.Tensor):
 
 
 def sharded_grad(tensor: torch.Tensor, comm, elements=None, scale=None, full=None, placeholder: bool = False,
-                 where: str = "") -> ShardedGrad:
+                 where: str = "", refuse: str = "") -> ShardedGrad:
     """`tensor` as a ShardedGrad. comm: whose ranks hold the other elements (None: every rank holds them all,
     a replicated gradient, no collective). elements(): this rank's averaged elements of the parameter (default
     [the tensor]). scale(factor, divide): scales those elements when they are not the tensor itself.
     full(): the whole averaged gradient (full_tensor(); None: the tensor is it). placeholder: the tensor
-    holds no values; `where` says where they are."""
+    holds no values; `where` says where they are. refuse: every use but metadata raises this message (a
+    gradient that is nowhere this rank can reach it, e.g. already on an offload tier)."""
     g = tensor.as_subclass(ShardedGrad)
     g._mz_comm, g._mz_elements, g._mz_scale, g._mz_full = comm, elements, scale, full
-    g._mz_placeholder, g._mz_where = placeholder, where
+    g._mz_placeholder, g._mz_where, g._mz_refuse = placeholder, where, refuse
     return g
 
 
-def placeholder_grad(param: torch.Tensor, comm, elements, scale, full, where: str) -> ShardedGrad:
+def placeholder_grad(param: torch.Tensor, comm, elements, scale, full, where: str, refuse: str = "") -> ShardedGrad:
     """A .grad of param's shape, dtype and device on one element of storage (expanded)."""
     base = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
-    return sharded_grad(base, comm, elements, scale, full, placeholder=True, where=where)
+    return sharded_grad(base, comm, elements, scale, full, placeholder=True, where=where, refuse=refuse)
 
 
 def is_placeholder(t) -> bool:
