@@ -4,6 +4,7 @@ One launch per N: the same TinyGPT, data and SGD under
   * the single process on the global batch (the ground truth),
   * minizero's FSDP with shard_layout="per_param", stepped by FSDPOptimizer (the engine's), and
   * torch's FSDP2 (fully_shard on each block, then the root), stepped by torch.optim.SGD,
+  * the engine with zero_optimization.shard_layout "per_param", its checkpoint resumed by both layouts,
 and, after the first backward, code written in FSDP2's style on both: each parameter's gradient
 piece all-gathered with dist.all_gather_into_tensor, torch's clip_grad_norm_ on model.parameters().
 Every number returned is measured: shapes from the tensors, bytes from comm.stats, memory from
@@ -109,14 +110,20 @@ def _minizero(comm, batches):
     return out
 
 
-def _engine(comm, batches):
-    """The DeepSpeed-style engine with the config key; SGD as above, no clipping."""
+def _engine(comm, batches, ckpt, layout="per_param", load=False):
+    """The DeepSpeed-style engine with the config key; SGD as above, no clipping. Saves after half the steps,
+    or (load) starts from that checkpoint and runs the second half."""
     cfg = {"train_micro_batch_size_per_gpu": BATCH // comm.size, "gradient_accumulation_steps": 1,
            "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
-           "zero_optimization": {"stage": 3, "shard_layout": "per_param", "stage3_param_persistence_threshold": 0}}
+           "zero_optimization": {"stage": 3, "shard_layout": layout, "stage3_param_persistence_threshold": 0}}
     engine = build_engine(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
+    half = len(batches) // 2
+    if load:
+        engine.load_checkpoint(ckpt)
     losses = []
-    for b in batches:
+    for step, b in enumerate(batches[half:] if load else batches):
+        if step == half and not load:
+            engine.save_checkpoint(ckpt)
         loss = engine(*shard(b, comm.rank, comm.size))
         engine.backward(loss)
         engine.step()
@@ -130,7 +137,7 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
-def run_all(comm):
+def run_all(comm, ckpt):
     batches = global_batches(build_model("tiny-gpt", seed=0, **GPT), STEPS, BATCH)
     single, losses, grads, norm = _single(batches)
     params = {n: p.detach() for n, p in single.named_parameters()}
@@ -142,7 +149,9 @@ def run_all(comm):
         out[name] = {"losses": run["losses"], "shapes": run["shapes"], "grad_shapes": run["grad_shapes"],
                      "gathered_grad_diff": _max_diff(run["gathered"], grads),
                      "param_diff": _max_diff(run["params"], params)}
-    out["engine"] = _engine(comm, batches)
+    out["engine"] = _engine(comm, batches, ckpt)  # saves a checkpoint half way; then resumed from it:
+    out["resumed"] = {layout: _engine(comm, batches, ckpt, layout, load=True)["losses"]
+                      for layout in ("per_param", "flat")}
     out["minizero"].update({k: mz[k] for k in ("units", "forward_sent", "backward_sent", "ledger", "equal_pieces",
                                                "torch_clip_norm")},
                            full_tensor_diff=_max_diff(mz["full_tensor"], grads))

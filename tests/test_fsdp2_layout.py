@@ -10,6 +10,8 @@ Tolerances, and why:
 The expected shapes, bytes and memory are computed here from the plain model's shapes by FSDP2's rule
 (ceil(dim0 / N) rows a rank), never read back from the wrapper under test.
 """
+import tempfile
+
 import pytest
 
 from minizero import launch
@@ -25,7 +27,8 @@ pytest.importorskip("torch.distributed.fsdp", reason="torch's fully_shard (pip i
 
 def results(n):
     if n not in _results:
-        _results[n] = launch.run(W + "run_all", nprocs=n, backend="torch", timeout=300)
+        with tempfile.TemporaryDirectory(prefix="minizero-fsdp2-") as ckpt:
+            _results[n] = launch.run(W + "run_all", nprocs=n, backend="torch", timeout=300, args={"ckpt": ckpt})
     return _results[n]
 
 
@@ -53,6 +56,9 @@ def test_trains_like_one_process_and_torch_fsdp2(n):
         assert mz["losses"] == pytest.approx(peer["losses"], rel=0, abs=2e-6)
         assert mz["param_diff"] <= 2e-7 and peer["param_diff"] <= 2e-7
         assert out["engine"]["losses"] == pytest.approx(single, rel=0, abs=2e-6)  # zero_optimization.shard_layout
+        # its checkpoint, resumed: by the same layout the same numbers; by flat units within the tolerance
+        assert out["resumed"]["per_param"] == out["engine"]["losses"][2:]
+        assert out["resumed"]["flat"] == pytest.approx(out["engine"]["losses"][2:], rel=0, abs=2e-6)
 
 
 @pytest.mark.parametrize("n", [2, 3])
