@@ -392,7 +392,10 @@ class FSDP(nn.Module):
             unit.work = None
             if unit.layout.reorders:  # per_param: the gathered rank-major chunks into each parameter's place
                 gathered = unit.buf[:unit.gathered_numel]
-                gathered.copy_(unit.layout.to_compute(gathered))
+                ordered = unit.layout.to_compute(gathered)
+                memory.transient.alloc(f"{self._tag}/{unit.name}/reorder", ordered)  # one more buffer, briefly
+                gathered.copy_(ordered)
+                memory.transient.free(f"{self._tag}/{unit.name}/reorder")
         if unit.src is not None and unit.shard.dtype != self.dtype:
             memory.transient.free(f"{self._tag}/{unit.name}/cast")
         unit.src = None
@@ -496,12 +499,15 @@ class FSDP(nn.Module):
         self._event("reduce", unit)
         if unit.layout.reorders:  # per_param: each parameter's rows into the rank-major order reduce-scatter cuts
             g = torch.cat([unit.layout.to_comm(g[:unit.gathered_numel]), g[unit.gathered_numel:]])
+            memory.transient.alloc(f"{self._tag}/{unit.name}/reorder", g)  # next to autograd's g, until freed below
         shard_grad = self._reduce_shard_grad(unit, g)
         if unit.persistent_numel:  # persistent parameters: whole everywhere, so all-reduce their gradients
             whole_grad = g[unit.gathered_numel:].clone()
             self.comm.all_reduce(whole_grad, op="avg")
             whole_grad = whole_grad.float()
         memory.transient.free(f"{self._tag}/{unit.name}/grad")
+        if unit.layout.reorders:
+            memory.transient.free(f"{self._tag}/{unit.name}/reorder")
         for part, grad in (("shard", shard_grad), ("whole", whole_grad)):
             if grad is not None and self.grad_sink is not None:
                 self.grad_sink(unit, part, grad)  # offload: straight to the host, no device .grad

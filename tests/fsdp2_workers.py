@@ -77,8 +77,8 @@ def _torch_fsdp2(comm, batches):
     return out
 
 
-def _minizero(comm, batches):
-    model = FSDP(build_model("tiny-gpt", seed=0, **GPT), comm, shard_layout="per_param")
+def _minizero(comm, batches, checks=True, **kw):
+    model = FSDP(build_model("tiny-gpt", seed=0, **GPT), comm, shard_layout="per_param", **kw)
     opt = FSDPOptimizer(model, torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     out = {"losses": [], "shapes": {n: list(p.shape) for n, p in model.named_parameters()},
            "units": [{"name": u.name, "shard_numel": u.layout.shard_numel} for u in model.units]}
@@ -90,7 +90,7 @@ def _minizero(comm, batches):
         loss = model(*shard(b, comm.rank, comm.size))[1]
         comm.stats.reset()
         loss.backward()
-        if step == 0:
+        if step == 0 and checks:
             out["backward_sent"] = {op: s["sent_bytes"] for op, s in comm.stats.as_dict().items()}
             out["ledger"] = memory.measure(model).by_category
             named = list(model.named_parameters())
@@ -149,6 +149,10 @@ def run_all(comm, ckpt):
         out[name] = {"losses": run["losses"], "shapes": run["shapes"], "grad_shapes": run["grad_shapes"],
                      "gathered_grad_diff": _max_diff(run["gathered"], grads),
                      "param_diff": _max_diff(run["params"], params)}
+    # biases and norm weights (at most 128 elements) whole on every rank, the rest in per-parameter pieces
+    out["persistent"] = {k: v for k, v in _minizero(comm, batches, False, persistence_threshold=129).items()
+                         if k in ("losses", "shapes")}
+    out["bf16"] = _minizero(comm, batches, False, compute_dtype=torch.bfloat16)["losses"]  # cast before the gather
     out["engine"] = _engine(comm, batches, ckpt)  # saves a checkpoint half way; then resumed from it:
     out["resumed"] = {layout: _engine(comm, batches, ckpt, layout, load=True)["losses"]
                       for layout in ("per_param", "flat")}

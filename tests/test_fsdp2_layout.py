@@ -6,10 +6,12 @@ Tolerances, and why:
   * losses 2e-6 absolute (the fp32 spacing near a loss of 4 is 4.8e-7: a few roundings of a sum of shard
     means in another order; measured 4.8e-7 at 3 ranks, for torch's FSDP2 too),
   * parameters after 4 SGD steps and gradients 2e-7 (test_zero3's SGD tolerance; measured 1.5e-8 and 3.5e-8),
-  * the clip line's norm rtol 1e-5 (one norm of ~30k squares summed in another order; measured 8e-7).
+  * the clip line's norm rtol 1e-5 (one norm of ~30k squares summed in another order; measured 8e-7),
+  * bf16 compute: 0.05 from fp32 (test_zero3's: bf16's spacing near a loss of 4 is 0.031).
 The expected shapes, bytes and memory are computed here from the plain model's shapes by FSDP2's rule
 (ceil(dim0 / N) rows a rank), never read back from the wrapper under test.
 """
+import math
 import tempfile
 
 import pytest
@@ -55,6 +57,9 @@ def test_trains_like_one_process_and_torch_fsdp2(n):
         assert peer["losses"] == pytest.approx(single, rel=0, abs=2e-6)
         assert mz["losses"] == pytest.approx(peer["losses"], rel=0, abs=2e-6)
         assert mz["param_diff"] <= 2e-7 and peer["param_diff"] <= 2e-7
+        assert out["persistent"]["losses"] == pytest.approx(single, rel=0, abs=2e-6)  # persistence_threshold=129
+        assert out["bf16"] == pytest.approx(single, rel=0, abs=0.05)  # test_zero3's bf16 tolerance (8 bits)
+        assert out["bf16"] != mz["losses"]  # it did compute in bf16
         assert out["engine"]["losses"] == pytest.approx(single, rel=0, abs=2e-6)  # zero_optimization.shard_layout
         # its checkpoint, resumed: by the same layout the same numbers; by flat units within the tolerance
         assert out["resumed"]["per_param"] == out["engine"]["losses"][2:]
@@ -68,6 +73,9 @@ def test_shard_shapes_are_fsdp2s(n):
         assert out["minizero"]["shapes"] == want == out["torch"]["shapes"]
         assert out["minizero"]["grad_shapes"] == want == out["torch"]["grad_shapes"]
         assert out["engine"]["shapes"] == want
+        full = {name: list(p.shape) for name, p in build_model("tiny-gpt", seed=0, **GPT).named_parameters()}
+        assert out["persistent"]["shapes"] == {name: full[name] if math.prod(full[name]) < 129 else want[name]
+                                               for name in want}  # under the threshold: whole on every rank
     if n == 3:  # the padding is on the last rank: 64 rows -> 22, 22, 20; a 32-element norm weight -> 11, 11, 10
         assert [results(3)[r]["minizero"]["shapes"]["wte.weight"] for r in range(3)] == [[22, 32], [22, 32], [20, 32]]
         assert [results(3)[r]["minizero"]["shapes"]["ln_f.weight"] for r in range(3)] == [[11], [11], [10]]
