@@ -661,7 +661,8 @@ class FSDP(nn.Module):
             yield "buffers", b, None
 
     def extra_repr(self) -> str:
-        return (f"world={self.comm.size}, compute_dtype={self.compute_dtype}, prefetch={self.prefetch}, units="
+        return (f"world={self.comm.size}, compute_dtype={self.compute_dtype}, prefetch={self.prefetch}, "
+                f"shard_layout={self.shard_layout}, units="
                 + ", ".join(f"{unit.name}({unit.layout.numel}+{unit.layout.padding}pad+{unit.persistent_numel}whole)"
                             for unit in self.units))
 
