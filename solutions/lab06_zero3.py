@@ -26,6 +26,15 @@ in the module, never sharded or reduced (parameters() yields them; optimizers sk
 stage3_param_persistence_threshold) stay whole on every rank (`unit.whole`), are not gathered,
 and have their gradients all-reduced: a collective per tiny bias would be all latency.
 
+shard_layout="per_param" cuts differently, as torch's FSDP2 (fully_shard) does (per_param_layout.py): every
+sharded parameter on dim 0 into N pieces of ceil(dim0 / N) rows, zero rows padding the last ranks', so a
+parameter's pieces have one size on every rank; p.shape is this rank's rows (FSDP2's to_local().shape), p.grad
+the same rows of the averaged gradient (to_local(), full_tensor()). The units, hooks and collectives stay the
+same: the all-gather still moves one buffer per unit (rank-major: [rank 0's pieces | rank 1's | ...]), which
+one copy puts in parameter order before compute, and the gradient is put back in rank order before its one
+reduce-scatter (FSDP2's copy-out and chunk_cat). Padding is sent and held: (N-1)·S·b bytes per collective,
+S = Σ ceil(dim0/N)·row elements per rank instead of ceil(Ψ/N).
+
 A step, unit by unit: the forward pre-hook all-gathers the unit's shards into a fresh flat buffer (or
 waits for its prefetch) and points the module's parameter attributes at views of it; the
 post-hook frees it; backward gathers the unit again when it first needs one of its weights; when the
@@ -87,9 +96,11 @@ from minizero import memory, precision
 from minizero.comm.labels import labelled
 from minizero.zero.flat_layout import FlatLayout
 from minizero.zero.init import built_with_init
+from minizero.zero.per_param_layout import PerParamLayout
 from minizero.zero.sharded_grad import sharded_grad
 
 _IDS = itertools.count()
+SHARD_LAYOUTS = {"flat": FlatLayout, "per_param": PerParamLayout}  # the shard_layout= choices
 
 
 class _ParamRef:
@@ -124,18 +135,21 @@ def _refuse_shard_state_dict(module, prefix, keep_vars):
 
 class _Unit:
     """One flat parameter. entries: (shape, [(owner module, attr)], [names]); the first n_sharded
-    are sharded, the rest persistent. Its gathered buffer: [sharded | padding | persistent]."""
+    are sharded, the rest persistent. Its gathered buffer: [sharded | padding | persistent] (per_param:
+    [p0 | p0's padding rows | p1 | ... | persistent], once to_compute has reordered the all-gather's)."""
 
-    def __init__(self, name, module, sharded, persistent, comm, materialize=None):
+    def __init__(self, name, module, sharded, persistent, comm, materialize=None, layout_cls=FlatLayout):
         self.name = name or "root"       # the wrapped module's name
         self.module = module             # its hooks gather and free this unit
         self.n_sharded = len(sharded)    # entries[:n_sharded] are sharded, the rest persistent
         # shapes only: holding the original Parameters would keep the full model alive
         self.entries = [(p.shape, slots, names) for p, slots, names in sharded + persistent]
-        self.layout = FlatLayout([p.shape for p, _, _ in sharded], comm.size)
+        self.layout = layout_cls([p.shape for p, _, _ in sharded], comm.size)
         self.gathered_numel = self.layout.padded_numel  # elements all-gathered (sharded + padding)
         self.persistent_numel = sum(p.numel() for p, _, _ in persistent)  # elements kept whole on every rank
-        self.sizes = self.layout.numels + [self.layout.padding] + [p.numel() for p, _, _ in persistent]
+        segments = self.layout.compute_sizes() + [(p.numel(), True) for p, _, _ in persistent]
+        self.sizes = [n for n, _ in segments]                       # split() of the gathered buffer ...
+        self.kept = [k for k, (_, is_entry) in enumerate(segments) if is_entry]  # ... and which are entries
         self.shard = (nn.Parameter(torch.empty(self.layout.shard_numel, device=comm.device)) if self.gathered_numel
                       else None)
         self.whole = (nn.Parameter(torch.empty(self.persistent_numel, device=comm.device)) if self.persistent_numel
@@ -169,16 +183,23 @@ class _Unit:
 
     def split(self, flat):
         """Views of a full flat buffer, one per entry, shaped like the parameters."""
-        views = list(flat.split(self.sizes))
-        del views[self.n_sharded]  # the padding
-        return [v.view(shape) for v, (shape, _, _) in zip(views, self.entries)]
+        views = flat.split(self.sizes)  # one autograd node: the unit's gradients meet in it
+        return [views[k].view(shape) for k, (shape, _, _) in zip(self.kept, self.entries)]
 
 
 class FSDP(nn.Module):
     def __init__(self, module: nn.Module, comm: comm_mod.Communicator | None = None, compute_dtype=None,
                  prefetch: bool = True, persistence_threshold: int = 0, wrap=None, debug: bool | None = None,
-                 broadcast_buffers: bool = True, sync_module_states: bool = True):
+                 broadcast_buffers: bool = True, sync_module_states: bool = True, shard_layout: str = "flat"):
+        # shard_layout: "flat" (each unit one buffer cut in N) or "per_param" (FSDP2's dim-0 pieces); docstring
         super().__init__()
+        if shard_layout not in SHARD_LAYOUTS:
+            raise ValueError(f"FSDP: shard_layout must be one of {sorted(SHARD_LAYOUTS)}, got {shard_layout!r}")
+        if shard_layout != "flat" and (type(self)._gather_shards is not FSDP._gather_shards
+                                       or type(self)._reduce_shard_grad is not FSDP._reduce_shard_grad):
+            raise ValueError(f"{type(self).__name__}: shard_layout={shard_layout!r} is for plain FSDP; "
+                             "its own gathers and reduces cut flat units (use shard_layout='flat')")
+        self.shard_layout = shard_layout  # "flat": units cut as one buffer; "per_param": FSDP2's dim-0 pieces
         if isinstance(module, FSDP) or any(getattr(m, "_zero3_wrapped", False) for m in module.modules()):
             raise ValueError("FSDP: this module is already wrapped by FSDP (its parameters are flat shards "
                              "now). Wrap the plain module once; use `wrap=` to choose the inner units.")
@@ -238,7 +259,8 @@ class FSDP(nn.Module):
                 pc = pieces.get(j)
                 lo, numel = (pc.shard_lo, pc.hi - pc.lo) if pc else (0, 0)
                 unit.slots["shard"].append((j, lo, numel, pc.lo if pc else 0))
-                p = self._local_part(unit.originals[j](), unit.shard.detach()[lo:lo + numel])
+                p = self._local_part(unit.originals[j](), unit.shard.detach()[lo:lo + numel].view(
+                    unit.layout.local_shape(j, self.comm.rank)))
             else:
                 numel = math.prod(shape)
                 unit.slots["whole"].append((j, offset, numel, 0))
@@ -331,7 +353,8 @@ class FSDP(nn.Module):
         for p, slots, fqns, chain in found.values():
             groups[chain[-1]][p.numel() < threshold].append((p, slots, fqns))
         materialize = self._init.materialize if self._init is not None else None
-        return [_Unit(n, module.get_submodule(n), *groups[n], self.comm, materialize) for n in names if any(groups[n])]
+        return [_Unit(n, module.get_submodule(n), *groups[n], self.comm, materialize, SHARD_LAYOUTS[self.shard_layout])
+                for n in names if any(groups[n])]
 
     # ------------------------------------------------------------------ gather / free
     @labelled("mz.fsdp.gather")  # a profiler range (comm/labels.py)
@@ -367,6 +390,12 @@ class FSDP(nn.Module):
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
+            if unit.layout.reorders:  # per_param: the gathered rank-major chunks into each parameter's place
+                gathered = unit.buf[:unit.gathered_numel]
+                ordered = unit.layout.to_compute(gathered)
+                memory.transient.alloc(f"{self._tag}/{unit.name}/reorder", ordered)  # one more buffer, briefly
+                gathered.copy_(ordered)
+                memory.transient.free(f"{self._tag}/{unit.name}/reorder")
         if unit.src is not None and unit.shard.dtype != self.dtype:
             memory.transient.free(f"{self._tag}/{unit.name}/cast")
         unit.src = None
@@ -468,12 +497,17 @@ class FSDP(nn.Module):
             self._wait(unit)
             self._free(unit)
         self._event("reduce", unit)
+        if unit.layout.reorders:  # per_param: each parameter's rows into the rank-major order reduce-scatter cuts
+            g = torch.cat([unit.layout.to_comm(g[:unit.gathered_numel]), g[unit.gathered_numel:]])
+            memory.transient.alloc(f"{self._tag}/{unit.name}/reorder", g)  # next to autograd's g, until freed below
         shard_grad = self._reduce_shard_grad(unit, g)
         if unit.persistent_numel:  # persistent parameters: whole everywhere, so all-reduce their gradients
             whole_grad = g[unit.gathered_numel:].clone()
             self.comm.all_reduce(whole_grad, op="avg")
             whole_grad = whole_grad.float()
         memory.transient.free(f"{self._tag}/{unit.name}/grad")
+        if unit.layout.reorders:
+            memory.transient.free(f"{self._tag}/{unit.name}/reorder")
         for part, grad in (("shard", shard_grad), ("whole", whole_grad)):
             if grad is not None and self.grad_sink is not None:
                 self.grad_sink(unit, part, grad)  # offload: straight to the host, no device .grad
@@ -527,7 +561,7 @@ class FSDP(nn.Module):
         self.comm.all_gather(full, flat.contiguous() if flat is not None else torch.zeros(unit.layout.shard_numel,
                                                                                            device=self.comm.device))
         a, n = unit.layout.offsets[j], unit.layout.numels[j]
-        return full[a:a + n].view(unit.entries[j][0]).clone()
+        return unit.layout.to_compute(full)[a:a + n].view(unit.entries[j][0]).clone()
 
     def unit_grad(self, unit, part: str):
         """The flat fp32 gradient of unit's shard ("shard") or persistent part ("whole"), or None once
@@ -578,6 +612,7 @@ class FSDP(nn.Module):
             if unit.gathered_numel:
                 source = unit.shard.detach() if self.masters is None else self.masters(unit, "shard")
                 self.comm.all_gather(flat[:unit.gathered_numel], source.to(self.comm.device))
+                flat[:unit.gathered_numel] = unit.layout.to_compute(flat[:unit.gathered_numel])
             if unit.persistent_numel:
                 flat[unit.gathered_numel:] = (unit.whole.detach() if self.masters is None
                                               else self.masters(unit, "whole"))
@@ -626,7 +661,8 @@ class FSDP(nn.Module):
             yield "buffers", b, None
 
     def extra_repr(self) -> str:
-        return (f"world={self.comm.size}, compute_dtype={self.compute_dtype}, prefetch={self.prefetch}, units="
+        return (f"world={self.comm.size}, compute_dtype={self.compute_dtype}, prefetch={self.prefetch}, "
+                f"shard_layout={self.shard_layout}, units="
                 + ", ".join(f"{unit.name}({unit.layout.numel}+{unit.layout.padding}pad+{unit.persistent_numel}whole)"
                             for unit in self.units))
 

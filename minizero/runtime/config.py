@@ -87,6 +87,10 @@ SCHEMA = {
         # -1 (or 0) = off, as in DeepSpeed. The groups are booked as nodes (bytes intra / cross group)
         "mics_shard_size": -1,
         "mics_hierarchical_params_gather": False,
+        # minizero's extension: how stage 3 cuts parameters (zero/fsdp.py). "flat": each unit's parameters as
+        # one flat buffer cut in N (DeepSpeed's and FSDP1's); "per_param": every parameter cut on dim 0 into
+        # equal padded pieces, torch FSDP2's (fully_shard) layout
+        "shard_layout": "flat",
     },
     # DeepSpeed's async I/O for nvme offload; here plain files through a thread pool
     "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
@@ -591,6 +595,7 @@ def load_config(config, world_size: int = 1) -> dict:
             raise ConfigError(f"zero_optimization.{section}.device is nvme but nvme_path is not set")
     _check_zeropp(zero, world_size, tp)
     _check_offload(zero)
+    _check_shard_layout(zero)
     _check_activation_checkpointing(cfg["activation_checkpointing"])
     attention = cfg["context_parallel"]["attention"]
     if attention not in ("ulysses", "ring"):
@@ -612,6 +617,26 @@ def _check_activation_checkpointing(section):
             raise ConfigError(f"'activation_checkpointing.{key}': {value!r} is not implemented in minizero "
                               f"(in DeepSpeed it means {CHECKPOINTING_NOT_IMPLEMENTED[key]}); remove it. "
                               "The section itself turns on torch.utils.checkpoint for every block.")
+
+
+def _check_shard_layout(zero: dict):
+    """zero_optimization.shard_layout: "flat", or "per_param" on plain stage 3 (the sharded stages' other
+    paths, ZeRO-1/2, ZeRO++, MiCS and offload, cut flat buffers)."""
+    layout = zero["shard_layout"]
+    if layout not in ("flat", "per_param"):
+        raise ConfigError(f"zero_optimization.shard_layout must be 'flat' or 'per_param', got {layout!r}")
+    if layout == "flat":
+        return
+    others = [key for key, on in (("zero_quantized_weights", zero["zero_quantized_weights"]),
+                                  ("zero_hpz_partition_size", zero["zero_hpz_partition_size"] > 1),
+                                  ("zero_quantized_gradients", zero["zero_quantized_gradients"]),
+                                  ("mics_shard_size", zero["mics_shard_size"] > 0),
+                                  ("offload_optimizer", zero["offload_optimizer"]["device"] != "none"),
+                                  ("offload_param", zero["offload_param"]["device"] != "none")) if on]
+    if zero["stage"] != 3 or others:
+        what = f"stage {zero['stage']}" if zero["stage"] != 3 else "zero_optimization." + others[0]
+        raise ConfigError(f"zero_optimization.shard_layout 'per_param' (FSDP2's per-parameter shards) is implemented "
+                          f"for plain ZeRO stage 3, not with {what}; remove the key or use 'flat'")
 
 
 def _check_offload(zero: dict):

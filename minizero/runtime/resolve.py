@@ -50,6 +50,7 @@ class Plan(NamedTuple):
     persistence_threshold: int = 100_000  # stage 3: parameters below this many elements stay whole
     zeropp: object = None                 # a zero.tiers.ZeroPPSpec when a ZeRO++ key is on, else None
     mics_shard_size: int | None = None    # hybrid sharding: ZeRO-3 over groups of this many ranks (MiCS)
+    shard_layout: str = "flat"            # stage 3: "flat" units or "per_param" (FSDP2's dim-0 pieces)
     # the rest of the chain
     sequence_parallel: bool = False       # tensor_parallel.sequence_parallel (Megatron's SP)
     cp_attention: str = "ulysses"         # context_parallel.attention: ulysses or ring
@@ -377,7 +378,7 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
                 bucket_numel=int(zero["reduce_bucket_size"]), overlap_comm=zero["overlap_comm"],
                 prefetch=zero["overlap_comm"] and zero["stage3_prefetch_bucket_size"] > 0,
                 persistence_threshold=int(zero["stage3_param_persistence_threshold"]),
-                zeropp=zeropp if zeropp.enabled else None, mics_shard_size=mics,
+                zeropp=zeropp if zeropp.enabled else None, mics_shard_size=mics, shard_layout=zero["shard_layout"],
                 sequence_parallel=cfg["tensor_parallel"]["sequence_parallel"],
                 cp_attention=cfg["context_parallel"]["attention"],
                 activation_checkpointing=cfg["activation_checkpointing"] is not None,

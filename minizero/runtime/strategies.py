@@ -60,6 +60,7 @@ class StrategySpec(NamedTuple):
     zero_init: object            # the zero.Init recorder the model was built under, or None
     offload: object              # a zero.tiers.OffloadSpec (the optimizer's tier, ZeRO-3's shards) or None
     runtime_syncs: bool = False  # a pipeline runtime calls DDP's finish_gradient_synchronization itself
+    shard_layout: str = "flat"   # ZeRO-3: "flat" units or "per_param" (FSDP2's dim-0 pieces)
 
     @property
     def mixed_precision(self) -> bool:
@@ -336,7 +337,7 @@ class Zero3Strategy(Strategy):
             comm.broadcast_tensors([*model.parameters(), *model.buffers()])
         self.wrapped = self._wrap(model, comm, spec, dict(
             compute_dtype=spec.dtype if spec.mixed_precision else None, prefetch=spec.prefetch,
-            persistence_threshold=spec.persistence_threshold))
+            persistence_threshold=spec.persistence_threshold, shard_layout=spec.shard_layout))
         if spec.zero_init is not None:  # buffers and frozen parameters (the local parts stay fp32 shard views)
             trained = {id(p) for p in self.wrapped.parameters() if p.requires_grad}
             device = comm.device

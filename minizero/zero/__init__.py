@@ -11,6 +11,8 @@ is named after what it shards (the stage numbers are DeepSpeed's `zero_optimizat
     3      HybridShard       hybrid.py             ZeRO-3 in a node, nodes replicas FSDP HYBRID_SHARD, MiCS
 
     flat_layout.py          FlatLayout: the parameters as views into one flat buffer padded to N shards
+    per_param_layout.py     PerParamLayout: FSDP2's cut, each parameter on dim 0 in N equal padded pieces
+                            (FSDP(shard_layout="per_param"), zero_optimization.shard_layout)
     flat_shard_optimizer.py FlatShardOptimizer: a torch.optim.Optimizer (param groups, schedulers,
                             state_dict, torch's skip of grad-None parameters) over flat shards
     fsdp_optimizer.py       FSDPOptimizer: that optimizer on an FSDP model's shards (ZeRO-3)
@@ -25,6 +27,7 @@ is named after what it shards (the stage numbers are DeepSpeed's `zero_optimizat
                             parameters, refuses FSDP's shards (they are whole only inside forward)
 """
 from minizero.zero.flat_layout import FlatLayout
+from minizero.zero.per_param_layout import PerParamLayout
 from minizero.zero.infinity import DiskOptimizer
 from minizero.zero.init import Init
 from minizero.zero.gathered import GatheredParameters
@@ -40,4 +43,4 @@ from minizero.zero.zeropp import ZeroPP
 STAGES = {1: ShardedOptimizer, 2: ShardGradOp, 3: FSDP}
 
 __all__ = ["DiskOptimizer", "FSDP", "FSDPOptimizer", "FlatLayout", "GatheredParameters", "HostOptimizer", "HybridShard",
-           "Init", "OffloadSpec", "STAGES", "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]
+           "Init", "OffloadSpec", "PerParamLayout", "STAGES", "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]

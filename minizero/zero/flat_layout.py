@@ -29,6 +29,8 @@ class Piece:
 
 
 class FlatLayout:
+    reorders = False  # the all-gather's order is the parameters' (zero/per_param_layout.py's is not)
+
     def __init__(self, shapes, world_size: int):
         self.shapes = [torch.Size(s) for s in shapes]
         self.numels = [math.prod(s) for s in self.shapes]
@@ -75,3 +77,18 @@ class FlatLayout:
             if lo < hi:
                 out.append(Piece(i, lo - start, hi - start, lo - a))
         return out
+
+    # the interface zero/per_param_layout.py also has: here the gathered order is the compute order
+    def local_shape(self, index: int, rank: int) -> torch.Size:
+        """Rank's piece of tensor `index`: the flat elements its shard holds (maybe none)."""
+        return torch.Size([sum(pc.hi - pc.lo for pc in self.pieces(rank) if pc.index == index)])
+
+    def compute_sizes(self) -> list[tuple[int, bool]]:
+        """The gathered buffer as (size, is a tensor) segments: the tensors end to end, then the padding."""
+        return [(n, True) for n in self.numels] + [(self.padding, False)]
+
+    def to_compute(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat
+
+    def to_comm(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat

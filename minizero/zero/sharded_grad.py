@@ -14,7 +14,8 @@ does the same for the two operations the clip uses (a __torch_function__ subclas
     clip_grad_norm_ does one all-reduce in all. A norm over `dim` is refused: the tensor is a shard.
   * mul_ / div_ (the clip's scaling; a manual unscale) scale the averaged elements this rank holds, where
     they are not the tensor itself (ZeRO-1's reduced shard, ZeRO-2's gradient shard), and the tensor.
-  * full_tensor() (DTensor's name) all-gathers the parameter's whole averaged gradient, full shape.
+  * full_tensor() (DTensor's name) all-gathers the parameter's whole averaged gradient, full shape;
+    to_local() is this rank's piece as a plain tensor (FSDP's shard_layout="per_param": FSDP2's dim-0 piece).
   * everything else runs on the tensor as it is (ZeRO-1: this rank's local gradient; FSDP: its local
     part), except on ZeRO-2's placeholder, which holds no values (one element of storage, expanded): there
     any other use is an error naming the wrapper's gradient shard.
@@ -43,6 +44,13 @@ class ShardedGrad(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return self.clone()
         return self._mz_full()
+
+    def to_local(self) -> torch.Tensor:
+        """DTensor's name: this rank's piece as a plain tensor (a view, no communication)."""
+        if self._mz_placeholder:
+            raise RuntimeError(f"p.grad.to_local(): this .grad holds no values, {self._mz_where}")
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
