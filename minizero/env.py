@@ -124,8 +124,9 @@ def _stage(text: str) -> int:
 
 
 def _fsdp_strategy(text: str) -> str:
-    """FSDP_SHARDING_STRATEGY: a name, or Accelerate's older numbers 1..4 in torch's ShardingStrategy order."""
-    names = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+    """FSDP_SHARDING_STRATEGY: a name, or Accelerate's older numbers 1..3 in torch's ShardingStrategy order
+    (HYBRID_SHARD, 4, is not covered: minizero's hybrid sharding is the engine's zero_hpz_partition_size)."""
+    names = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
     if text.isdigit() and 1 <= int(text) <= len(names):
         return names[int(text) - 1]
     if text.upper() not in names:
@@ -157,7 +158,7 @@ ACCELERATE_VARIABLES: dict[str, Variable] = {
     "ACCELERATE_DEEPSPEED_CONFIG_FILE": Variable(str, None, "a path to a DeepSpeed JSON config",
                                                  "deepspeed_config_file: its \"auto\" values are filled"),
     "FSDP_SHARDING_STRATEGY": Variable(_fsdp_strategy, "FULL_SHARD",
-                                       "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or 1..4",
+                                       "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or 1..3 (HYBRID_SHARD is not covered)",
                                        "FSDP's sharding: ZeRO-3, ZeRO-2 or DDP here"),
     "FSDP_OFFLOAD_PARAMS": Variable(_bool_word, False, "true or false", "FSDP's CPU offload of parameters"),
 }
