@@ -23,31 +23,8 @@ NEEDS_ACCELERATE = pytest.mark.skipif(not HAVE_ACCELERATE, reason="pip install a
                                                                   "peers extra)")
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 # `accelerate config`'s file for the article's answers: this machine, multi-GPU, DeepSpeed, ZeRO stage 2, no
-# offload, accumulation 1, no clipping, bf16 (Accelerate 1.15 writes these keys)
-ARTICLE_YAML = """\
-compute_environment: LOCAL_MACHINE
-debug: false
-deepspeed_config:
-  gradient_accumulation_steps: 1
-  offload_optimizer_device: none
-  offload_param_device: none
-  zero3_init_flag: false
-  zero_stage: 2
-distributed_type: DEEPSPEED
-downcast_bf16: 'no'
-enable_cpu_affinity: false
-machine_rank: 0
-main_training_function: main
-mixed_precision: bf16
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
+# offload, accumulation 1, no clipping, bf16 (the keys Accelerate 1.15 writes)
+ARTICLE_YAML = os.path.join(ROOT, "configs", "accelerate_deepspeed_zero2_bf16.yaml")
 
 
 def _env(**extra):
@@ -59,10 +36,8 @@ def _env(**extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("accelerate")
-    yaml_path = tmp / "default_config.yaml"
-    yaml_path.write_text(ARTICLE_YAML)
     out = {}
-    cmd = [sys.executable, "-m", "minizero.accelerate.launch", "--config_file", str(yaml_path), SCRIPT,
+    cmd = [sys.executable, "-m", "minizero.accelerate.launch", "--config_file", ARTICLE_YAML, SCRIPT,
            "--peer", "minizero", "--variants", ",".join(VARIANTS), "--out", str(tmp / "minizero.json")]
     done = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -130,10 +105,8 @@ def test_the_shards_are_accelerates_batch_sampler_shards(n, drop_last):
         assert shard_batches([list(b) for b in sampler], 3, rank, 4, drop_last) == truth
 
 
-def test_the_articles_yaml_becomes_accelerate_launchs_variables(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text(ARTICLE_YAML)
-    env, nprocs = acc_config.yaml_to_env(acc_config.load_yaml(str(path)))
+def test_the_articles_yaml_becomes_accelerate_launchs_variables():
+    env, nprocs = acc_config.yaml_to_env(acc_config.load_yaml(ARTICLE_YAML))
     assert nprocs == 2
     assert env == {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_DEEPSPEED": "true",
                    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
