@@ -171,3 +171,36 @@ def test_a_bad_variable_names_it_and_what_is_allowed(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(ConfigError, match=r"ACCELERATE_DEEPSPEED_ZERO_STAGE='5' is not allowed: use 0, 1, 2 or 3"):
         Accelerator()
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """The Accelerator creates the communicator in this process: gone again after the test."""
+    from minizero import comm as comm_mod
+    for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.delenv(name)
+    assert not comm_mod.is_initialized()
+    yield
+    comm_mod.shutdown()
+
+
+def test_bf16_is_autocast_under_ddp_and_16_bit_weights_under_deepspeed(world_of_one):
+    """Accelerate's two meanings of mixed_precision="bf16", in a world of one (distributed_type NO)."""
+    from minizero.accelerate import Accelerator, DeepSpeedPlugin
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    kinds = {}
+    for name, plugin in (("ddp", None), ("deepspeed", DeepSpeedPlugin(zero_stage=2))):
+        torch.manual_seed(0)
+        accelerator = Accelerator(mixed_precision="bf16", deepspeed_plugin=plugin)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, data)
+        (x,) = next(iter(loader))
+        out = model(x)
+        before = accelerator.unwrap_model(model).weight.detach().float().clone()
+        accelerator.backward(out.float().pow(2).mean())
+        optimizer.step()
+        moved = (accelerator.unwrap_model(model).weight.detach().float() - before).abs().max().item()
+        kinds[name] = (accelerator.distributed_type, out.dtype, accelerator.unwrap_model(model).weight.dtype, moved > 0)
+    assert kinds["ddp"] == ("NO", torch.bfloat16, torch.float32, True)
+    assert kinds["deepspeed"] == ("DEEPSPEED", torch.bfloat16, torch.bfloat16, True)

@@ -58,6 +58,10 @@ class Accelerator:
                                            fsdp_plugin, world, torch.cuda.is_available())
         if self.comm is None:
             self.comm = comm_mod.init()
+        if self.settings.cpu and self.comm.device.type != "cpu":
+            raise ConfigError("Accelerator(cpu=True) / ACCELERATE_USE_CPU=true with a GPU present is not covered: "
+                              "minizero computes where its communicator runs (one GPU per rank when CUDA is "
+                              "present); hide the GPUs with CUDA_VISIBLE_DEVICES= to train on the CPU")
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.project_dir = project_dir
         self.gradient_state = GradientState(self.settings.gradient_accumulation_steps)
@@ -80,7 +84,7 @@ class Accelerator:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu") if self.settings.cpu else torch.device(self.comm.device)
+        return torch.device(self.comm.device)
 
     @property
     def num_processes(self) -> int:

@@ -268,7 +268,7 @@ class Settings:
     distributed_type: str           # NO, MULTI_CPU, MULTI_GPU, DEEPSPEED or FSDP
     mixed_precision: str            # no, fp16, bf16
     gradient_accumulation_steps: int
-    cpu: bool
+    cpu: bool                       # the CPU was asked for (cpu=True, ACCELERATE_USE_CPU)
     stage: int                      # minizero's ZeRO stage (0: DDP)
     deepspeed_plugin: DeepSpeedPlugin | None = None
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None
@@ -294,7 +294,7 @@ def resolve(mixed_precision, gradient_accumulation_steps, cpu, deepspeed_plugin,
                           "allowed: use a whole number >= 1")
     if gradient_accumulation_steps == 1:
         gradient_accumulation_steps = read("ACCELERATE_GRADIENT_ACCUMULATION_STEPS") or 1
-    cpu = bool(cpu or read("ACCELERATE_USE_CPU") or not cuda)
+    cpu = bool(cpu or read("ACCELERATE_USE_CPU"))  # asked for; without CUDA the CPU is used anyway
     if deepspeed_plugin is None and read("ACCELERATE_USE_DEEPSPEED"):
         deepspeed_plugin = DeepSpeedPlugin()
     if fsdp_plugin is None and read("ACCELERATE_USE_FSDP"):
@@ -311,7 +311,7 @@ def resolve(mixed_precision, gradient_accumulation_steps, cpu, deepspeed_plugin,
     if fsdp_plugin is not None:
         return Settings("FSDP", mixed_precision, gradient_accumulation_steps, cpu, fsdp_plugin.zero_stage,
                         fsdp_plugin=fsdp_plugin)
-    kind = "NO" if world_size == 1 else "MULTI_CPU" if cpu else "MULTI_GPU"
+    kind = "NO" if world_size == 1 else "MULTI_CPU" if cpu or not cuda else "MULTI_GPU"
     return Settings(kind, mixed_precision, gradient_accumulation_steps, cpu, 0)
 
 

@@ -117,7 +117,7 @@ def main():
     save = os.path.join(os.path.dirname(os.path.abspath(args.out)), f"state_{args.peer}")
     if args.peer == "accelerate":
         from accelerate import Accelerator
-        runs["ddp"] = training_function(Accelerator, {"gradient_accumulation_steps": 4, "cpu": True},
+        runs["ddp"] = training_function(Accelerator, {"gradient_accumulation_steps": 4},
                                         save_dir=save)
     else:
         from minizero.accelerate import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
@@ -125,7 +125,7 @@ def main():
         for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
             del os.environ[name]
         for variant in args.variants.split(","):
-            kwargs = {"gradient_accumulation_steps": 4, "cpu": True}
+            kwargs = {"gradient_accumulation_steps": 4}
             if variant.startswith("zero"):
                 kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=int(variant[-1]), gradient_clipping=CLIP)
             elif variant == "fsdp":
