@@ -42,6 +42,7 @@ def runs(tmp_path_factory):
     done = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out["minizero"] = json.loads((tmp / "minizero.json").read_text())
+    out["minizero_log"] = done.stdout + done.stderr
     if HAVE_ACCELERATE:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29647",
                SCRIPT, "--peer", "accelerate", "--out", str(tmp / "accelerate.json")]
@@ -73,6 +74,10 @@ def test_save_state_and_load_state_resume_as_accelerate(runs):
     assert len(ours) == len(truth) == 2
     for a, b in zip(ours, truth):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-6
+
+
+def test_no_scheduler_warning_although_the_engine_steps_its_own_optimizer(runs):
+    assert "lr_scheduler.step()" not in runs["minizero_log"] and "Traceback" not in runs["minizero_log"]
 
 
 def test_the_strategies_are_what_they_say(runs):
