@@ -102,6 +102,80 @@ VARIABLES: dict[str, Variable] = {
 }
 
 
+def _bool_word(text: str) -> bool:
+    """Accelerate's str_to_bool: true/false, yes/no, 1/0, on/off (any case)."""
+    low = text.lower()
+    if low in ("1", "true", "yes", "y", "on", "t"):
+        return True
+    if low in ("0", "false", "no", "n", "off", "f"):
+        return False
+    raise ValueError(text)
+
+
+def _clip_value(text: str):
+    """gradient clipping: "auto" (DeepSpeed's 1.0, as Accelerate fills it) or a number >= 0."""
+    return "auto" if text == "auto" else _seconds(zero_ok=True)(text)
+
+
+def _stage(text: str) -> int:
+    if text not in ("0", "1", "2", "3"):
+        raise ValueError(text)
+    return int(text)
+
+
+def _fsdp_strategy(text: str) -> str:
+    """FSDP_SHARDING_STRATEGY: a name, or Accelerate's older numbers 1..3 in torch's ShardingStrategy order
+    (HYBRID_SHARD, 4, is not covered: minizero's hybrid sharding is the engine's zero_hpz_partition_size)."""
+    names = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+    if text.isdigit() and 1 <= int(text) <= len(names):
+        return names[int(text) - 1]
+    if text.upper() not in names:
+        raise ValueError(text)
+    return text.upper()
+
+
+# What `accelerate launch` sets for its ranks (accelerate/utils/launch.py) and minizero.accelerate reads: the
+# Accelerator is configured by them, as Accelerate's is. Their names are Accelerate's, not minizero's.
+ACCELERATE_VARIABLES: dict[str, Variable] = {
+    "ACCELERATE_CONFIG_FILE": Variable(str, None, "a path to an Accelerate config YAML",
+                                       "the config minizero.accelerate reads when no launcher set ACCELERATE_*"),
+    "ACCELERATE_USE_CPU": Variable(_bool_word, False, "true or false", "train on the CPU even with a GPU"),
+    "ACCELERATE_USE_DEEPSPEED": Variable(_bool_word, False, "true or false", "distributed_type DEEPSPEED"),
+    "ACCELERATE_USE_FSDP": Variable(_bool_word, False, "true or false", "distributed_type FSDP"),
+    "ACCELERATE_MIXED_PRECISION": Variable(_choice("no", "fp16", "bf16"), "no", "no, fp16 or bf16",
+                                           "mixed_precision (fp8 is not covered by minizero)"),
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": Variable(_positive_int, None, "a whole number >= 1",
+                                                       "gradient_accumulation_steps"),
+    "ACCELERATE_GRADIENT_CLIPPING": Variable(_clip_value, "auto", "auto or a number >= 0",
+                                             "DeepSpeed's gradient_clipping (auto: 1.0, as Accelerate fills it)"),
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": Variable(_stage, 2, "0, 1, 2 or 3", "DeepSpeed's zero_optimization.stage"),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": Variable(_choice("none", "cpu", "nvme"), "none",
+                                                              "none, cpu or nvme", "offload_optimizer.device"),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": Variable(_choice("none", "cpu", "nvme"), "none",
+                                                          "none, cpu or nvme", "offload_param.device"),
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT": Variable(_bool_word, None, "true or false",
+                                                "build the model under zero.Init (stage 3)"),
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE": Variable(str, None, "a path to a DeepSpeed JSON config",
+                                                 "deepspeed_config_file: its \"auto\" values are filled"),
+    "FSDP_SHARDING_STRATEGY": Variable(_fsdp_strategy, "FULL_SHARD",
+                                       "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or 1..3 (HYBRID_SHARD is not covered)",
+                                       "FSDP's sharding: ZeRO-3, ZeRO-2 or DDP here"),
+    "FSDP_OFFLOAD_PARAMS": Variable(_bool_word, False, "true or false", "FSDP's CPU offload of parameters"),
+}
+
+
+def accelerate_get(name: str, environ=None):
+    """An Accelerate variable's value (its default when unset); EnvError naming it and what is allowed."""
+    var = ACCELERATE_VARIABLES[name]
+    text = (os.environ if environ is None else environ).get(name)
+    if text is None:
+        return var.default
+    try:
+        return var.parse(text)
+    except ValueError:
+        raise EnvError(f"environment variable {name}={text!r} is not allowed: use {var.allowed}. "
+                       f"{name}: {var.means}") from None
+
 def get(name: str, environ=None):
     """The variable's value (its default when unset); EnvError when it is set to something not allowed.
     environ: the environment to read (default os.environ; launch.run checks its ranks' before starting them)."""

@@ -26,6 +26,9 @@ TOOLS = {
     "planner": SHARED + tuple(f"minizero.{m}" for m in MECHANISMS),
     # DeepSpeed's launcher (python -m minizero.launcher): starts mpirun or torchrun, nothing of the engine
     "launcher": SHARED + ("minizero.launch",),
+    # Accelerate's front door (python -m minizero.accelerate.launch starts mpirun): the engine, the launcher's
+    # mpirun, nothing above
+    "accelerate": SHARED + ("minizero.runtime", "minizero.launch"),
     "experiments": BELOW_TOOLS + ("minizero.runtime", "minizero.planner"),
     "bench": BELOW_TOOLS + ("minizero.runtime", "minizero.experiments") + CHECKS,
     "autograde": BELOW_TOOLS + ("minizero.experiments",) + CHECKS,

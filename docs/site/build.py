@@ -37,7 +37,8 @@ STAGE = ROOT / "build" / "site-src"
 BENCH = ROOT / "build" / "bench"
 # The guide's pages in the site's navigation, in reading order (a docs/*.md not named here comes after them).
 GUIDE_ORDER = ["engine", "offload", "zeropp", "onebit", "pipeline", "tensor", "context-experts", "sparse", "planner",
-               "benchmark", "scale", "dropin", "nodes", "api", "instructors", "grading", "website", "syllabus"]
+               "benchmark", "scale", "dropin", "accelerate", "nodes", "api", "instructors", "grading", "website",
+               "syllabus"]
 
 
 def run_stamp(run: dict) -> str:

@@ -1,0 +1,12 @@
+"""Hugging Face Accelerate's API on minizero's engine (docs/accelerate.md).
+
+    accelerator.py  Accelerator: prepare, backward, accumulate, clip_grad_norm_, gather, save_state, ...
+    config.py       Accelerate's config YAML, its ACCELERATE_* variables and plugins, DeepSpeed's "auto" filled
+    data.py         the DataLoader shards Accelerate gives each rank (same batches, same order)
+    launch.py       python -m minizero.accelerate.launch --config_file cfg.yaml script.py: `accelerate launch`
+"""
+from minizero.accelerate.accelerator import AcceleratedOptimizer, AcceleratedScheduler, Accelerator
+from minizero.accelerate.config import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+__all__ = ["Accelerator", "AcceleratedOptimizer", "AcceleratedScheduler", "DeepSpeedPlugin",
+           "FullyShardedDataParallelPlugin"]

@@ -1,0 +1,140 @@
+"""A training script in Accelerate's examples' style (examples/nlp_example.py's loop: prepare, accumulate,
+backward, clip under sync_gradients, optimizer/scheduler steps, gather_for_metrics, save_state/load_state).
+
+    ACCELERATE_USE_CPU=true torchrun --nproc-per-node 2 accelerate_style_train.py --peer accelerate --out a.json
+    python -m minizero.accelerate.launch --config_file article.yaml accelerate_style_train.py --peer minizero ...
+
+With --peer minizero the first run takes its settings from the launcher's variables (the article's config),
+then the variables are cleared and the script runs again per --variants (ddp, zero1, zero2, zero3, fsdp):
+the import is the only line that differs from the Accelerate run. Rank 0 writes every run's losses to --out.
+"""
+import argparse
+import json
+import os
+
+import torch
+
+CLIP = 0.5
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+
+    def forward(self, x, labels=None):
+        logits = self.body(x)
+        loss = torch.nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return {"loss": loss, "logits": logits}
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = (self.x[:, 0] > 0).long() + (self.x[:, 1] > 0.5).long()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def training_function(Accelerator, accelerator_kwargs, scheduled=True, save_dir=None):
+    torch.manual_seed(42)
+    accelerator = Accelerator(**accelerator_kwargs)
+    model = Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    train_dl = torch.utils.data.DataLoader(Pairs(44, 0), batch_size=4, shuffle=True)
+    eval_dl = torch.utils.data.DataLoader(Pairs(21, 1), batch_size=4, shuffle=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 6))
+    if scheduled:
+        model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl,
+                                                                             scheduler)
+    else:
+        model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+    losses, lrs, accuracy, seen = [], [], [], []
+
+    def train_epoch():
+        model.train()
+        for batch in train_dl:
+            with accelerator.accumulate(model):
+                outputs = model(**batch)
+                loss = outputs["loss"]
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), CLIP)
+                optimizer.step()
+                if scheduled:
+                    scheduler.step()
+                optimizer.zero_grad()
+            losses.append(accelerator.gather(loss.detach()).mean().item())
+            lrs.append(optimizer.param_groups[0]["lr"])
+
+    for _ in range(2):
+        train_epoch()
+        model.eval()
+        correct, count = 0, 0
+        for batch in eval_dl:
+            with torch.no_grad():
+                logits = model(**batch)["logits"]
+            predictions, references = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
+            correct += (predictions == references).sum().item()
+            count += len(references)
+        accuracy.append(correct / count)
+        seen.append(count)
+    resumed = []
+    if save_dir is not None:  # a third epoch, then again from the saved state: the same losses
+        accelerator.save_state(save_dir)
+        start = len(losses)
+        train_epoch()
+        resumed.append(losses[start:])
+        del losses[start:]
+        accelerator.load_state(save_dir)
+        train_epoch()
+        resumed.append(losses[start:])
+        del losses[start:]
+    accelerator.wait_for_everyone()
+    info = {"num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
+            "mixed_precision": str(accelerator.mixed_precision),
+            "steps_per_epoch": len(train_dl)}
+    engine = getattr(model, "engine", None)
+    if engine is not None:
+        info.update(stage=engine.zero_optimization_stage(), bf16=engine.bfloat16_enabled(),
+                    clip=engine.gradient_clipping(), micro_batch=engine.train_micro_batch_size_per_gpu())
+    return {"losses": losses, "lrs": lrs, "accuracy": accuracy, "seen": seen, "resumed": resumed,
+            "main": accelerator.is_main_process, "info": info}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--peer", choices=("accelerate", "minizero"), required=True)
+    p.add_argument("--variants", default="ddp")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    runs = {}
+    save = os.path.join(os.path.dirname(os.path.abspath(args.out)), f"state_{args.peer}")
+    if args.peer == "accelerate":
+        from accelerate import Accelerator
+        runs["ddp"] = training_function(Accelerator, {"gradient_accumulation_steps": 4},
+                                        save_dir=save)
+    else:
+        from minizero.accelerate import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
+        runs["article"] = training_function(Accelerator, {})  # the launcher's variables: the config file
+        for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+            del os.environ[name]
+        for variant in args.variants.split(","):
+            kwargs = {"gradient_accumulation_steps": 4}
+            if variant.startswith("zero"):
+                kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=int(variant[-1]), gradient_clipping=CLIP)
+            elif variant == "fsdp":
+                kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(sharding_strategy="FULL_SHARD")
+            runs[variant] = training_function(Accelerator, kwargs, save_dir=save if variant == "ddp" else None)
+    if runs["ddp" if "ddp" in runs else next(iter(runs))]["main"]:
+        with open(args.out, "w") as f:
+            json.dump(runs, f)
+
+
+if __name__ == "__main__":
+    main()
