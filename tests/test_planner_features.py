@@ -95,6 +95,17 @@ def test_cli_prints_onebit_phases_and_the_sparse_layouts_fraction(capsys):
     assert "of the a·s² scores kept" in out and acts(out) < acts(dense) / 2
 
 
+def test_fit_ranks_onebit_layouts_on_the_runs_bytes():
+    """--fit's step estimate takes the run's mean bytes per step: a short warm-up sends fewer."""
+    from minizero.planner import HARDWARE, fit
+    shape = ModelShape(layers=4, hidden=512, heads=8, seq=256, vocab=1024)
+    def comm(**run):
+        ranked = fit(shape, 4, 40e9, HARDWARE["h100-ib"], 4, precision="fp32", optimizer="onebitadam", **run)
+        assert ranked and all(p.strategy.zero == 0 for p, _ in ranked)
+        return ranked[0][1]["comm"]
+    assert comm(freeze_step=150, steps=1000) < comm(freeze_step=500, steps=1000) < comm()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--sparse-attention", '{"mode": "fixd"}'], "argument --sparse-attention: mode must be one of"),
     (["--sparse-attention", '{"mode": '], "argument --sparse-attention: Expecting value"),

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from minizero.memory import PAPER_TABLE1, estimate, inference_bytes, zero_paper_table1
 from minizero.planner import HARDWARE, ModelShape, PlanError, Strategy, fit, plan, step_time
+from minizero.planner.plan import FREEZE_STEP
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -196,7 +197,8 @@ def _planner(args, parser) -> int:
     try:
         if args.fit is not None:
             ranked = fit(shape, world, args.fit * 1e9, hw, args.global_batch or args.micro_batch * world,
-                         args.node_size, args.micro_batch, args.precision, args.optimizer)
+                         args.node_size, args.micro_batch, args.precision, args.optimizer,
+                         FREEZE_STEP if args.freeze_step is None else args.freeze_step, args.steps or 0)
             if args.json:
                 json.dump([{**p.as_dict(), "step_time": t} for p, t in ranked[:args.top]], sys.stdout, indent=1)
                 return 0
@@ -214,7 +216,7 @@ def _planner(args, parser) -> int:
                                  args.micro_batch, args.micro_batches, args.schedule or "1f1b", args.checkpointing,
                                  args.precision, args.optimizer, qwz=args.qwz, hpz=args.hpz, qgz=args.qgz,
                                  cp=args.cp, ulysses=args.ulysses, ep=args.ep,
-                                 **({"freeze_step": args.freeze_step} if args.freeze_step is not None else {}),
+                                 freeze_step=FREEZE_STEP if args.freeze_step is None else args.freeze_step,
                                  steps=args.steps or 0))
     except PlanError as e:
         parser.error(str(e))

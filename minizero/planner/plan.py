@@ -73,6 +73,7 @@ from minizero.zero.zeropp import bytes_per_rank
 DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2}
 STATE_BYTES = {"adam": 8, "sgd": 4, "onebitadam": 8}   # per element: Adam's m and v; SGD's momentum
 SCHEDULES = ("gpipe", "1f1b")
+FREEZE_STEP = 100000  # DeepSpeed's OneBitAdam default freeze_step
 
 
 class PlanError(ValueError):
@@ -139,7 +140,7 @@ class Strategy:
     cp: int = 1                   # context-parallel size: each rank holds s/cp of the sequence
     ulysses: bool = False         # cp by DeepSpeed-Ulysses' all-to-alls instead of ring attention
     ep: int = 1                   # expert-parallel size (MoE shapes): E/ep experts per rank
-    freeze_step: int = 100000     # optimizer "onebitadam": warm-up steps of plain Adam (DeepSpeed's default)
+    freeze_step: int = FREEZE_STEP  # optimizer "onebitadam": warm-up steps of plain Adam
     steps: int = 0                # optimizer "onebitadam": the run's length (0: no run, per-step figures only)
 
     @property
