@@ -11,6 +11,8 @@ mutants in one job too. Phases, one after the other on every rank:
   feedback   the same vector all-reduced again and again: the running mean against the true mean
   adam       OneBitAdam with your all-reduce on TinyGPT (warm-up, then compressed steps) against the
              reference's and against plain Adam
+  zeroone    (stretch) your ZeroOnePolicy's schedule and intervals beside the reference's, and ZeroOneAdam
+             with your policy and all-reduce on TinyGPT: bytes per step, against the reference's and Adam
 A phase that raises in your code is recorded (with the error) and the next phase runs.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from minizero.autograde import Check, CheckFailed, Lab, first_phase, judged_chec
 from minizero.autograde.lab10 import _ops, _phase, load
 
 LAB = Lab(13, "onebit", "1-bit Adam: error-compensated 1-bit compression and its all-reduce",
-          "minizero/compression/onebit.py")
+          ("minizero/compression/onebit.py", "minizero/compression/zero_one_adam.py"))
 
 RTOL = 1e-5  # only the order of float32 operations may differ from the reference
 NUMEL = 1001  # padded to 1024 on 4 ranks: chunks of 256 elements, 32 bytes of signs each
@@ -143,7 +145,65 @@ def adam_phase(comm, mod):
             "sent": sent, "formula": runs["yours"][1].bytes_per_step(True)}
 
 
-PHASES = {"compress": compress_phase, "allreduce": allreduce_phase, "feedback": feedback_phase, "adam": adam_phase}
+ZO = dict(var_freeze_step=20, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)  # every rule acts
+ZO_STEPS = 40
+
+
+def _trace(policy_cls) -> list:
+    """(kind, var_interval, local_interval) after each of steps 1..ZO_STEPS of a fresh policy."""
+    policy, out = policy_cls(**ZO), []
+    for step in range(1, ZO_STEPS + 1):
+        kind = "variance" if policy.variance_step(step) else "sync" if policy.sync_step(step) \
+            else "local" if policy.frozen(step) else "1-bit"
+        policy.advance(step)
+        out.append([kind, policy.var_interval, policy.local_interval])
+    return out
+
+
+def zeroone_phase(comm, mod):
+    from minizero.compression import ZeroOneAdam, ZeroOnePolicy
+    from minizero.compression.zero_one_adam import bytes_at
+    from minizero.data import shard
+    from minizero.experiments.references import global_batches
+    from minizero.models import build_model
+    try:  # an untouched stretch task costs the main checks nothing: its stub is recorded, not raised
+        out = {"trace": _trace(mod.ZeroOnePolicy), "want_trace": _trace(ZeroOnePolicy)}
+    except NotImplementedError as e:  # the same stub on every rank, before any collective
+        return {"stub": str(e)}
+    if out["trace"] != out["want_trace"]:  # the judge stops at the schedule: no run needed
+        return out
+    runs = {}
+    for name, cls in (("yours", mod.ZeroOneAdam), ("reference", ZeroOneAdam), ("Adam", None)):
+        model = build_model("tiny-gpt", seed=0, **ADAM_GPT)
+        opt = cls(model.parameters(), comm, lr=1e-3, **ZO) if cls else torch.optim.Adam(model.parameters(), lr=1e-3)
+        runs[name] = (model, opt, [])
+    sent = []
+    for batch in global_batches(runs["yours"][0], ZO_STEPS, 2 * comm.size):
+        x, y = shard(batch, comm.rank, comm.size)
+        for name, (model, opt, losses) in runs.items():
+            loss = model(x, y)[1]
+            loss.backward()
+            if name == "Adam":  # plain data parallelism: the averaged gradient
+                for p in model.parameters():
+                    comm.all_reduce(p.grad, op="avg")
+            comm.stats.reset()
+            opt.step()
+            if name == "yours":
+                sent.append(comm.stats.sent())
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    numel = sum(p.numel() for p in runs["reference"][0].parameters())
+    params = {name: torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for name, (m, _, _) in runs.items()}
+    everyone = comm.allgather_object(params["yours"])  # local steps: equal after a sync up to rounding
+    return {**out, "sent": sent, "formula": [bytes_at(kind, numel, comm.size) for kind, _, _ in out["want_trace"]],
+            "params": _rel(params["yours"], params["reference"]),
+            "same_everywhere": all(_rel(o, params["yours"]) <= RTOL for o in everyone),
+            "losses": {name: losses for name, (_, _, losses) in runs.items()}}
+
+
+PHASES = {"compress": compress_phase, "allreduce": allreduce_phase, "feedback": feedback_phase, "adam": adam_phase,
+          "zeroone": zeroone_phase}
+MAIN = ("compress", "allreduce", "feedback", "adam")  # the stretch task's phase runs in its own launch
 
 
 def measure_worker(comm, impls: list[str], phases=tuple(PHASES)) -> dict:
@@ -159,7 +219,7 @@ def measure_worker(comm, impls: list[str], phases=tuple(PHASES)) -> dict:
     return out
 
 
-def measured(impl: str, phases=tuple(PHASES)) -> list:
+def measured(impl: str, phases=MAIN) -> list:
     """One 4-rank run per file, shared by the checks (a stub's error is shared too)."""
     results = launched_once("minizero.autograde.lab13:measure_worker", 4, {"impls": [impl], "phases": list(phases)},
                             300)
@@ -266,6 +326,50 @@ def judge_adam(results) -> str:
             f"{r['formula']:.0f} B a step")
 
 
+def judge_zeroone(results) -> str:
+    r = first_phase(results, "zeroone")[0]
+    if "stub" in r:
+        raise CheckFailed(r["stub"])
+    mine, want = r["trace"], r["want_trace"]
+    if mine != want:
+        step = next(i for i, (a, b) in enumerate(zip(mine, want)) if a != b) + 1
+        var, local = [t[1] for t in mine], [t[2] for t in mine]
+        frozen = ZO["var_freeze_step"]
+        if any(v & (v - 1) for v in var):
+            why = "var_interval must double (x2) after var_update_scaler variance steps, not grow by one"
+        elif max(var) < max(t[1] for t in want) and var[:frozen].count(2) > frozen // 2:
+            why = "var_interval doubled once and stopped: var_counter must start again from 0 after each doubling"
+        elif var[:frozen] != [t[1] for t in want][:frozen]:
+            why = ("var_interval doubled too early: var_counter counts only the variance steps "
+                   "(step % var_interval == 0), not every step")
+        elif max(local) > ZO["local_step_clipper"]:
+            why = f"local_interval grew past local_step_clipper ({ZO['local_step_clipper']}): clip it with min()"
+        elif local[frozen:] != [t[2] for t in want][frozen:]:
+            why = ("local_interval doubled at the wrong steps: it doubles after every local_step_scaler "
+                   f"({ZO['local_step_scaler']}) frozen steps, the counter starting again from 0")
+        else:
+            why = "what each step does differs"
+        raise CheckFailed(f"ZeroOnePolicy ({', '.join(f'{k} {v}' for k, v in ZO.items())}): step {step} is "
+                          f"{mine[step - 1]} (kind, var_interval, local_interval after it), expected "
+                          f"{want[step - 1]}: {why}")
+    for step, (sent, formula) in enumerate(zip(r["sent"], r["formula"]), 1):
+        if abs(sent - formula) > 1e-6:
+            raise CheckFailed(f"ZeroOneAdam step {step} ({want[step - 1][0]}) sent {sent:.0f} B, expected "
+                              f"{formula:.0f} B")
+    if not r["same_everywhere"] or r["params"] > 1e-4:
+        raise CheckFailed(f"ZeroOneAdam with your policy ends {r['params']:.3g} (relative) from the reference's after "
+                          f"{ZO_STEPS} steps" + ("" if r["same_everywhere"] else "; the ranks' parameters differ"))
+    ours, adam = r["losses"]["yours"], r["losses"]["Adam"]
+    if not ours[-1] < ours[0] or not abs(ours[-1] - adam[-1]) < 0.5:
+        raise CheckFailed(f"ZeroOneAdam's loss {ours[0]:.3f} -> {ours[-1]:.3f} over {ZO_STEPS} steps, plain Adam's "
+                          f"{adam[-1]:.3f}")
+    kinds = [t[0] for t in want]
+    return (f"0/1 Adam's schedule equals the reference's ({kinds.count('variance')} variance, {kinds.count('1-bit')} "
+            f"1-bit, {kinds.count('local')} local, {kinds.count('sync')} sync steps of {ZO_STEPS}); "
+            f"{sum(r['sent']):.0f} B sent against Adam's {ZO_STEPS * r['formula'][0]:.0f}; loss {ours[0]:.3f} -> "
+            f"{ours[-1]:.3f} (Adam {adam[-1]:.3f})")
+
+
 CHECKS = [
     Check("compress: signs, RMS scale, error fed back", 3, judged_check(judge_compress, measured)),
     Check("compressed_allreduce: 1-bit all-to-all + all-gather, equal to the reference, bytes", 3,
@@ -273,6 +377,8 @@ CHECKS = [
     Check("error feedback: the running mean converges", 2, judged_check(judge_feedback, measured)),
     Check("OneBitAdam with your all-reduce: the reference's result, against plain Adam", 2,
           judged_check(judge_adam, measured)),
+    Check("stretch: 0/1 Adam's adaptive variance freezing and local steps", 2,
+          judged_check(judge_zeroone, measured, ("zeroone",)), extra=True),
 ]
 
 

@@ -7,6 +7,10 @@
     python -m minizero plan --params 7e9 --seq 131072 --gpus 64 --cp 8 [--ulysses] --zero 1 --checkpointing
     python -m minizero plan --params 1e9 --experts 8 --gpus 16 --ep 8 --zero 1
     python -m minizero plan --params 1.5e9 --gpus 16 --global-batch 64 --fit 40 --hardware a100-eth
+    python -m minizero plan --params 1e9 --gpus 16 --zero 0 --precision fp32 --optimizer onebitadam \
+        --freeze-step 15000 --steps 100000                 # 1-bit Adam: bytes per phase and over the run
+    python -m minizero plan --params 1e9 --seq 8192 --gpus 8 --zero 1 \
+        --sparse-attention '{"mode": "fixed", "block": 64}'  # the layout's kept scores, not s²
 
 The first two print the ZeRO paper's model states. Any shape or strategy flag asks the planner
 (minizero/planner/): per-rank memory by category (model states, activations, the largest transient
@@ -24,6 +28,7 @@ from dataclasses import replace
 
 from minizero.memory import PAPER_TABLE1, estimate, inference_bytes, zero_paper_table1
 from minizero.planner import HARDWARE, ModelShape, PlanError, Strategy, fit, plan, step_time
+from minizero.planner.plan import FREEZE_STEP
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -46,6 +51,8 @@ MAX_FLOPS = 1e18          # per GPU: an H100 does 989e12 dense bf16
 MAX_BW = 1e14             # bytes/s per rank: NVLink 5 is 9e11
 MAX_EXPERTS = 100_000     # experts per MoE layer: Switch-C has 2048
 MAX_CAPACITY_FACTOR = 64  # slots per expert over the even share: GShard/Switch use 1-2
+MAX_STEPS = 10 ** 12      # optimizer steps of a run: far beyond any
+MAX_LAYOUT_BLOCKS = 8192  # --sparse-attention builds its [heads, nb, nb] bool layout: 64M blocks a head at most
 
 
 def _parse(text: str) -> float:
@@ -120,8 +127,33 @@ def print_stages(p, times=None) -> None:
         links = st.sent_by_link
         print(f"    sent per step GB: {sent or 'nothing'}; intra-node {links['intra-node'] / 1e9:.3g}, "
               f"cross-node {links['cross-node'] / 1e9:.3g}")
+        ob = st.onebit
+        if ob:
+            print(f"    1-bit Adam, dp GB per step: warm-up {ob['warmup_step'] / 1e9:.3g}, compressed "
+                  f"{ob['compressed_step'] / 1e9:.3g} ({ob['step_reduction']:.1f}x fewer)"
+                  + (f"; over {ob['steps']} steps with {ob['warmup_steps']} of warm-up: {ob['run_bytes'] / 1e9:.3g} "
+                     f"vs Adam's {ob['adam_run_bytes'] / 1e9:.3g} ({ob['run_reduction']:.2f}x fewer)"
+                     if "steps" in ob else " (give --steps for the run)"))
+    if p.shape.attention_density < 1:
+        print(f"  sparse attention: {p.shape.attention_density:.3g} of the a·s² scores kept (the layout's)")
     if times:
         print("  estimated step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
+
+
+def _attention_density(text: str, shape, parser) -> float:
+    """The kept fraction of the a·s² scores for a DeepSpeed sparse_attention section (JSON), from its layout."""
+    from minizero.sparse import from_section, score_bytes
+    try:
+        section = json.loads(text)
+        config = from_section(section, shape.heads)
+        blocks = shape.seq // config.block
+        if blocks > MAX_LAYOUT_BLOCKS:
+            raise ValueError(f"--seq {shape.seq} / block {config.block} = {blocks} blocks per side, allowed: at most "
+                             f"{MAX_LAYOUT_BLOCKS} (the layout is built: a larger block)")
+        layout = config.make_layout(shape.seq)
+    except (ValueError, TypeError) as e:  # json's errors are ValueErrors; the layouts' too
+        parser.error(f"argument --sparse-attention: {e}".replace("sparse_attention: ", ""))
+    return score_bytes(layout, 1, config.block, 1, config.causal) / (shape.heads * shape.seq ** 2)
 
 
 def _layout_flags(args) -> list[str]:
@@ -144,6 +176,8 @@ def _planner(args, parser) -> int:
     else:
         parser.error("give the model: --params N, or --layers --hidden --heads --seq --vocab")
     shape = replace(shape, experts=args.experts or 0, top_k=args.top_k, capacity_factor=args.capacity_factor)
+    if args.sparse_attention is not None:
+        shape = replace(shape, attention_density=_attention_density(args.sparse_attention, shape, parser))
     if shape.hidden % shape.heads:
         parser.error(f"--hidden {shape.hidden} does not divide by --heads {shape.heads}: every head gets hidden / "
                      "heads dimensions" + ("" if args.heads else " (without --heads: hidden // 128 heads)"))
@@ -163,7 +197,8 @@ def _planner(args, parser) -> int:
     try:
         if args.fit is not None:
             ranked = fit(shape, world, args.fit * 1e9, hw, args.global_batch or args.micro_batch * world,
-                         args.node_size, args.micro_batch, args.precision, args.optimizer)
+                         args.node_size, args.micro_batch, args.precision, args.optimizer,
+                         FREEZE_STEP if args.freeze_step is None else args.freeze_step, args.steps or 0)
             if args.json:
                 json.dump([{**p.as_dict(), "step_time": t} for p, t in ranked[:args.top]], sys.stdout, indent=1)
                 return 0
@@ -180,7 +215,9 @@ def _planner(args, parser) -> int:
         p = plan(shape, Strategy(world, args.node_size, args.tp, args.pp, args.sp, args.zero or 0, args.offload,
                                  args.micro_batch, args.micro_batches, args.schedule or "1f1b", args.checkpointing,
                                  args.precision, args.optimizer, qwz=args.qwz, hpz=args.hpz, qgz=args.qgz,
-                                 cp=args.cp, ulysses=args.ulysses, ep=args.ep))
+                                 cp=args.cp, ulysses=args.ulysses, ep=args.ep,
+                                 freeze_step=FREEZE_STEP if args.freeze_step is None else args.freeze_step,
+                                 steps=args.steps or 0))
     except PlanError as e:
         parser.error(str(e))
     if args.json:
@@ -233,7 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     strat.add_argument("--micro-batches", type=count, default=1, help="accumulation = pipeline micro-batches")
     strat.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None, help="pipeline schedule (default 1f1b)")
     strat.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="bf16")
-    strat.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    strat.add_argument("--optimizer", choices=("adam", "sgd", "onebitadam"), default="adam",
+                       help="onebitadam: 1-bit Adam (zero 0, fp32): Adam's all-reduce for --freeze-step steps, "
+                            "then the momentum in 1 bit")
+    strat.add_argument("--freeze-step", type=_in_range(0, MAX_STEPS, integer=True),
+                       help="1-bit Adam's warm-up steps (default 100000, DeepSpeed's)")
+    strat.add_argument("--steps", type=_in_range(1, MAX_STEPS, integer=True),
+                       help="1-bit Adam: the run's length, for its bytes over the run")
+    strat.add_argument("--sparse-attention", metavar="JSON",
+                       help="DeepSpeed's sparse_attention section, e.g. '{\"mode\": \"fixed\", \"block\": 16}'")
     search = parser.add_argument_group("--fit: which layouts fit, fastest first")
     search.add_argument("--fit", type=_in_range(0, MAX_MEMORY_GB, open_low=True), metavar="MEMORY_GB",
                         help="device memory per GPU, GB")
@@ -249,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     planner_flags = (args.layers, args.zero, args.fit, args.dp, args.global_batch)
     if any(v is not None for v in planner_flags) or args.json or args.checkpointing or args.offload or args.sp \
             or args.qwz or args.hpz or args.qgz or args.tp > 1 or args.pp > 1 or args.micro_batches > 1 \
-            or args.cp > 1 or args.ep > 1 or args.experts is not None or args.ulysses:
+            or args.cp > 1 or args.ep > 1 or args.experts is not None or args.ulysses \
+            or args.optimizer != "adam" or args.freeze_step is not None or args.steps is not None \
+            or args.sparse_attention is not None:
         if args.table:
             parser.error("--table prints the ZeRO paper's table; leave out the planner's flags")
         return _planner(args, parser)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from minizero.planner.plan import DTYPES, ModelShape, Plan, PlanError, Strategy, plan
+from minizero.planner.plan import DTYPES, FREEZE_STEP, ModelShape, Plan, PlanError, Strategy, plan
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def _calls(group, s: Strategy, shape: ModelShape) -> int:
 
 
 def candidates(shape: ModelShape, world: int, node_size: int, global_batch: int, micro_batch: int,
-               precision="bf16", optimizer="adam"):
+               precision="bf16", optimizer="adam", freeze_step=FREEZE_STEP, steps=0):
     """Every layout of `world` ranks this planner knows: tp dividing the node, pp and cp (ring, or
     Ulysses where the heads allow) dividing the rest, ep dividing dp for a MoE shape, ZeRO 0-3 (0-1 with
     pp), offload, checkpointing, SP with tp; m from the global batch. Invalid ones (and dp not dividing
@@ -111,7 +111,8 @@ def candidates(shape: ModelShape, world: int, node_size: int, global_batch: int,
         for ep, zero, offload, ckpt, sp in itertools.product(eps, range(4), (False, True), (False, True),
                                                              (False, True)):
             s = Strategy(world, node_size, tp, pp, sp, zero, offload, micro_batch, global_batch // (micro_batch * dp),
-                         "1f1b", ckpt, precision, optimizer, cp=cp, ulysses=ulysses, ep=ep)
+                         "1f1b", ckpt, precision, optimizer, cp=cp, ulysses=ulysses, ep=ep, freeze_step=freeze_step,
+                         steps=steps)
             try:
                 yield plan(shape, s)
             except PlanError:
@@ -119,13 +120,14 @@ def candidates(shape: ModelShape, world: int, node_size: int, global_batch: int,
 
 
 def fit(shape: ModelShape, world: int, budget_bytes: float, hardware: Hardware, global_batch: int, node_size=8,
-        micro_batch=1, precision="bf16", optimizer="adam") -> list:
+        micro_batch=1, precision="bf16", optimizer="adam", freeze_step=FREEZE_STEP, steps=0) -> list:
     """[(plan, step_time dict)] of the layouts whose busiest rank fits `budget_bytes` on the device,
     fastest first. None fits: a PlanError saying the smallest footprint and which layout has it.
     cp > 1 layouts are listed only when no cp = 1 layout fits: CP is the lever for sequences whose
     activations do not fit otherwise, and this estimate counts neither attention's s² FLOPs nor the ring's
     overlap, so it would rank cp on bytes alone (Ulysses' all-to-alls beat TP's all-reduces at any s)."""
-    every = list(candidates(shape, world, node_size, global_batch, micro_batch, precision, optimizer))
+    every = list(candidates(shape, world, node_size, global_batch, micro_batch, precision, optimizer, freeze_step,
+                            steps))
     if not every:
         raise PlanError(f"no layout of {world} ranks is valid for this model (heads {shape.heads}, layers "
                         f"{shape.layers}, node size {node_size}, global batch {global_batch}, micro-batch "

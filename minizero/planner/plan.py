@@ -45,6 +45,16 @@ Everything is a formula of minizero's own layouts, so a run of the same configur
   the mechanism's own bytes per attention layer and micro-batch (context.ring_bytes_per_layer: (cp-1)
   K/V blocks forward, (2cp-1) backward, of 2·b·(s/cp)·h·w each; with `ulysses`
   context.ulysses_bytes_per_layer: 8 all-to-alls of (cp-1)/cp·b·(s/cp)·h·w); checkpointing repeats the forward.
+* Sparse attention (attention_density < 1, DeepSpeed's sparse_attention): the score term a·s² becomes the
+  layout's kept elements, density·a·s² (density = sparse.score_bytes(layout, 1, block, 1, causal) / (a·s²)),
+  plus the output the block-sparse backward keeps (w·b·s·h per layer). Not counted: its kept-block indices
+  (3 int64 per kept block); dense attention's causal mask (s² bytes) is not counted either.
+* 1-bit Adam (optimizer "onebitadam": zero 0, fp32, dp only): the "dp" group sends the gradients' fp32
+  all-reduce during the warm-up (freeze_step steps), then the momentum's compressed all-reduce, one flat
+  buffer: 2(N-1)/N·(n/8 + 4N) for n padded to 8N (compression.bytes_compressed); sent["dp"] is the mean over
+  a run of `steps` (the warm-up's without one), StagePlan.onebit has both phases and the run's reduction.
+  Memory adds its error buffers: worker n padded, server n/N, fp32 ("compression_errors"). Stage 0 holds one
+  gradient copy here (no DDP buckets), as with MoE's ep > 1 (ExpertDDPStrategy reduces the .grad in place).
 * EP (MoE shapes: `experts` > 0, every block's MLP becomes E experts of the same size, tp = 1 as
   minizero's MoELayer): each rank holds E/ep experts per layer, reduced over dp·cp/ep ("expert_dp");
   the "ep" group sends 4 all-to-alls per MoE layer and micro-batch (6 with checkpointing) of
@@ -61,8 +71,9 @@ from minizero import memory
 from minizero.zero.zeropp import bytes_per_rank
 
 DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2}
-STATE_BYTES = {"adam": 8, "sgd": 4}   # per element: Adam's m and v; SGD's momentum
+STATE_BYTES = {"adam": 8, "sgd": 4, "onebitadam": 8}   # per element: Adam's m and v; SGD's momentum
 SCHEDULES = ("gpipe", "1f1b")
+FREEZE_STEP = 100000  # DeepSpeed's OneBitAdam default freeze_step
 
 
 class PlanError(ValueError):
@@ -80,6 +91,7 @@ class ModelShape:
     experts: int = 0      # MoE: experts per block (0 = dense): each MLP becomes E MLPs + a router h·E
     top_k: int = 1        # MoE: experts each token is routed to (1 or 2)
     capacity_factor: float = 1.25  # MoE: slots per expert C = ceil(k·T·cf / E)
+    attention_density: float = 1.0  # sparse attention: kept score elements per head over s² (sparse.density)
 
     def mlp_params(self) -> int:  # one MLP (h -> 4h -> h) = one expert
         return 8 * self.hidden ** 2 + 5 * self.hidden
@@ -128,6 +140,8 @@ class Strategy:
     cp: int = 1                   # context-parallel size: each rank holds s/cp of the sequence
     ulysses: bool = False         # cp by DeepSpeed-Ulysses' all-to-alls instead of ring attention
     ep: int = 1                   # expert-parallel size (MoE shapes): E/ep experts per rank
+    freeze_step: int = FREEZE_STEP  # optimizer "onebitadam": warm-up steps of plain Adam
+    steps: int = 0                # optimizer "onebitadam": the run's length (0: no run, per-step figures only)
 
     @property
     def dp(self) -> int:
@@ -155,6 +169,7 @@ class StagePlan:
     host: dict = field(default_factory=dict)        # category -> bytes on the host (offload)
     transient: dict = field(default_factory=dict)   # largest short-lived buffers -> bytes
     sent: dict = field(default_factory=dict)        # group (dp, tp, pp, tied) -> bytes per step
+    onebit: dict = field(default_factory=dict)      # 1-bit Adam's dp bytes: per step by phase, over the run
     link: dict = field(default_factory=dict)        # group -> "intra-node" | "cross-node"
 
     @property
@@ -238,6 +253,20 @@ def check(shape: ModelShape, s: Strategy) -> None:
         raise PlanError("a MoE shape with tp > 1 is not planned: minizero's MoELayer keeps each expert whole")
     if s.zeropp and (s.cp > 1 or s.ep > 1):
         raise PlanError("ZeRO++ (qwz, hpz, qgz) is planned without cp or ep")
+    if not 0 < shape.attention_density <= 1:
+        raise PlanError(f"attention_density is the kept fraction of the scores, in (0, 1]; got "
+                        f"{shape.attention_density}")
+    if shape.attention_density < 1 and s.cp > 1:
+        raise PlanError("sparse attention (attention_density < 1) with cp > 1: not available (the engine refuses "
+                        "sparse_attention with sequence_parallel_size > 1)")
+    for name in ("freeze_step", "steps"):
+        if not isinstance(getattr(s, name), int) or getattr(s, name) < 0:
+            raise PlanError(f"{name} must be a whole number >= 0, got {getattr(s, name)!r}")
+    if s.optimizer == "onebitadam" and (s.zero or s.precision != "fp32" or s.tp > 1 or s.pp > 1 or s.cp > 1
+                                        or s.offload or shape.experts):
+        raise PlanError("1-bit Adam (onebitadam) runs at ZeRO stage 0, in fp32, over one data-parallel group (as "
+                        f"minizero's engine and DeepSpeed); got zero {s.zero}, precision {s.precision}, tp {s.tp}, "
+                        f"pp {s.pp}, cp {s.cp}, offload {s.offload}, experts {shape.experts}")
     if s.schedule not in SCHEDULES or s.precision not in DTYPES or s.optimizer not in STATE_BYTES:
         raise PlanError(f"schedule in {SCHEDULES}, precision in {tuple(DTYPES)}, optimizer in "
                         f"{tuple(STATE_BYTES)}; got {s.schedule!r}, {s.precision!r}, {s.optimizer!r}")
@@ -274,11 +303,19 @@ def plan(shape: ModelShape, s: Strategy) -> Plan:
             for category, where in states.items():
                 sp.memory[category] = sp.memory.get(category, 0) + where["device"]
                 sp.host[category] = sp.host.get(category, 0) + where["host"]
-        if s.zero == 0:  # DDP's buckets AND autograd's .grad until the step makes .grad views into them
+        if s.zero == 0 and s.ep == 1 and s.optimizer != "onebitadam":
+            # DDP's buckets AND autograd's .grad until the step makes .grad views into them; with ep > 1
+            # (ExpertDDPStrategy) and 1-bit Adam no DDP wrapper: the .grad alone
             sp.memory["gradients"] *= 2
+        if s.optimizer == "onebitadam" and dp > 1:  # the worker error (the padded flat buffer) and the server's 1/N
+            from minizero.compression import padded_numel
+            sp.memory["compression_errors"] = 4 * padded_numel(params, dp) * (1 + 1 / dp)
         in_flight = 1 if s.pp == 1 else m if s.schedule == "gpipe" else min(s.pp - stage, m)
         acts = memory.activation_bytes(b, tokens, h, layers, shape.heads, bytes_per=w, checkpointing=s.checkpointing,
-                                       tensor_parallel=t, sequence_parallel=s.sp, dropout=False)
+                                       tensor_parallel=t, sequence_parallel=s.sp, dropout=False,
+                                       attention_scores=shape.attention_density * shape.heads * tokens ** 2)
+        if shape.attention_density < 1 and not s.checkpointing:  # block-sparse backward keeps its [b, a, s, d] output
+            acts += layers * w * b * tokens * h / t                 # besides the projection's (contiguous) input
         if shape.experts and not s.checkpointing:  # the expert MLP's GeLU and 2nd-linear inputs: E·C slots, not b·s/cp
             acts += layers * 8 * w * h * (shape.experts * _capacity(shape, s) - b * tokens)
         head = w * tokens * b * (2 * h / (t if s.sp else 1) + v / t) if last else 0  # SP: ln_f, lm_head see s/t
@@ -324,6 +361,9 @@ def _comm(sp: StagePlan, s: Strategy, params, experts, stage, first, last, layer
                 sp.sent[group], sp.link[group] = nbytes, link
     elif s.dp * s.cp > 1:
         sp.sent["dp"], sp.link["dp"] = _dp_bytes(s, params, s.dp * s.cp), _link(dp_ranks, s.node_size)
+        if s.optimizer == "onebitadam":
+            sp.onebit = _onebit_bytes(s, params, sp.sent["dp"])
+            sp.sent["dp"] = sp.onebit["run_bytes"] / s.steps if s.steps else sp.onebit["warmup_step"]
     if experts and s.dp * s.cp // s.ep > 1:  # the ranks holding the same experts: d % ep equal, every c
         sp.sent["expert_dp"] = _dp_bytes(s, experts, s.dp * s.cp // s.ep)
         sp.link["expert_dp"] = _link([at(d, stage, c, 0) for d in range(0, s.dp, s.ep) for c in range(s.cp)],
@@ -346,6 +386,21 @@ def _comm(sp: StagePlan, s: Strategy, params, experts, stage, first, last, layer
         if shape.tied and (first or last):
             sp.sent["tied"] = shape.vocab * shape.hidden * 4 / s.tp
             sp.link["tied"] = _link([at(0, 0, 0, 0), at(0, s.pp - 1, 0, 0)], s.node_size)
+
+
+def _onebit_bytes(s: Strategy, params, warmup_step) -> dict:
+    """1-bit Adam's data-parallel bytes (compression/onebit_adam.py, one flat buffer as OneBitAdamStrategy): the
+    warm-up's fp32 all-reduce of the gradients, then the momentum's compressed all-reduce (1 bit per padded element
+    and a 4-byte scale per chunk, twice); over a run of `steps` with min(freeze_step, steps) warm-up steps."""
+    from minizero.compression import bytes_compressed, end_to_end_reduction
+    compressed = bytes_compressed(params, s.dp)
+    warm = min(s.freeze_step, s.steps)
+    out = {"warmup_step": warmup_step, "compressed_step": compressed, "step_reduction": warmup_step / compressed}
+    if s.steps:
+        out.update(steps=s.steps, warmup_steps=warm, run_bytes=warm * warmup_step + (s.steps - warm) * compressed,
+                   adam_run_bytes=s.steps * warmup_step,
+                   run_reduction=end_to_end_reduction(s.steps, s.freeze_step, warmup_step, compressed))
+    return out
 
 
 def _zeropp_units(shape: ModelShape, s: Strategy) -> list:

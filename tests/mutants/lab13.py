@@ -1,5 +1,5 @@
-"""Lab 13's mutants: plausible student bugs in the 1-bit compression and the compressed all-reduce
-(solutions/lab13_onebit.py).
+"""Lab 13's mutants: plausible student bugs in the 1-bit compression and the compressed all-reduce, and in the
+stretch task's 0/1 Adam policy (solutions/lab13_onebit.py).
 tests/test_mutants.py grades them with every lab's, sharing one launch per check worker."""
 from tests.mutants import Mutant
 
@@ -11,6 +11,15 @@ PHASE_2 = '''    mine = _message(server_packed, server_scale)
 PHASE_2_FP32 = '''    gathered = torch.empty(world * average.numel(), device=x.device)
     comm.all_gather(gathered, average)
     return gathered'''
+
+VAR_RESET = """                    self.var_counter = 0
+                    self.var_interval *= 2"""
+VAR_COUNT = """            if step % self.var_interval == 0:
+                self.var_counter += 1
+                if"""
+VAR_COUNT_EVERY_STEP = """            self.var_counter += 1
+            if step % self.var_interval == 0:
+                if"""
 
 MUTANTS = [
     Mutant("scale is the mean of |c|, not its RMS", "scale = c.norm() / math.sqrt(c.numel())",
@@ -33,4 +42,15 @@ MUTANTS = [
            "check_feedback", "server error buffer is still zeros"),
     Mutant("no error feedback on the worker side", "compress(x, worker_error)", "compress(x, None)",
            "check_feedback", "worker error buffer is still zeros"),
+    Mutant("0/1 Adam: the variance interval grows by one instead of doubling", "self.var_interval *= 2",
+           "self.var_interval += 1", "check_zeroone", "not grow by one"),
+    Mutant("0/1 Adam: the variance counter is never reset", VAR_RESET, "                    self.var_interval *= 2",
+           "check_zeroone", "start again from 0 after each doubling"),
+    Mutant("0/1 Adam: every step counts towards doubling the variance interval", VAR_COUNT, VAR_COUNT_EVERY_STEP,
+           "check_zeroone", "counts only the variance steps"),
+    Mutant("0/1 Adam: the local interval is not clipped", "min(self.local_step_clipper, self.local_interval * 2)",
+           "self.local_interval * 2", "check_zeroone", "past local_step_clipper"),
+    Mutant("0/1 Adam: the local counter is never reset", """                self.local_counter = 0
+                self.local_interval""", """                self.local_interval""", "check_zeroone",
+           "doubled at the wrong steps"),
 ]
