@@ -97,7 +97,7 @@ from minizero.comm.labels import labelled
 from minizero.zero.flat_layout import FlatLayout
 from minizero.zero.init import built_with_init
 from minizero.zero.per_param_layout import PerParamLayout
-from minizero.zero.sharded_grad import sharded_grad
+from minizero.zero.sharded_grad import placeholder_grad, sharded_grad
 
 _IDS = itertools.count()
 SHARD_LAYOUTS = {"flat": FlatLayout, "per_param": PerParamLayout}  # the shard_layout= choices
@@ -511,6 +511,7 @@ class FSDP(nn.Module):
         for part, grad in (("shard", shard_grad), ("whole", whole_grad)):
             if grad is not None and self.grad_sink is not None:
                 self.grad_sink(unit, part, grad)  # offload: straight to the host, no device .grad
+                self._refuse_grads(unit, part)
             elif grad is not None:
                 self._accumulate(unit, part, grad)
         unit.used = set()
@@ -551,6 +552,18 @@ class FSDP(nn.Module):
                 p.grad = sharded_grad(flat[offset:offset + numel].view(p.shape), self.comm if part == "shard" else None,
                                       full=((lambda unit=unit, j=j: self._full_grad(unit, j)) if part == "shard"
                                             else None))
+
+    _OFFLOADED = ("the gradients went to the offload tier during backward, so this .grad holds none (torch's "
+                  "clip line would read a norm of 0 and clip nothing); clip with the config's gradient_clipping, "
+                  "which the tier applies to its gradients")
+
+    def _refuse_grads(self, unit, part):
+        """Offload: each local parameter's .grad is a placeholder that refuses every use, naming where its
+        gradient went; a None .grad would let torch's clip_grad_norm_ return 0 silently."""
+        for j, _, _, _ in unit.slots[part]:
+            p = unit.visible[j]
+            if p.grad is None:
+                p.grad = placeholder_grad(p, None, None, None, None, "on the offload tier", refuse=self._OFFLOADED)
 
     @torch.no_grad()
     def _full_grad(self, unit, j: int) -> torch.Tensor:
