@@ -1,11 +1,11 @@
 """A script in DeepSpeed's examples' style, run unchanged but for its import line under real DeepSpeed and under
 minizero (tests/deepspeed_examples/peer_train.py), compared step by step.
 
-Two launches, one per library, each training every variant in turn on 2 ranks: ZeRO stages 0-3 in fp32 and bf16,
-and stages 1-3 with the optimizer offloaded to the CPU, 10 optimizer steps of 2 micro-batches each, AdamW under
-WarmupLR with gradient clipping. minizero's run is started by its launcher line, as DeepSpeed's `deepspeed` command
-would start it; DeepSpeed's by its own `deepspeed` command (on CPU: DS_ACCELERATOR=cpu, gloo), with its
-just-in-time C++ op builds off (tests/deepspeed_examples/no_op_builds.py).
+Two launches, one per library, each training every variant in turn on 2 ranks: ZeRO stages 0-3 in fp32 and bf16, and
+stages 1-3 with the optimizer offloaded to the CPU, 10 optimizer steps of 2 micro-batches each, AdamW under WarmupLR
+with gradient clipping; two more in fp32 under WarmupDecayLR and WarmupCosineLR. minizero's run is started by its
+launcher line, as DeepSpeed's `deepspeed` command would start it; DeepSpeed's by its own `deepspeed` command (on
+CPU: DS_ACCELERATOR=cpu, gloo), with its just-in-time C++ op builds off (tests/deepspeed_examples/no_op_builds.py).
 """
 import importlib.util
 import json
@@ -20,7 +20,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "tests/deepspeed_examples/peer_train.py"
 INSTALL = "deepspeed is not installed: pip install -e '.[peers]' (deepspeed==0.19.8; no C++ op is built)"
-EXACT = ["0:fp32", "1:fp32", "2:fp32", "3:fp32", "1:bf16", "2:bf16", "1:offload", "2:offload", "3:offload"]
+EXACT = ["0:fp32", "1:fp32", "2:fp32", "3:fp32", "1:bf16", "2:bf16", "1:offload", "2:offload", "3:offload",
+         "1:fp32:WarmupDecayLR", "3:fp32:WarmupCosineLR"]
 # bf16 where DeepSpeed keeps the gradients in fp32 and minizero in bf16 (see test_bf16_gradients_in_fp32)
 BF16_FP32_GRADS = ["0:bf16", "3:bf16"]
 VARIANTS = EXACT + BF16_FP32_GRADS
@@ -67,7 +68,7 @@ def test_the_launcher_line_runs_the_script_and_its_engine_answers_as_deepspeeds(
     assert f"2 ranks of {SCRIPT} under" in stderr
     assert (out["library"], out["world"], list(out["variants"])) == ("minizero", 2, VARIANTS)
     for name, run in out["variants"].items():
-        stage, precision = name.split(":")
+        stage, precision = name.split(":")[:2]
         assert (run["stage"], run["bf16"], run["offload"], run["fp16"]) == (
             int(stage), precision == "bf16", precision == "offload", False), name
         assert run["train_batch_size"] == 4 * GAS * 2 and run["local_rank"] == 0
@@ -96,8 +97,14 @@ def _max_diff(a, b):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_learning_rates_are_deepspeeds_exactly(variant, deepspeed_run, minizero_run):
     theirs, ours = deepspeed_run["variants"][variant]["lrs"], minizero_run[0]["variants"][variant]["lrs"]
-    assert len(ours) == STEPS * GAS and ours == theirs   # after every micro-step: WarmupLR steps as DeepSpeed's
-    assert theirs[0] == theirs[1] == 0 and theirs[-1] == 0.01 and len(set(theirs)) == 5
+    assert len(ours) == STEPS * GAS and ours == theirs   # after every micro-step: each scheduler steps as DeepSpeed's
+    # (two entries per step; the first is read before the first step)
+    if variant.endswith("DecayLR"):    # linear warm-up over 5 steps, then down towards 0 at step 10
+        assert theirs[:4] == [0, 0, 0, 0.002] and theirs[11] == 0.01 and theirs[-1] == 0.002 and len(set(theirs)) == 6
+    elif variant.endswith("CosineLR"):  # ratios of lr 0.01: 0.1 -> 1 over 3 steps, then cosine down to 0.05
+        assert theirs[:3] == [0, 0.001, 0.001] and theirs[5] == 0.01 and theirs[-1] == 0.0005 and len(set(theirs)) == 11
+    else:                              # WarmupLR: log warm-up over 5 steps from 0, then 0.01
+        assert theirs[0] == theirs[1] == 0 and theirs[-1] == 0.01 and len(set(theirs)) == 5
 
 
 @pytest.mark.parametrize("variant", EXACT)

@@ -5,11 +5,12 @@ run unchanged under real DeepSpeed and under minizero: only the import line diff
     python -m minizero.launcher --num_gpus 2 peer_train.py --deepspeed --deepspeed_config ds.json --out_dir DIR
     DS_ACCELERATOR=cpu PEER_LIBRARY=deepspeed deepspeed --num_gpus 2 peer_train.py --deepspeed ...
 
-One launch trains every variant given by --variants ("stage:precision", precision fp32, bf16 or offload) in
-turn, each from the same seed, for --steps optimizer steps on the base config (--deepspeed_config) with the
-variant's zero_optimization and bf16 sections added. Rank 0 prints one line `RESULT {json}`: per variant the
-loss of every micro-step on each rank, the learning rate after every step, the engine's accessors, and the
-checkpoint round trip (save with client_state, one more step, load, the same step again).
+One launch trains every variant given by --variants ("stage:precision[:scheduler]": precision fp32, bf16 or offload;
+scheduler WarmupDecayLR or WarmupCosineLR instead of the base's) in turn, each from the same seed, for --steps
+optimizer steps on the base config (--deepspeed_config) with the variant's sections added. Rank 0 prints one line
+`RESULT {json}`: per variant the loss of every micro-step on each rank, the learning rate after every step, the
+engine's accessors, and the checkpoint round trip (save with client_state, one more step, load, the same step
+again).
 """
 import argparse
 import json
@@ -53,9 +54,15 @@ def batches(n_batches, micro_batch, seed=0):
     return x, y
 
 
-def variant_config(base: dict, variant: str) -> dict:
-    stage, precision = variant.split(":")
+def variant_config(base: dict, variant: str, steps: int) -> dict:
+    stage, precision, *schedule = variant.split(":")
     cfg = json.loads(json.dumps(base))
+    if schedule == ["WarmupDecayLR"]:  # the base's warm-up, linear, then down to 0 at the last step
+        cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {**cfg["scheduler"]["params"], "warmup_type": "linear",
+                                                                "total_num_steps": steps}}
+    elif schedule == ["WarmupCosineLR"]:  # ratios of the optimizer's lr
+        cfg["scheduler"] = {"type": "WarmupCosineLR", "params": {"total_num_steps": steps, "warmup_min_ratio": 0.1,
+                                                                 "warmup_num_steps": 3, "cos_min_ratio": 0.05}}
     cfg["zero_optimization"] = {"stage": int(stage)}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -76,7 +83,7 @@ def gathered(value: float, world: int) -> list[float]:
 def train_variant(args, base: dict, variant: str, rank: int, world: int) -> dict:
     path = os.path.join(args.out_dir, f"{variant.replace(':', '_')}.rank{rank}.json")
     with open(path, "w") as f:
-        json.dump(variant_config(base, variant), f)
+        json.dump(variant_config(base, variant, args.steps), f)
     args.deepspeed_config = path
     deepspeed.runtime.utils.set_random_seed(1234)
     net = Net()
