@@ -3,9 +3,10 @@ minizero (tests/deepspeed_examples/peer_train.py), compared step by step.
 
 Two launches, one per library, each training every variant in turn on 2 ranks: ZeRO stages 0-3 in fp32 and bf16, and
 stages 1-3 with the optimizer offloaded to the CPU, 10 optimizer steps of 2 micro-batches each, AdamW under WarmupLR
-with gradient clipping; two more in fp32 under WarmupDecayLR and WarmupCosineLR. minizero's run is started by its
-launcher line, as DeepSpeed's `deepspeed` command would start it; DeepSpeed's by its own `deepspeed` command (on
-CPU: DS_ACCELERATOR=cpu, gloo), with its just-in-time C++ op builds off (tests/deepspeed_examples/no_op_builds.py).
+with gradient clipping; two more in fp32 under WarmupDecayLR and WarmupCosineLR, and one with two engines alive at
+once. minizero's run is started by its launcher line, as DeepSpeed's `deepspeed` command would start it; DeepSpeed's
+by its own `deepspeed` command (on CPU: DS_ACCELERATOR=cpu, gloo), with its just-in-time C++ op builds off
+(tests/deepspeed_examples/no_op_builds.py).
 """
 import importlib.util
 import json
@@ -25,6 +26,8 @@ EXACT = ["0:fp32", "1:fp32", "2:fp32", "3:fp32", "1:bf16", "2:bf16", "1:offload"
 # bf16 where DeepSpeed keeps the gradients in fp32 and minizero in bf16 (see test_bf16_gradients_in_fp32)
 BF16_FP32_GRADS = ["0:bf16", "3:bf16"]
 VARIANTS = EXACT + BF16_FP32_GRADS
+TWO_ENGINES = "2:fp32:two_engines"  # a second engine alive beside the first, stepped in turn
+LAUNCHED = VARIANTS + [TWO_ENGINES]
 STEPS, GAS = 10, 2
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8,
@@ -39,7 +42,7 @@ def _launch(argv, out_dir, extra_env):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra_env)
     proc = subprocess.run([*argv, SCRIPT, "--deepspeed", "--deepspeed_config", str(out_dir / "ds.json"),
-                           "--out_dir", str(out_dir), "--steps", str(STEPS), "--variants", ",".join(VARIANTS)],
+                           "--out_dir", str(out_dir), "--steps", str(STEPS), "--variants", ",".join(LAUNCHED)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -66,8 +69,9 @@ def deepspeed_run(tmp_path_factory):
 def test_the_launcher_line_runs_the_script_and_its_engine_answers_as_deepspeeds(minizero_run):
     out, stderr = minizero_run
     assert f"2 ranks of {SCRIPT} under" in stderr
-    assert (out["library"], out["world"], list(out["variants"])) == ("minizero", 2, VARIANTS)
-    for name, run in out["variants"].items():
+    assert (out["library"], out["world"], list(out["variants"])) == ("minizero", 2, LAUNCHED)
+    for name in VARIANTS:
+        run = out["variants"][name]
         stage, precision = name.split(":")[:2]
         assert (run["stage"], run["bf16"], run["offload"], run["fp16"]) == (
             int(stage), precision == "bf16", precision == "offload", False), name
@@ -80,9 +84,10 @@ def test_the_launcher_line_runs_the_script_and_its_engine_answers_as_deepspeeds(
 
 
 def test_deepspeed_runs_every_variant(deepspeed_run, minizero_run):
-    assert deepspeed_run["library"] == "deepspeed" and list(deepspeed_run["variants"]) == VARIANTS
+    assert deepspeed_run["library"] == "deepspeed" and list(deepspeed_run["variants"]) == LAUNCHED
     ours = minizero_run[0]["variants"]
-    for name, theirs in deepspeed_run["variants"].items():
+    for name in VARIANTS:
+        theirs = deepspeed_run["variants"][name]
         for key in ("stage", "bf16", "fp16", "offload", "global_steps", "train_batch_size", "local_rank", "device",
                     "client_step", "load_path_found", "optimizer_is_engines", "has_scheduler"):
             assert ours[name][key] == theirs[key], (name, key)
@@ -132,3 +137,12 @@ def test_bf16_losses_within_two_bf16_steps(variant, deepspeed_run, minizero_run)
 def test_bf16_gradients_in_fp32(variant, deepspeed_run, minizero_run):
     theirs, ours = deepspeed_run["variants"][variant], minizero_run[0]["variants"][variant]
     assert _max_diff(ours["losses"], theirs["losses"]) <= 1e-6
+
+
+def test_two_engines_alive_at_once_train_as_deepspeeds(deepspeed_run, minizero_run):
+    theirs, ours = deepspeed_run["variants"][TWO_ENGINES], minizero_run[0]["variants"][TWO_ENGINES]
+    assert ours["global_steps"] == theirs["global_steps"] == [STEPS, STEPS]
+    for k in (0, 1):
+        assert _max_diff(ours["losses"][k], theirs["losses"][k]) <= 1e-6, k
+        assert ours["lrs"][k] == theirs["lrs"][k], k
+    assert ours["losses"][0] != ours["losses"][1]  # two models, not one twice

@@ -132,6 +132,31 @@ def train_variant(args, base: dict, variant: str, rank: int, world: int) -> dict
             "optimizer_is_engines": optimizer is model_engine.optimizer, "has_scheduler": lr_scheduler is not None}
 
 
+def train_two_engines(args, base: dict, variant: str, rank: int, world: int) -> dict:
+    """Two engines alive at once (a classifier and a second, smaller one), stepped in turn on the same batches."""
+    path = os.path.join(args.out_dir, f"{variant.replace(':', '_')}.rank{rank}.json")
+    with open(path, "w") as f:
+        json.dump(variant_config(base, variant, args.steps), f)
+    args.deepspeed_config = path
+    deepspeed.runtime.utils.set_random_seed(1234)
+    nets = [Net(), nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))]
+    engines = [deepspeed.initialize(args=args, model=net, model_parameters=net.parameters())[0] for net in nets]
+    local_device = deepspeed.accelerator.get_accelerator().device_name(engines[0].local_rank)
+    gas = engines[0].gradient_accumulation_steps()
+    xs, ys = batches(args.steps * gas * world, engines[0].train_micro_batch_size_per_gpu(), seed=1)
+    criterion = nn.CrossEntropyLoss()
+    losses, lrs = [[], []], [[], []]
+    for i in range(args.steps * gas):
+        inputs, labels = xs[i * world + rank].to(local_device), ys[i * world + rank].to(local_device)
+        for k, engine in enumerate(engines):
+            loss = criterion(engine(inputs), labels)
+            engine.backward(loss)
+            engine.step()
+            losses[k].append(gathered(loss.item(), world))
+            lrs[k].append(engine.get_lr()[0])
+    return {"losses": losses, "lrs": lrs, "global_steps": [e.global_steps for e in engines]}
+
+
 def main():
     args = add_argument()
     deepspeed.init_distributed()
@@ -140,7 +165,8 @@ def main():
         base = json.load(f)
     out = {"world": world, "library": deepspeed.__name__, "variants": {}}
     for variant in args.variants.split(","):
-        out["variants"][variant] = train_variant(args, base, variant, rank, world)
+        train = train_two_engines if variant.endswith(":two_engines") else train_variant
+        out["variants"][variant] = train(args, base, variant, rank, world)
         deepspeed.comm.barrier()
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
