@@ -19,10 +19,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $(STAMP)
 
-# The website's packages (the `site` extra: Sphinx, myst-nb, furo; playwright for the browser test).
+# The website's packages (the `site` extra: Sphinx, myst-nb, furo; playwright for the browser test) and the
+# peers the tests compare against (the `peers` extra: real DeepSpeed, no C++ op built).
 SITE_STAMP := $(VENV)/.site-installed
 $(SITE_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e ".[dev,site]"
+	$(PY) -m pip install --quiet -e ".[dev,site,peers]"
 	@touch $(SITE_STAMP)
 
 demo: setup

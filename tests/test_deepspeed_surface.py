@@ -9,6 +9,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -348,12 +349,6 @@ def test_launcher_bad_input_is_one_message_and_exit_2(argv, says, capsys):
     assert says in err and "Traceback" not in err
 
 
-def _unwrapped(fn):
-    """deepspeed.comm's collectives are wrapped by its timed_op (no functools.wraps): the closure holds the real one."""
-    inner = [c.cell_contents for c in (fn.__closure__ or ()) if inspect.isfunction(c.cell_contents)]
-    return inner[0] if len(inner) == 1 else fn
-
-
 def test_against_real_deepspeed():
     try:
         real = importlib.import_module("deepspeed")
@@ -364,7 +359,9 @@ def test_against_real_deepspeed():
             resolve(real, path)  # every name minizero offers is DeepSpeed's
     for path in ("add_config_arguments", "comm.all_reduce", "comm.broadcast", "runtime.utils.set_random_seed"):
         ours = list(inspect.signature(resolve(deepspeed, path)).parameters)
-        theirs = list(inspect.signature(_unwrapped(resolve(real, path))).parameters)
+        real_fn = resolve(real, path)  # DeepSpeed's comm calls are wrapped by its timed_op without functools.wraps
+        real_fn = inspect.getclosurevars(real_fn).nonlocals.get("func", real_fn)
+        theirs = list(inspect.signature(real_fn).parameters)
         assert ours[:len(theirs)] == theirs[:len(ours)], path
 
 
@@ -378,8 +375,10 @@ def test_deepspeeds_defaults_and_disabled_values_are_accepted():
     cfg = load_config({**BASE, "prescale_gradients": False, "steps_per_print": float("inf"),
                        "torch_autocast": {"enabled": False, "dtype": "bfloat16"},
                        "fp16": {"enabled": False, "fp16_master_weights_and_grads": False},
-                       "bf16": {"bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}})
+                       "bf16": {"bf16_master_weights_and_grads": False, "bf16_optimizer_states": False},
+                       "zero_force_ds_cpu_optimizer": False})
     assert cfg["steps_per_print"] == float("inf") and cfg["bf16"] == {"enabled": False}
+    assert cfg["zero_force_ds_cpu_optimizer"] is False and load_config(BASE)["zero_force_ds_cpu_optimizer"] is True
     assert "prescale_gradients" not in cfg and "torch_autocast" not in cfg
     assert load_config(json.loads('{"train_micro_batch_size_per_gpu": 2, "steps_per_print": Infinity}'))[
         "steps_per_print"] == float("inf")
@@ -410,3 +409,100 @@ def test_deprecated_cpu_offload_is_mapped_with_deepspeeds_warning():
     with pytest.warns(ConfigWarning):
         cfg = load_config({**BASE, "zero_optimization": {"stage": 2, "cpu_offload": False}})
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "none"
+
+
+# ----------------------------------------------------------------------------- docs/deepspeed.md's tables
+
+DOC = os.path.join(ROOT, "docs", "deepspeed.md")
+# the engine's nn.Module side, as DeepSpeedEngine (a torch.nn.Module holding `module`) gives it
+MODULE_SIDE = ["module", "parameters", "named_parameters", "state_dict", "load_state_dict", "train", "eval", "to"]
+
+
+def _table(heading: str) -> list[list[str]]:
+    """The rows (cells stripped) of the first table after `heading` in docs/deepspeed.md."""
+    lines = open(DOC).read().split(heading + "\n", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return rows
+
+
+def _documented_module_names() -> set:
+    """`deepspeed.X` names in the module table's first column: `deepspeed.comm` (`get_rank`, ...) are the module's
+    names, `deepspeed.utils.RepeatingLoader`, `logger` are siblings; call parentheses dropped."""
+    names = set()
+    for first, *_ in _table("## The module surface"):
+        ticks = [t.split("(")[0] for t in re.findall(r"`([^`]+)`", first)]
+        head = ticks[0]
+        assert head.startswith("deepspeed."), first
+        base = head if inspect.ismodule(resolve(deepspeed, head[len("deepspeed."):])) else head.rpartition(".")[0]
+        names.add(head)
+        names.update(f"{base}.{t}" for t in ticks[1:])
+    return names
+
+
+def test_the_docs_module_table_is_the_surface():
+    names = _documented_module_names()
+    assert {"deepspeed." + p for p in SURFACE} <= names, sorted({"deepspeed." + p for p in SURFACE} - names)
+    for name in names:  # every documented name resolves under `import minizero as deepspeed`
+        resolve(deepspeed, name[len("deepspeed."):])
+
+
+def _engine():
+    return deepspeed.initialize(model=nn.Linear(2, 2), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})[0]
+
+
+def _covered_accessors(ours, engine_class) -> tuple[list, list]:
+    """DeepSpeedEngine's own methods and the attributes its source sets that minizero's engine has too (not
+    inherited from nn.Module alone: `compile` there is torch's, not DeepSpeed's)."""
+    source = inspect.getsource(engine_class)
+    plain = set(dir(nn.Module))
+    have = {n for n in dir(ours) if not n.startswith("_")}
+    methods = sorted(n for n in vars(engine_class) if not n.startswith("_") and n in have and n not in MODULE_SIDE
+                     and not (n in plain and getattr(type(ours), n) is getattr(nn.Module, n)))
+    attrs = sorted(n for n in set(re.findall(r"self\.([a-z][a-z0-9_]*) = ", source)) & have
+                   if n not in vars(engine_class) and n not in MODULE_SIDE)
+    return methods, attrs
+
+
+def test_the_docs_engine_table_lists_every_accessor_covered():
+    from minizero import comm as comm_mod
+    rows = {group: re.findall(r"`([^`(]+)`", names) for group, names in _table("## The engine's DeepSpeed accessors")}
+    assert rows["`nn.Module`"] == MODULE_SIDE
+    engine = _engine()
+    try:
+        for name in [n for names in rows.values() for n in names]:
+            assert hasattr(engine, name), name
+        try:
+            from deepspeed.runtime.engine import DeepSpeedEngine
+        except ImportError:
+            return  # the rows exist on minizero's engine; which of DeepSpeed's are covered needs DeepSpeed
+        methods, attrs = _covered_accessors(engine, DeepSpeedEngine)
+        expected = {"`nn.Module`": MODULE_SIDE, "methods": methods, "attributes": attrs}
+        assert rows == expected, "\n".join(f"| {k} | {', '.join(f'`{n}`' for n in v)} |" for k, v in expected.items())
+    finally:
+        engine.destroy()
+        if comm_mod.is_initialized():
+            comm_mod.shutdown()
+
+
+def refused_key_rows() -> list[list[str]]:
+    """docs/deepspeed.md's refused-keys table, from runtime/config.py's lists."""
+    from minizero.runtime import config as c
+    rows = [[f"`{k}`", "none: remove it", why] for k, why in c.NOT_IMPLEMENTED.items()]
+    rows += [[f"`{k}`", f"`{json.dumps(v)}` (DeepSpeed's default)", why] for k, (v, why) in c.AT_DEFAULT_ONLY.items()]
+    rows += [[f"`{k}`", '`{"enabled": false}`', instead] for k, (_, instead) in c.DISABLED_SECTIONS.items()]
+    defaults = c.SCHEMA["activation_checkpointing"]
+    rows += [[f"`activation_checkpointing.{k}`", f"`{json.dumps(defaults[k])}` (DeepSpeed's default)",
+              f"not implemented: in DeepSpeed it means {why}"] for k, why in c.CHECKPOINTING_NOT_IMPLEMENTED.items()]
+    return rows
+
+
+def test_the_docs_refused_keys_table_is_the_configs():
+    expected = refused_key_rows()
+    assert _table("## Config keys refused, and why") == expected, "\n".join("| " + " | ".join(r) + " |"
+                                                                             for r in expected)

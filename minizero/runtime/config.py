@@ -34,6 +34,10 @@ SCHEMA = {
                                               # DeepSpeed 0.19's default is 1.0
     "steps_per_print": 10,
     "wall_clock_breakdown": False,            # per-step forward/backward/step times in the log
+    # DeepSpeed's switch that refuses a client optimizer other than its C++ CPU Adam under ZeRO-Offload. Here every
+    # offloaded optimizer is a torch optimizer stepping on the CPU (ops.adam's CPU Adam is torch's), so both values
+    # run the same; read so DeepSpeed's configs (which set false to use a torch optimizer) load.
+    "zero_force_ds_cpu_optimizer": True,
     "seed": 0,                                # minizero extra: model init and data order
     "model": "tiny-gpt",                      # minizero extra: what `minizero train` builds (a models.MODELS name)
     "zero_init": False,                       # minizero extra: `minizero train` builds it under zero.Init (stage 3)
@@ -151,7 +155,6 @@ NOT_IMPLEMENTED = {
     "communication_data_type": "remove it: gradients are communicated in the training dtype",
     "gradient_predivide_factor": "remove it: minizero averages after the reduction",
     "zero_allow_untested_optimizer": "remove it: any elementwise torch optimizer is allowed",
-    "zero_force_ds_cpu_optimizer": "remove it",
     "checkpoint": "use engine.save_checkpoint / load_checkpoint arguments",
     "data_types": "remove it",
     "dump_state": "remove it",

@@ -31,8 +31,8 @@ class _Schedule:
         self._apply()
 
     def _warmup_gamma(self, t):
-        if self.warmup_type == "log":
-            return math.log(t + 1) / math.log(self.warmup_num_steps)
+        if self.warmup_type == "log":  # DeepSpeed's rounding: its stored 1 / log(W), times log(t + 1)
+            return (1.0 / math.log(self.warmup_num_steps)) * math.log(t + 1)
         return t / self.warmup_num_steps
 
     def get_lr(self) -> list[float]:
