@@ -9,7 +9,8 @@ What each argument means here (deepspeed.initialize's, checked against deepspeed
   model             the torch.nn.Module to train.
   optimizer         a torch.optim.Optimizer built on the model (nanoGPT's configure_optimizers): its class,
                     defaults and param groups become the engine's, since ZeRO must build the optimizer over
-                    its own shards (DeepSpeed wraps it the same way). The config then has no "optimizer".
+                    its own shards (DeepSpeed wraps it the same way). A config "optimizer" section is then
+                    not used (as in DeepSpeed: rank 0 warns).
                     A callable (params -> Optimizer) is refused with the line to write instead.
   model_parameters  param groups (or an iterable of parameters), every trainable parameter in one group.
   training_data     a torch Dataset: the returned DataLoader gives this data-parallel rank its share

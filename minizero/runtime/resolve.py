@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from minizero.comm.launcher import local_world_size
-from minizero.runtime.config import ConfigError, load_config
+from minizero.runtime.config import ConfigError, load_config, warn
 from minizero.runtime.schedulers import build_scheduler
 
 
@@ -86,17 +86,30 @@ def optimizer_spec(section: dict):
     return (torch.optim.AdamW if section["type"] == "AdamW" or adam_w_mode else torch.optim.Adam), params
 
 
+def _without(cfg: dict, section: str) -> dict:
+    """cfg with `section` None, leaving the caller's (maybe reused) checked config as it was."""
+    out = type(cfg)(cfg)
+    out.__dict__.update(getattr(cfg, "__dict__", {}))
+    out[section] = None
+    return out
+
+
 def check_config(cfg: dict, client_optimizer=None, client_scheduler: bool = False) -> tuple:
     """The rules that need no model: the optimizer, scheduler and loss scaler built on a dummy tensor,
-    and the modes the pipeline engine does not implement. -> (optimizer class, kwargs).
+    and the modes the pipeline engine does not implement. -> (config, optimizer class, kwargs); the config
+    loses the sections initialize()'s optimizer= / lr_scheduler= override.
     client_optimizer: (class, defaults) of an optimizer passed to initialize(optimizer=) instead of a section."""
     from minizero.precision import LossScaler
+    # DeepSpeed's engine (_configure_optimizer, _configure_lr_scheduler) uses what initialize() was given and
+    # never reads the section then ("This overrides any optimizer definition in the DeepSpeed json config")
     if client_optimizer is not None and cfg["optimizer"] is not None:
-        raise ConfigError("an optimizer came twice: initialize(optimizer=...) and the config's 'optimizer' section; "
-                          "remove one (DeepSpeed would use only one of them)")
+        warn(f"initialize(optimizer={client_optimizer[0].__name__}) overrides the config's 'optimizer' section "
+             f"({cfg['optimizer']['type']}), as in DeepSpeed: the section is not used")
+        cfg = _without(cfg, "optimizer")
     if client_scheduler and cfg["scheduler"] is not None:
-        raise ConfigError("a scheduler came twice: initialize(lr_scheduler=...) and the config's 'scheduler' "
-                          "section; remove one")
+        warn(f"initialize(lr_scheduler=...) overrides the config's 'scheduler' section ({cfg['scheduler']['type']}), "
+             "as in DeepSpeed: the section is not used")
+        cfg = _without(cfg, "scheduler")
     if client_optimizer is None and cfg["optimizer"] is None:
         raise ConfigError("the engine needs an 'optimizer' section, "
                           "e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}, or initialize(optimizer=...)")
@@ -123,7 +136,7 @@ def check_config(cfg: dict, client_optimizer=None, client_scheduler: bool = Fals
         raise ConfigError("tensor_parallel.sequence_parallel needs tensor_parallel.autotp_size > 1")
     if cfg["pipeline"]["stages"] > 1:
         _check_pipeline_modes(cfg)
-    return cls, kw
+    return cfg, cls, kw
 
 
 def _is_onebit(cls) -> bool:
@@ -299,7 +312,7 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
     device: a function giving the ranks' device, called only by a rule that needs it. client_optimizer /
     client_scheduler: what initialize(optimizer=, lr_scheduler=) brought instead of config sections."""
     cfg = load_config(config, world_size)
-    cls, kw = check_config(cfg, client_optimizer, client_scheduler)
+    cfg, cls, kw = check_config(cfg, client_optimizer, client_scheduler)
     zero, pipe, tp = cfg["zero_optimization"], cfg["pipeline"], cfg["tensor_parallel"]["autotp_size"]
     hpz = zero["zero_hpz_partition_size"]
     if node_size is not None and hpz > 1 and hpz != node_size:

@@ -1,0 +1,155 @@
+"""DeepSpeed's engine semantics on 2 ranks (tests/test_deepspeed_semantics.py, ONE job).
+
+Ground truth is computed in the same job: the same model trained with plain torch (its gradients averaged over
+the ranks by hand), and the same engine given the summed loss in one backward. fp32 throughout: only the
+order of summation differs, so the comparisons hold to 1e-6.
+"""
+import warnings
+
+import torch
+import torch.nn as nn
+
+import minizero
+from minizero.runtime.config import ConfigError
+
+STAGES = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu")]
+
+
+def error_of(fn):
+    try:
+        fn()
+    except (RuntimeError, ValueError, TypeError, KeyError, ConfigError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def config(stage, offload, lr=1e-2):
+    zero = {"stage": stage}
+    if offload != "none":
+        zero["offload_optimizer"] = {"device": offload}
+    return {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
+            "optimizer": {"type": "Adam", "params": {"lr": lr, "betas": [0.5, 0.999]}}}
+
+
+def data(comm, step, part, shape):
+    gen = torch.Generator().manual_seed(100 * step + 10 * part + comm.rank)  # each rank its own batch
+    return torch.randn(*shape, generator=gen)
+
+
+def mlp(seed, n_in=4, n_out=1):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(n_in, 8), nn.Tanh(), nn.Linear(8, n_out))
+
+
+def averaged_grads(comm, module):
+    """torch DDP's gradients: each .grad averaged over the ranks."""
+    for p in module.parameters():
+        if p.grad is not None:
+            comm.all_reduce(p.grad)
+            p.grad.div_(comm.size)
+
+
+def full(engine):
+    return torch.cat([t.reshape(-1).float() for t in engine.full_state_dict().values()])
+
+
+def plain(module):
+    return torch.cat([t.detach().reshape(-1).float() for t in module.state_dict().values()])
+
+
+def several_backwards(comm):
+    """Two backward calls then one step (a GAN discriminator's real and fake halves) against one backward of
+    their sum and against torch's accumulation, at every stage and with offload; 2 steps."""
+    out = {}
+    reference = mlp(0)
+    opt = torch.optim.Adam(reference.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    for step in range(2):
+        opt.zero_grad()
+        for part in range(2):
+            nn.functional.mse_loss(reference(data(comm, step, part, (4, 4))), torch.zeros(4, 1)).backward()
+        averaged_grads(comm, reference)
+        opt.step()
+    for stage, offload in STAGES:
+        runs = {}
+        for how in ("two", "summed"):
+            engine, _, _, _ = minizero.initialize(model=mlp(0), config=config(stage, offload), comm=comm)
+            for step in range(2):
+                losses = [nn.functional.mse_loss(engine(data(comm, step, part, (4, 4))), torch.zeros(4, 1))
+                          for part in range(2)]
+                if how == "two":
+                    engine.backward(losses[0])
+                    engine.backward(losses[1])
+                else:
+                    engine.backward(losses[0] + losses[1])
+                engine.step()
+            runs[how] = full(engine)
+        key = f"{stage}/{offload}"
+        out[key] = {"two_vs_summed": (runs["two"] - runs["summed"]).abs().max().item(),
+                    "two_vs_torch": (runs["two"] - plain(reference)).abs().max().item(),
+                    "moved": (runs["two"] - plain(mlp(0))).abs().max().item()}
+    return out
+
+
+def gan(comm):
+    """DeepSpeed's DCGAN example's loop (DeepSpeedExamples training/gan): D steps on real and fake (two
+    backward calls), then G's loss backpropagates through D's module into G's engine; netD.zero_grad() at the
+    next iteration drops what G's backward left in D. Against the same loop in plain torch."""
+    out = {}
+    bce = nn.BCEWithLogitsLoss()
+
+    def loop(net_d, net_g, backward_d, backward_g, step_d, step_g, d_forward, g_forward, sync=None):
+        for it in range(2):
+            net_d.zero_grad()
+            real = data(comm, it, 0, (4, 4))
+            backward_d(bce(d_forward(real), torch.ones(4, 1)))
+            fake = g_forward(data(comm, it, 1, (4, 2)))
+            backward_d(bce(d_forward(fake.detach()), torch.zeros(4, 1)))
+            if sync is not None:
+                sync(net_d)
+            step_d()
+            net_g.zero_grad()
+            backward_g(bce(d_forward(fake), torch.ones(4, 1)))
+            if sync is not None:
+                sync(net_g)
+            step_g()
+
+    net_d, net_g = mlp(1), mlp(2, n_in=2, n_out=4)
+    opt_d = torch.optim.Adam(net_d.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    opt_g = torch.optim.Adam(net_g.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    loop(net_d, net_g, lambda loss: loss.backward(), lambda loss: loss.backward(), opt_d.step, opt_g.step, net_d, net_g,
+         sync=lambda m: averaged_grads(comm, m))
+    reference_d, reference_g = plain(net_d), plain(net_g)
+    for stage, offload in STAGES:
+        key = f"{stage}/{offload}"
+        net_d, net_g = mlp(1), mlp(2, n_in=2, n_out=4)
+        engine_d, _, _, _ = minizero.initialize(model=net_d, config=config(stage, offload), comm=comm)
+        engine_g, _, _, _ = minizero.initialize(model=net_g, config=config(stage, offload), comm=comm)
+        error = error_of(lambda: loop(engine_d.module, engine_g.module, engine_d.backward, engine_g.backward,
+                                      engine_d.step, engine_g.step, engine_d, engine_g))
+        if error is not None:
+            out[key] = {"error": error}
+            continue
+        out[key] = {"d_vs_torch": (full(engine_d) - reference_d).abs().max().item(),
+                    "g_vs_torch": (full(engine_g) - reference_g).abs().max().item(),
+                    "g_moved": (full(engine_g) - plain(mlp(2, n_in=2, n_out=4))).abs().max().item()}
+    return out
+
+
+def client_optimizer(comm):
+    """initialize(optimizer=...) with an 'optimizer' section too: the client's is used (its lr, its class),
+    as DeepSpeed's _configure_optimizer does; rank 0 warns."""
+    model = mlp(0)
+    cfg = config(1, "none", lr=0.5)
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, optimizer, _, scheduler = minizero.initialize(
+            model=model, config=cfg, comm=comm, optimizer=torch.optim.SGD(model.parameters(), lr=0.125),
+            lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+    return {"class": optimizer.optimizer_cls.__name__, "lr": engine.get_lr()[0], "scheduler": type(scheduler).__name__,
+            "warnings": [str(w.message) for w in caught if "overrides the config" in str(w.message)]}
+
+
+def run_all(comm):
+    return {"client_optimizer": client_optimizer(comm), "several_backwards": several_backwards(comm),
+            "gan": gan(comm)}

@@ -1,0 +1,46 @@
+"""DeepSpeed's engine semantics where a DeepSpeed program relies on them (tests/semantics_workers.py, ONE 2-rank
+job): a client optimizer next to an 'optimizer' section, several backward calls before one step, two engines
+whose graphs cross (DeepSpeedExamples' DCGAN), at ZeRO stages 0-3 and with the optimizer offloaded.
+
+Tolerance 1e-6: fp32, the same arithmetic in another summation order (an Adam step of lr 1e-2 moves the weights
+by about 2e-2, so an error of the size of one step's change would show).
+"""
+import pytest
+
+from minizero import launch
+
+_job = []
+
+
+@pytest.fixture(scope="module")
+def res():
+    if not _job:
+        _job.append(launch.run("tests/semantics_workers.py:run_all", nprocs=2, timeout=600))
+    return _job[0]
+
+
+def test_client_optimizer_and_scheduler_override_the_config_sections_with_a_warning(res):
+    for rank, out in enumerate(r["client_optimizer"] for r in res):
+        assert out["class"] == "SGD" and out["lr"] == 0.125 and out["scheduler"] == "StepLR"
+        # rank 0 says it once for the job (the config's other keys are read as usual)
+        assert len(out["warnings"]) == (2 if rank == 0 else 0), out["warnings"]
+        if rank == 0:
+            assert "optimizer=SGD) overrides the config's 'optimizer' section (Adam)" in out["warnings"][0]
+            assert "'scheduler' section (WarmupLR)" in out["warnings"][1]
+
+
+@pytest.mark.parametrize("where", ["0/none", "1/none", "2/none", "3/none", "2/cpu", "3/cpu"])
+def test_several_backwards_before_one_step_add_up(res, where):
+    for rank, out in enumerate(r["several_backwards"][where] for r in res):
+        assert out["moved"] > 1e-2, (rank, out)  # two Adam steps moved the weights
+        assert out["two_vs_summed"] <= 1e-6, (rank, out)
+        assert out["two_vs_torch"] <= 1e-6, (rank, out)
+
+
+@pytest.mark.parametrize("where", ["0/none", "1/none", "2/none", "3/none", "2/cpu", "3/cpu"])
+def test_gan_generator_backward_through_the_discriminator_engine_trains_as_torch(res, where):
+    for rank, out in enumerate(r["gan"][where] for r in res):
+        assert "error" not in out, out.get("error")
+        assert out["g_moved"] > 1e-2, (rank, out)
+        assert out["d_vs_torch"] <= 1e-6, (rank, out)  # G's backward left nothing in D's next step
+        assert out["g_vs_torch"] <= 1e-6, (rank, out)
