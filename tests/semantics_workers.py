@@ -18,7 +18,7 @@ STAGES = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "c
 def error_of(fn):
     try:
         fn()
-    except (RuntimeError, ValueError, TypeError, KeyError, ConfigError) as e:
+    except (RuntimeError, ValueError, TypeError, KeyError, NotImplementedError, ConfigError) as e:
         return f"{type(e).__name__}: {e}"
     return None
 
@@ -27,7 +27,7 @@ def config(stage, offload, lr=1e-2):
     zero = {"stage": stage}
     if offload != "none":
         zero["offload_optimizer"] = {"device": offload}
-    return {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
+    return {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero, "gradient_clipping": 0.0,
             "optimizer": {"type": "Adam", "params": {"lr": lr, "betas": [0.5, 0.999]}}}
 
 
@@ -152,4 +152,52 @@ def client_optimizer(comm):
 
 def run_all(comm):
     return {"client_optimizer": client_optimizer(comm), "several_backwards": several_backwards(comm),
-            "gan": gan(comm)}
+            "gan": gan(comm), "pipeline": pipeline(comm)}
+
+
+def pipeline(comm):
+    """DeepSpeedExamples' pipeline_parallelism/train.py: a PipelineModule of LayerSpecs, num_stages read from it
+    (no pipeline section), initialize(model_parameters=, training_data=), then engine.train_batch() with no
+    iterator; eval_batch; the accessors. Against the same layers trained whole in torch on the same batches."""
+    from minizero.pipe import LayerSpec, PipelineModule
+    layers = [LayerSpec(nn.Linear, 4, 8), LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.Linear, 8, 8),
+              LayerSpec(nn.Linear, 8, 1)]
+
+    def build(num_stages=2):
+        torch.manual_seed(0)
+        return PipelineModule(layers=layers, num_stages=num_stages, loss_fn=nn.MSELoss(), hidden_shape=(8,))
+
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.randn(40, 4, generator=gen), torch.randn(40, 1, generator=gen)
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    net = build()
+    engine, _, loader, _ = minizero.initialize(model=net, config=cfg, comm=comm,
+                                               model_parameters=[p for p in net.parameters() if p.requires_grad],
+                                               training_data=torch.utils.data.TensorDataset(x, y))
+    out = {"accessors": [type(engine).__name__, engine.num_stages, engine.stage_id, engine.is_first_stage(),
+                         engine.is_last_stage(), engine.micro_batches, engine.get_pipeline_parallel_rank(),
+                         loader is engine.training_dataloader]}
+    out["losses"] = [engine.train_batch().item() for _ in range(3)]
+    out["eval"] = engine.eval_batch(iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[24:], y[24:]),
+                                                                     batch_size=2))).item()
+    out["training_after_eval"] = engine.train_batch().item()
+    reference = build()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    out["torch"] = []
+    for step in range(3):  # the loader's order (dp = 1: every sample, in order); mean of the 4 micro-batch means
+        rows = slice(8 * step, 8 * step + 8)
+        opt.zero_grad()
+        loss = sum(nn.functional.mse_loss(reference(xs), ys) for xs, ys in zip(x[rows].chunk(4), y[rows].chunk(4))) / 4
+        loss.backward()
+        opt.step()
+        out["torch"].append(loss.item())
+    with torch.no_grad():
+        out["torch_eval"] = (sum(nn.functional.mse_loss(reference(xs), ys)
+                                 for xs, ys in zip(x[24:32].chunk(4), y[24:32].chunk(4))) / 4).item()
+    out["errors"] = {
+        "stages_differ": error_of(lambda: minizero.initialize(model=build(), config={**cfg, "pipeline": {"stages": 1}},
+                                                              comm=comm)),
+        "eval_logits": error_of(lambda: engine.eval_batch(iter([(x[:2], y[:2])] * 4), return_logits=True)),
+    }
+    return out

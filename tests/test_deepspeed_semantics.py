@@ -44,3 +44,17 @@ def test_gan_generator_backward_through_the_discriminator_engine_trains_as_torch
         assert out["g_moved"] > 1e-2, (rank, out)
         assert out["d_vs_torch"] <= 1e-6, (rank, out)  # G's backward left nothing in D's next step
         assert out["g_vs_torch"] <= 1e-6, (rank, out)
+
+
+def test_pipeline_module_num_stages_training_data_train_batch_eval_batch_and_accessors(res):
+    for rank, out in enumerate(r["pipeline"] for r in res):
+        # num_stages came from the PipelineModule (the config has no pipeline section); rank r holds stage r
+        assert out["accessors"] == ["PipelineEngine", 2, rank, rank == 0, rank == 1, 4, rank, True]
+        for mine, reference in zip(out["losses"], out["torch"]):  # train_batch() read training_data in order
+            assert abs(mine - reference) <= 1e-6, (rank, out["losses"], out["torch"])
+        assert abs(out["eval"] - out["torch_eval"]) <= 1e-6, (rank, out["eval"], out["torch_eval"])
+        # the training iterator went on where it was: its 4th batch is rows 24-31, the ones eval_batch was given
+        assert abs(out["training_after_eval"] - out["eval"]) <= 1e-6
+        assert "pipeline.stages = 1 but the PipelineModule was built with num_stages=2" in \
+            out["errors"]["stages_differ"]
+        assert "return_logits other than DeepSpeed's default is not implemented" in out["errors"]["eval_logits"]

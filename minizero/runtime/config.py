@@ -539,6 +539,21 @@ class CheckedConfig(dict):
     world_size = None
 
 
+def load_json(config):
+    """A JSON path -> its dict (each error naming the file); anything else as it is."""
+    if not isinstance(config, (str, os.PathLike)):
+        return config
+    try:
+        with open(config) as f:
+            return json.load(f, object_pairs_hook=_no_duplicate_keys)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{config}: not valid JSON ({e})") from None
+    except ConfigError as e:  # _no_duplicate_keys
+        raise ConfigError(f"{config}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{config}: cannot read it ({e.strerror})") from None
+
+
 def load_config(config, world_size: int = 1) -> dict:
     """A dict or a JSON path -> a complete, validated config (see module docstring)."""
     if isinstance(config, CheckedConfig):
@@ -546,16 +561,7 @@ def load_config(config, world_size: int = 1) -> dict:
             raise ConfigError(f"this config was checked for {config.world_size} rank{'s' * (config.world_size != 1)}, "
                               f"not {world_size}: load the JSON again for this world size")
         return config
-    if isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config) as f:
-                config = json.load(f, object_pairs_hook=_no_duplicate_keys)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{config}: not valid JSON ({e})") from None
-        except ConfigError as e:  # _no_duplicate_keys
-            raise ConfigError(f"{config}: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"{config}: cannot read it ({e.strerror})") from None
+    config = load_json(config)
     if not isinstance(config, dict):
         raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
     cfg: dict = {}

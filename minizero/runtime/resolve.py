@@ -11,12 +11,13 @@ The Plan is all the engine reads: the chain it builds (runtime/engine.py) is a f
 """
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import torch
 
 from minizero.comm.launcher import local_world_size
-from minizero.runtime.config import ConfigError, load_config, warn
+from minizero.runtime.config import CheckedConfig, ConfigError, load_config, load_json, warn
 from minizero.runtime.schedulers import build_scheduler
 
 
@@ -273,6 +274,29 @@ def _expert_parallel_size(model, cfg: dict, world_size: int) -> int:
     return ep
 
 
+def _pipeline_stages(config, model):
+    """A deepspeed.pipe.PipelineModule says its stage count (num_stages), as in DeepSpeed, whose config has no
+    pipeline.stages to give: it becomes the config's, before the batch arithmetic that depends on it."""
+    from minizero.pipe import PipelineModule
+    if not isinstance(model, PipelineModule):
+        return config
+    if isinstance(config, CheckedConfig):
+        if config["pipeline"]["stages"] != model.num_stages:
+            raise ConfigError(f"this config was checked for pipeline.stages = {config['pipeline']['stages']} but the "
+                              f"PipelineModule has num_stages={model.num_stages}: pass the config as a dict or a path")
+        return config
+    config = copy.deepcopy(load_json(config))  # a copy: the caller's dict stays as it was
+    if not isinstance(config, dict) or not isinstance(config.get("pipeline", {}), dict):
+        return config  # load_config says what is wrong with it
+    given = config.get("pipeline", {}).get("stages")
+    if given is not None and given != model.num_stages:
+        raise ConfigError(f"pipeline.stages = {given!r} but the PipelineModule was built with num_stages="
+                          f"{model.num_stages}: give one number (DeepSpeed reads num_stages; leave pipeline.stages "
+                          "out)")
+    config.setdefault("pipeline", {})["stages"] = model.num_stages
+    return config
+
+
 def pipeline_parts(model):
     """The model cut for a pipeline: a PipelineModel, or what model.pipeline_parts() gives (TinyGPT)."""
     from minizero.pipeline import PipelineModel
@@ -311,7 +335,7 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
     """Every check, in one place, touching nothing (module docstring). model None: the config's rules only.
     device: a function giving the ranks' device, called only by a rule that needs it. client_optimizer /
     client_scheduler: what initialize(optimizer=, lr_scheduler=) brought instead of config sections."""
-    cfg = load_config(config, world_size)
+    cfg = load_config(_pipeline_stages(config, model), world_size)
     cfg, cls, kw = check_config(cfg, client_optimizer, client_scheduler)
     zero, pipe, tp = cfg["zero_optimization"], cfg["pipeline"], cfg["tensor_parallel"]["autotp_size"]
     hpz = zero["zero_hpz_partition_size"]
@@ -366,6 +390,8 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
                               "sub-groups as ONE group: pass one group (its lr/weight_decay apply), or offload to "
                               "device cpu (several groups work there)")
         for key, on in (("tensor_parallel.autotp_size", tp > 1), ("pipeline.stages", pipe["stages"] > 1)):
+            if groups and on and len(groups) == 1 and set(groups[0]) == {"params"}:
+                groups = None  # every trainable parameter, no hyperparameter of its own: the default group
             if groups and on:
                 raise ConfigError(f"model_parameters with {key} > 1 is not implemented: the split replaces the "
                                   "model's parameters by their slices (or a stage's), so groups of the originals would "
