@@ -152,7 +152,7 @@ def client_optimizer(comm):
 
 def run_all(comm):
     return {"client_optimizer": client_optimizer(comm), "several_backwards": several_backwards(comm),
-            "gan": gan(comm), "pipeline": pipeline(comm)}
+            "gan": gan(comm), "pipeline": pipeline(comm), "bf16_masters": bf16_masters(comm)}
 
 
 def pipeline(comm):
@@ -200,4 +200,56 @@ def pipeline(comm):
                                                               comm=comm)),
         "eval_logits": error_of(lambda: engine.eval_batch(iter([(x[:2], y[:2])] * 4), return_logits=True)),
     }
+    return out
+
+
+def bf16_masters(comm):
+    """bf16.bf16_master_weights_and_grads + bf16_optimizer_states at ZeRO 1 and 2: the optimizer steps the bf16
+    shard with a bf16 gradient and keeps Adam's moments in bf16. Against plain torch stepping the bf16 model
+    itself (its bf16 gradients averaged over the ranks), the ledger against the formula, and the refusals."""
+    out = {}
+    torch.manual_seed(0)
+    reference = mlp(0).to(torch.bfloat16)
+    opt = torch.optim.Adam(reference.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    for step in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(reference(data(comm, step, 0, (4, 4)).bfloat16()).float(), torch.zeros(4, 1)).backward()
+        averaged_grads(comm, reference)
+        opt.step()
+    for stage in (1, 2):
+        runs = {}
+        for masters in (False, True):
+            cfg = config(stage, "none")
+            cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": masters, "bf16_optimizer_states": masters}
+            engine, _, _, _ = minizero.initialize(model=mlp(0), config=cfg, comm=comm)
+            for step in range(3):
+                engine.backward(nn.functional.mse_loss(engine(data(comm, step, 0, (4, 4))).float(), torch.zeros(4, 1)))
+                engine.step()
+            inner = engine.optimizer.optim if hasattr(engine.optimizer, "optim") else engine.optimizer
+            runs[masters] = {"params": torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()]),
+                             "ledger": engine.memory().by_category,
+                             "state_dtypes": sorted({str(t.dtype) for s in inner.state.values() for t in s.values()
+                                                     if torch.is_tensor(t) and t.numel() > 1}),
+                             "shard_numel": engine.strategy.optimizer.layout.shard_numel}
+        mine = runs[True]["params"]
+        theirs = plain(reference)
+        ulp = theirs.abs().clamp_min(2 ** -8) * 2 ** -7  # one bf16 step at each value
+        out[str(stage)] = {"vs_torch_ulps": ((mine - theirs).abs() / ulp).max().item(),
+                      "vs_fp32_masters": (mine - runs[False]["params"]).abs().max().item(),
+                      "state_dtypes": runs[True]["state_dtypes"], "fp32_state_dtypes": runs[False]["state_dtypes"],
+                      "saved": {c: runs[False]["ledger"][c] - runs[True]["ledger"][c]
+                                for c in ("master_params", "optimizer_state", "gradients", "parameters")},
+                      "shard_numel": runs[True]["shard_numel"]}
+
+    def refused(stage, **bf16):
+        cfg = config(stage, "none")
+        cfg["bf16"] = {"enabled": True, **bf16}
+        return error_of(lambda: minizero.initialize(model=mlp(0), config=cfg, comm=comm))
+
+    both = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    out["errors"] = {"stage0": refused(0, **both), "stage3": refused(3, **both),
+                     "states_alone": refused(1, bf16_optimizer_states=True),
+                     "masters_alone": refused(1, bf16_master_weights_and_grads=True),
+                     "fp16_masters": error_of(lambda: minizero.initialize(model=mlp(0), comm=comm, config={
+                         **config(1, "none"), "fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}))}
     return out

@@ -58,3 +58,27 @@ def test_pipeline_module_num_stages_training_data_train_batch_eval_batch_and_acc
         assert "pipeline.stages = 1 but the PipelineModule was built with num_stages=2" in \
             out["errors"]["stages_differ"]
         assert "return_logits other than DeepSpeed's default is not implemented" in out["errors"]["eval_logits"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_master_weights_grads_and_optimizer_states_step_in_bf16_and_the_ledger_shows_the_bytes(res, stage):
+    for rank, out in enumerate(r["bf16_masters"][str(stage)] for r in res):
+        # torch stepping the bf16 model itself; one bf16 step of slack for the reduction's order (0 seen)
+        assert out["vs_torch_ulps"] <= 1.0, (rank, out)
+        assert out["vs_fp32_masters"] > 0  # the fp32-master run rounds differently: the keys changed the step
+        assert out["state_dtypes"] == ["torch.bfloat16"] and out["fp32_state_dtypes"] == ["torch.float32"]
+        s = out["shard_numel"]
+        # no fp32 master shard (4 bytes each; the bf16 shard is the master) and Adam's 2 moments at 2 bytes, not 4
+        assert out["saved"] == {"master_params": 4 * s, "optimizer_state": 2 * (4 - 2) * s, "gradients": 0,
+                                "parameters": 0}, (rank, out["saved"], s)
+
+
+def test_bf16_and_fp16_master_keys_refused_where_deepspeed_refuses_or_minizero_does_not_implement(res):
+    errors = res[0]["bf16_masters"]["errors"]
+    assert "needs ZeRO stage 1, 2 or 3 (as in DeepSpeed), got stage 0" in errors["stage0"]
+    assert "at ZeRO stage 3 is not implemented by minizero" in errors["stage3"]
+    assert "bf16_optimizer_states': true needs bf16.bf16_master_weights_and_grads true" in errors["states_alone"]
+    assert "implemented with bf16.bf16_optimizer_states true and offload_optimizer device none" in \
+        errors["masters_alone"]
+    assert "'fp16.fp16_master_weights_and_grads': true is not implemented" in errors["fp16_masters"]
+    assert "ZeRO-Offload and DeepSpeedCPUAdam" in errors["fp16_masters"]

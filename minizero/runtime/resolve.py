@@ -64,6 +64,7 @@ class Plan(NamedTuple):
     seed: int = 0                         # the data loader's shuffle seed
     pipeline: PipelineSpec = PipelineSpec()
     sparse_attention: object = None       # a sparse.SparsityConfig (DeepSpeed's sparse_attention section), or None
+    master_dtype: torch.dtype = torch.float32  # what ZeRO 1-2 step: bf16 with bf16_master_weights_and_grads
 
     @property
     def mixed_precision(self) -> bool:
@@ -411,6 +412,9 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
     dtype = torch.float16 if cfg["fp16"]["enabled"] else torch.bfloat16 if cfg["bf16"]["enabled"] else torch.float32
     from minizero.zero.tiers import ZeroPPSpec
     zeropp = ZeroPPSpec(zero["zero_quantized_weights"], hpz, zero["zero_quantized_gradients"])
+    if cfg["bf16"]["bf16_master_weights_and_grads"] and ep > 1:
+        raise ConfigError("bf16.bf16_master_weights_and_grads with MoE layers of ep_size > 1 is not implemented: the "
+                          "expert strategy keeps fp32 masters; remove the key or use ep_size 1")
     return Plan(cfg, world_size, world_size // (pipe["stages"] * tp * cp), pipe["stages"], tp, zero["stage"], dtype,
                 cls, kw, groups, zero_init, offload, cp, ep,
                 bucket_numel=int(zero["reduce_bucket_size"]), overlap_comm=zero["overlap_comm"],
@@ -426,7 +430,8 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
                 micro_batch_size=cfg["train_micro_batch_size_per_gpu"],
                 gradient_accumulation_steps=cfg["gradient_accumulation_steps"], scheduler=cfg["scheduler"],
                 seed=cfg["seed"], pipeline=PipelineSpec(pipe["stages"], pipe["schedule"], pipe["chunks"]),
-                sparse_attention=sparse)
+                sparse_attention=sparse,
+                master_dtype=torch.bfloat16 if cfg["bf16"]["bf16_master_weights_and_grads"] else torch.float32)
 
 
 def _sparse_attention(model, cfg: dict):

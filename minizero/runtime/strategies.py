@@ -60,6 +60,7 @@ class StrategySpec(NamedTuple):
     zero_init: object            # the zero.Init recorder the model was built under, or None
     offload: object              # a zero.tiers.OffloadSpec (the optimizer's tier, ZeRO-3's shards) or None
     runtime_syncs: bool = False  # a pipeline runtime calls DDP's finish_gradient_synchronization itself
+    master_dtype: torch.dtype = torch.float32  # ZeRO 1-2's master shard (bf16: bf16_master_weights_and_grads)
 
     @property
     def mixed_precision(self) -> bool:
@@ -297,7 +298,8 @@ class Zero1Strategy(FlatStrategy):
         from minizero.zero.sharded_optimizer import ShardedOptimizer
         comm.broadcast_tensors([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
         self.optimizer = ShardedOptimizer(spec.groups or model.parameters(), spec.optimizer_cls, comm,
-                                          offload=spec.offload, **spec.optimizer_kwargs)
+                                          offload=spec.offload, master_dtype=spec.master_dtype,
+                                          **spec.optimizer_kwargs)
         self.offload = self.optimizer.tier
         self._shard_grad = None
 
@@ -325,7 +327,7 @@ class Zero2Strategy(FlatStrategy):
         from minizero.zero.shard_grad_op import ShardGradOp
         self.wrapped = ShardGradOp(model, spec.optimizer_cls, comm, bucket_numel=spec.bucket_numel,
                                    overlap=spec.overlap, params=spec.groups, offload=spec.offload,
-                                   **spec.optimizer_kwargs)
+                                   master_dtype=spec.master_dtype, **spec.optimizer_kwargs)
         self.optimizer = self.wrapped.optim
         self.offload = self.optimizer.tier
         self._shard_grad = None
