@@ -12,7 +12,7 @@ import torch.nn as nn
 import minizero
 from minizero.runtime.config import ConfigError
 
-STAGES = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu")]
+STAGES = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (1, "cpu"), (2, "cpu"), (3, "cpu")]
 
 
 def error_of(fn):

@@ -10,6 +10,7 @@ import pytest
 from minizero import launch
 
 _job = []
+WHERE = ["0/none", "1/none", "2/none", "3/none", "1/cpu", "2/cpu", "3/cpu"]  # ZeRO stage / offload_optimizer
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def test_client_optimizer_and_scheduler_override_the_config_sections_with_a_warn
             assert "'scheduler' section (WarmupLR)" in out["warnings"][1]
 
 
-@pytest.mark.parametrize("where", ["0/none", "1/none", "2/none", "3/none", "2/cpu", "3/cpu"])
+@pytest.mark.parametrize("where", WHERE)
 def test_several_backwards_before_one_step_add_up(res, where):
     for rank, out in enumerate(r["several_backwards"][where] for r in res):
         assert out["moved"] > 1e-2, (rank, out)  # two Adam steps moved the weights
@@ -37,7 +38,7 @@ def test_several_backwards_before_one_step_add_up(res, where):
         assert out["two_vs_torch"] <= 1e-6, (rank, out)
 
 
-@pytest.mark.parametrize("where", ["0/none", "1/none", "2/none", "3/none", "2/cpu", "3/cpu"])
+@pytest.mark.parametrize("where", WHERE)
 def test_gan_generator_backward_through_the_discriminator_engine_trains_as_torch(res, where):
     for rank, out in enumerate(r["gan"][where] for r in res):
         assert "error" not in out, out.get("error")
