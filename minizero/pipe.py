@@ -12,9 +12,11 @@ How the layer list maps onto minizero's PipelineModel (pipeline/stage.py): the f
 layers between are the blocks, cut into num_stages runs of equal count ('uniform'; DeepSpeed's default
 'parameters' is accepted and means the same for equal blocks). minizero's stages allocate what they receive
 from one sample's hidden shape, so the layers between the first and the last must keep one shape, given as
-`hidden_shape` (a minizero keyword; DeepSpeed sends shapes at run time). The config's `pipeline.stages`
-chooses the stage count in minizero's engine: give the same number as num_stages (the engine does not read
-num_stages yet, so a different number cuts the model into the config's count).
+`hidden_shape` (a minizero keyword; DeepSpeed sends shapes at run time). num_stages is the engine's stage
+count, as in DeepSpeed (the config needs no pipeline section; a pipeline.stages that differs is an error).
+The engine then has DeepSpeed's PipelineEngine names: train_batch(data_iter=None) (None: initialize's
+training_data, in order, repeating), eval_batch(data_iter), num_stages, stage_id, micro_batches,
+is_first_stage(), is_last_stage(), set_dataiterator() (runtime/pipeline_engine.py).
 A callable that is not a module (DeepSpeed allows `lambda x: x.view(...)`) runs as a layer without parameters.
 Refused with a clear error: TiedLayerSpec, topology, seed_layers, activation_checkpoint_interval > 0 (use the
 config's "activation_checkpointing" section), partition_method other than 'parameters' / 'uniform'.

@@ -169,8 +169,6 @@ def deepspeed_initialize(comm, tmp_dir):
     out["errors"] = {
         "positional": error_of(lambda: minizero.initialize(fresh(), cfg, comm=comm)),
         "two_configs": error_of(lambda: minizero.initialize(args=args, model=fresh(), config=cfg, comm=comm)),
-        "two_optimizers": error_of(lambda: minizero.initialize(model=(m := fresh()), config=cfg, comm=comm,
-                                                               optimizer=torch.optim.AdamW(m.parameters()))),
         "scheduler_object": error_of(lambda: minizero.initialize(
             model=(m := fresh()), config={"train_micro_batch_size_per_gpu": 2}, comm=comm,
             optimizer=(o := torch.optim.AdamW(m.parameters())), lr_scheduler=torch.optim.lr_scheduler.StepLR(o, 1))),

@@ -377,7 +377,8 @@ def test_deepspeeds_defaults_and_disabled_values_are_accepted():
                        "fp16": {"enabled": False, "fp16_master_weights_and_grads": False},
                        "bf16": {"bf16_master_weights_and_grads": False, "bf16_optimizer_states": False},
                        "zero_force_ds_cpu_optimizer": False})
-    assert cfg["steps_per_print"] == float("inf") and cfg["bf16"] == {"enabled": False}
+    assert cfg["steps_per_print"] == float("inf")
+    assert cfg["bf16"] == {"enabled": False, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
     assert cfg["zero_force_ds_cpu_optimizer"] is False and load_config(BASE)["zero_force_ds_cpu_optimizer"] is True
     assert "prescale_gradients" not in cfg and "torch_autocast" not in cfg
     assert load_config(json.loads('{"train_micro_batch_size_per_gpu": 2, "steps_per_print": Infinity}'))[

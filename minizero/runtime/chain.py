@@ -88,7 +88,8 @@ def strategy_spec(plan: Plan, node_mesh=None, runtime_syncs: bool = False) -> St
                         dtype=plan.dtype, bucket_numel=plan.bucket_numel, overlap=plan.overlap_comm,
                         prefetch=plan.prefetch, persistence_threshold=plan.persistence_threshold, zeropp=plan.zeropp,
                         node_mesh=node_mesh, zero_init=plan.zero_init, offload=plan.offload,
-                        runtime_syncs=runtime_syncs, shard_layout=plan.shard_layout)
+                        runtime_syncs=runtime_syncs, shard_layout=plan.shard_layout,
+                        master_dtype=plan.master_dtype)
 
 
 def select_strategy(plan: Plan, model, comm, mesh=None, node_mesh=None, runtime_syncs: bool = False) -> Strategy:

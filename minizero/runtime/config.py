@@ -61,7 +61,11 @@ SCHEMA = {
         "consecutive_hysteresis": False,
         "min_loss_scale": 1,
     },
-    "bf16": {"enabled": False},
+    "bf16": {
+        "enabled": False,
+        "bf16_master_weights_and_grads": False,   # ZeRO 1-2: the optimizer steps the bf16 shard itself
+        "bf16_optimizer_states": False,           # with it: the optimizer's state in bf16 too
+    },
     "zero_optimization": {
         "stage": 0,
         "overlap_comm": None,                 # None -> True for stage 3, False otherwise (DeepSpeed)
@@ -177,9 +181,9 @@ NOT_IMPLEMENTED = {
 # with "enabled": false (DeepSpeed's default), its other keys then unread.
 AT_DEFAULT_ONLY = {
     "prescale_gradients": (False, "minizero averages the gradients after the reduction"),
-    "fp16.fp16_master_weights_and_grads": (False, "the optimizer always keeps fp32 masters and gradients"),
-    "bf16.bf16_master_weights_and_grads": (False, "the optimizer always keeps fp32 masters and gradients"),
-    "bf16.bf16_optimizer_states": (False, "the optimizer state is always fp32"),
+    "fp16.fp16_master_weights_and_grads": (False, "DeepSpeed runs it only with ZeRO-Offload and DeepSpeedCPUAdam "
+                                           "(its _enforce_cpu_offload), whose fp16 host masters minizero's host tier "
+                                           "does not emulate: its masters are fp32"),
     "bf16.check_grad_overflow": (False, "bf16 training does not check for overflow here"),
 }
 DISABLED_SECTIONS = {"torch_autocast": (("enabled", "dtype", "lower_precision_safe_modules"),
@@ -546,6 +550,46 @@ class CheckedConfig(dict):
     world_size = None
 
 
+def _check_bf16_masters(cfg: dict):
+    """bf16 master weights, gradients and optimizer states: DeepSpeed's rules (runtime/config.py
+    _do_error_check, base_optimizer._configure_master_weights), then what minizero implements of them."""
+    bf16, zero = cfg["bf16"], cfg["zero_optimization"]
+    masters, states = bf16["bf16_master_weights_and_grads"], bf16["bf16_optimizer_states"]
+    if not (masters or states):
+        return
+    key = "bf16.bf16_master_weights_and_grads" if masters else "bf16.bf16_optimizer_states"
+    if not bf16["enabled"]:
+        raise ConfigError(f"'{key}': true needs bf16.enabled true (the parameters in bf16)")
+    if zero["stage"] == 0:  # DeepSpeed asserts it: "... is only supported with ZeRO Stage 1, 2, or 3."
+        raise ConfigError(f"'{key}': true needs ZeRO stage 1, 2 or 3 (as in DeepSpeed), got stage 0")
+    if states and not masters:  # DeepSpeed: "bf16_optimizer_states requires bf16_master_weights_and_grads"
+        raise ConfigError("'bf16.bf16_optimizer_states': true needs bf16.bf16_master_weights_and_grads true too "
+                          "(as in DeepSpeed)")
+    if not states or zero["offload_optimizer"]["device"] != "none":  # DeepSpeed: ZeRO-Offload + DeepSpeedCPUAdam
+        raise ConfigError("'bf16.bf16_master_weights_and_grads' is implemented with bf16.bf16_optimizer_states true "
+                          "and offload_optimizer device none (master, gradient and optimizer state in bf16 on the "
+                          "device); DeepSpeed runs the other combinations only on its CPU Adam kernel under "
+                          "ZeRO-Offload, which minizero's host tier (fp32 masters) does not emulate")
+    if zero["stage"] == 3:
+        raise ConfigError("'bf16.bf16_master_weights_and_grads' at ZeRO stage 3 is not implemented by minizero "
+                          "(DeepSpeed allows it): use stage 1 or 2")
+
+
+def load_json(config):
+    """A JSON path -> its dict (each error naming the file); anything else as it is."""
+    if not isinstance(config, (str, os.PathLike)):
+        return config
+    try:
+        with open(config) as f:
+            return json.load(f, object_pairs_hook=_no_duplicate_keys)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{config}: not valid JSON ({e})") from None
+    except ConfigError as e:  # _no_duplicate_keys
+        raise ConfigError(f"{config}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{config}: cannot read it ({e.strerror})") from None
+
+
 def load_config(config, world_size: int = 1) -> dict:
     """A dict or a JSON path -> a complete, validated config (see module docstring)."""
     if isinstance(config, CheckedConfig):
@@ -553,16 +597,7 @@ def load_config(config, world_size: int = 1) -> dict:
             raise ConfigError(f"this config was checked for {config.world_size} rank{'s' * (config.world_size != 1)}, "
                               f"not {world_size}: load the JSON again for this world size")
         return config
-    if isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config) as f:
-                config = json.load(f, object_pairs_hook=_no_duplicate_keys)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{config}: not valid JSON ({e})") from None
-        except ConfigError as e:  # _no_duplicate_keys
-            raise ConfigError(f"{config}: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"{config}: cannot read it ({e.strerror})") from None
+    config = load_json(config)
     if not isinstance(config, dict):
         raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
     cfg: dict = {}
@@ -590,6 +625,7 @@ def load_config(config, world_size: int = 1) -> dict:
         zero["overlap_comm"] = zero["stage"] == 3
     if cfg["fp16"]["enabled"] and cfg["bf16"]["enabled"]:
         raise ConfigError("fp16 and bf16 are both enabled; choose one")
+    _check_bf16_masters(cfg)
     for section in ("offload_optimizer", "offload_param"):
         dev = zero[section]["device"]
         if dev not in ("none", "cpu", "nvme"):

@@ -18,6 +18,8 @@ runtime/chain.py over the resolved Plan (runtime/resolve.py); what it shares wit
 from __future__ import annotations
 
 import time
+import weakref
+from contextlib import ExitStack
 
 import torch
 
@@ -63,6 +65,9 @@ def build_engine(model: torch.nn.Module, config, comm=None, model_parameters=Non
     return Engine(model, plan, comm or comm_mod.get(), mesh)
 
 
+_ENGINES = weakref.WeakSet()  # the live engines: one's backward may run through another's model
+
+
 class Engine(BaseEngine):
     def __init__(self, model: torch.nn.Module, plan: Plan, comm, mesh=None):
         super().__init__()           # an nn.Module, as DeepSpeed's engine (runtime/trainer.py)
@@ -101,6 +106,7 @@ class Engine(BaseEngine):
         self.timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.outputs = None       # the last forward's full output
         self._fwd = self._bwd = 0.0
+        _ENGINES.add(self)
 
     # ------------------------------------------------------------------ the loop
     def __call__(self, *args, **kwargs):
@@ -123,13 +129,18 @@ class Engine(BaseEngine):
 
     def backward(self, loss: torch.Tensor):
         """loss / gradient_accumulation_steps (x the loss scale under fp16), then backward. DDP's backward
-        before the boundary only accumulates locally (no_sync)."""
+        before the boundary only accumulates locally (no_sync). Several backwards before one step() add up, as
+        DeepSpeed's; the other engines' models this backward runs through keep their gradients out of their
+        reductions (Strategy.hold_gradients)."""
         t0 = time.perf_counter()
         if self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale(loss)
-        with self.strategy.backward_context(self.is_gradient_accumulation_boundary()):
+        with self.strategy.backward_context(self.is_gradient_accumulation_boundary()), ExitStack() as others:
+            for other in list(_ENGINES):  # a GAN's generator loss through the discriminator's engine
+                if other is not self:
+                    others.enter_context(other.strategy.hold_gradients())
             loss.backward()
         self._bwd += time.perf_counter() - t0
 

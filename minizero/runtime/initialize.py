@@ -9,11 +9,13 @@ What each argument means here (deepspeed.initialize's, checked against deepspeed
   model             the torch.nn.Module to train.
   optimizer         a torch.optim.Optimizer built on the model (nanoGPT's configure_optimizers): its class,
                     defaults and param groups become the engine's, since ZeRO must build the optimizer over
-                    its own shards (DeepSpeed wraps it the same way). The config then has no "optimizer".
+                    its own shards (DeepSpeed wraps it the same way). A config "optimizer" section is then
+                    not used (as in DeepSpeed: rank 0 warns).
                     A callable (params -> Optimizer) is refused with the line to write instead.
   model_parameters  param groups (or an iterable of parameters), every trainable parameter in one group.
   training_data     a torch Dataset: the returned DataLoader gives this data-parallel rank its share
-                    (DistributedSampler over the dp ranks) in train_micro_batch_size_per_gpu batches.
+                    (DistributedSampler over the dp ranks) in train_micro_batch_size_per_gpu batches. A pipeline
+                    engine also reads it in train_batch() (in order, repeating: DeepSpeed's RepeatingLoader).
   lr_scheduler      a callable (optimizer -> scheduler), called on the engine's optimizer; the engine steps
                     it at each optimizer step. A scheduler object built on your own optimizer is refused: it
                     would move the learning rate of an optimizer nothing steps.
@@ -93,6 +95,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         engine.lr_scheduler = lr_scheduler(engine.optimizer)
     _watch()
     loader = None if training_data is None else _loader(engine, training_data, collate_fn)
+    if loader is not None and hasattr(engine, "set_dataloader"):  # a pipeline: train_batch() reads it, as in
+        from minizero.utils import RepeatingLoader                # DeepSpeed's PipelineEngine (in order, repeating)
+        engine.set_dataloader(loader := RepeatingLoader(loader))
     return Initialized(engine, engine.optimizer, loader, engine.lr_scheduler)
 
 
@@ -135,6 +140,6 @@ def _config(args, config, config_params):
 def _loader(engine, dataset, collate_fn):
     """DeepSpeed's training dataloader: this dp rank's share, micro-batches of the configured size."""
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=engine.dp_size, rank=engine.dp_rank,
-                                                  shuffle=True, seed=engine.plan.seed)
+                                                  shuffle=not hasattr(engine, "set_dataloader"), seed=engine.plan.seed)
     return torch.utils.data.DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
                                        sampler=sampler, collate_fn=collate_fn, drop_last=True)

@@ -100,6 +100,38 @@ class PipelineEngine(BaseEngine):
                                        data_parallel=self.wrapped)
         self.timings = {"pipeline": 0.0, "step": 0.0}
         self.outputs = None
+        # DeepSpeed's PipelineEngine attributes its examples read
+        self.num_stages = plan.pp_size                          # pipeline stages
+        self.stage_id = self.mesh.pp_rank                       # this rank's stage
+        self.micro_batches = plan.gradient_accumulation_steps   # micro-batches per train_batch
+        self.micro_batch_size = plan.micro_batch_size
+        self.training_dataloader = None  # initialize(training_data=): a RepeatingLoader of this dp rank's share
+        self.data_iterator = None        # what train_batch() reads when given no data_iter
+
+    # ------------------------------------------------------------------ DeepSpeed's pipeline accessors
+    def is_first_stage(self) -> bool:
+        return self.mesh.is_first_stage
+
+    def is_last_stage(self) -> bool:
+        return self.mesh.is_last_stage
+
+    def get_pipeline_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def is_pipe_parallel(self) -> bool:
+        return self.num_stages > 1
+
+    def is_data_parallel(self) -> bool:
+        return self.dp_size > 1
+
+    def set_dataloader(self, loader):
+        """train_batch() then reads `loader` (DeepSpeed: on the first and last stage, which use the data)."""
+        self.training_dataloader = loader
+        self.data_iterator = iter(loader)
+
+    def set_dataiterator(self, iterator):
+        self.training_dataloader = None
+        self.data_iterator = iterator
 
     def train(self, mode: bool = True):
         self.training = mode
@@ -108,18 +140,66 @@ class PipelineEngine(BaseEngine):
 
     # ------------------------------------------------------------------ the loop
     def train_batch(self, data_iter=None):
-        """One optimizer step over train_batch_size samples: m micro-batches (x, y) from data_iter
-        through the pipeline. Returns the batch's mean loss on every rank (DeepSpeed's train_batch)."""
+        """One optimizer step over train_batch_size samples: m micro-batches (x, y) from data_iter (kept for the
+        next calls, as DeepSpeed's; None: the one kept, or initialize(training_data=)'s) through the pipeline.
+        Returns the batch's mean loss on every rank (DeepSpeed's train_batch)."""
         m = self.gradient_accumulation_steps()
         t0 = time.perf_counter()
-        batch = [next(data_iter) for _ in range(m)] if data_iter is not None else None
-        x, y = (None, None) if batch is None else (torch.cat([b[0] for b in batch]).to(self.device),
-                                                  torch.cat([b[1] for b in batch]).to(self.device))
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.train()  # as DeepSpeed's: eval_batch left the stage in eval mode
+        x, y = self._batch(self.data_iterator, m)
         loss = self.runtime.step(x, y)
         t1 = time.perf_counter()
         self.apply_step(self.strategy.reduced_grads(), micro_steps=m)
         self.timings = {"pipeline": t1 - t0, "step": time.perf_counter() - t1}
         return self._batch_loss(loss)
+
+    def _batch(self, data_iter, m):
+        """m micro-batches (x, y) from data_iter, stacked: (None, None) on a rank given no data (a middle stage
+        needs none)."""
+        if data_iter is None:
+            return None, None
+        batch = [next(data_iter) for _ in range(m)]
+        return (torch.cat([b[0] for b in batch]).to(self.device), torch.cat([b[1] for b in batch]).to(self.device))
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
+                   num_micro_batches=None):
+        """DeepSpeed's eval_batch: the mean loss of num_micro_batches (default: micro_batches) micro-batches from
+        data_iter, forward only, the stage in eval mode (left so, as DeepSpeed's), averaged over the data-parallel
+        ranks and given to every stage. Micro-batch k goes through every chunk before k + 1 starts."""
+        for name, bad in (("return_logits", return_logits), ("compute_loss", not compute_loss),
+                          ("reduce_output", reduce_output != "avg"), ("bcast_loss", not bcast_loss)):
+            if bad:
+                raise NotImplementedError(f"eval_batch: {name} other than DeepSpeed's default is not implemented "
+                                          "by minizero's pipeline engine; it returns the mean loss on every rank")
+        m = self.micro_batches if num_micro_batches is None else num_micro_batches
+        stage = self.pipeline
+        self.eval()
+        x, y = self._batch(data_iter, m)
+        first = any(stage.is_first(c) for c in range(stage.num_chunks))
+        last = any(stage.is_last(c) for c in range(stage.num_chunks))
+        if (first and x is None) or (last and y is None):
+            raise RuntimeError("eval_batch: this rank holds the first or last stage and needs data_iter's batches")
+        xs = x.chunk(m) if first else None
+        ys = y.chunk(m) if last else None
+        total, sends = torch.zeros((), device=self.device), []
+        for k in range(m):
+            for c in range(stage.num_chunks):
+                if stage.is_first(c):
+                    h = xs[k]
+                else:
+                    h, work = stage.recv_activation(k, c)
+                    work.wait()
+                out = stage.chunks[c](h)
+                if stage.is_last(c):
+                    total += stage.loss_fn(out, ys[k]).float()
+                else:
+                    sends.append((stage.send_activation(out.contiguous(), k, c), out))
+        for work, _ in sends:
+            work.wait()
+        return self._batch_loss(total / m if last else None)
 
     def _batch_loss(self, loss):
         """The last stage's mean over its micro-batches, averaged over dp, sent to every stage."""

@@ -11,12 +11,13 @@ The Plan is all the engine reads: the chain it builds (runtime/engine.py) is a f
 """
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import torch
 
 from minizero.comm.launcher import local_world_size
-from minizero.runtime.config import ConfigError, load_config
+from minizero.runtime.config import CheckedConfig, ConfigError, load_config, load_json, warn
 from minizero.runtime.schedulers import build_scheduler
 
 
@@ -64,6 +65,7 @@ class Plan(NamedTuple):
     seed: int = 0                         # the data loader's shuffle seed
     pipeline: PipelineSpec = PipelineSpec()
     sparse_attention: object = None       # a sparse.SparsityConfig (DeepSpeed's sparse_attention section), or None
+    master_dtype: torch.dtype = torch.float32  # what ZeRO 1-2 step: bf16 with bf16_master_weights_and_grads
 
     @property
     def mixed_precision(self) -> bool:
@@ -87,17 +89,30 @@ def optimizer_spec(section: dict):
     return (torch.optim.AdamW if section["type"] == "AdamW" or adam_w_mode else torch.optim.Adam), params
 
 
+def _without(cfg: dict, section: str) -> dict:
+    """cfg with `section` None, leaving the caller's (maybe reused) checked config as it was."""
+    out = type(cfg)(cfg)
+    out.__dict__.update(getattr(cfg, "__dict__", {}))
+    out[section] = None
+    return out
+
+
 def check_config(cfg: dict, client_optimizer=None, client_scheduler: bool = False) -> tuple:
     """The rules that need no model: the optimizer, scheduler and loss scaler built on a dummy tensor,
-    and the modes the pipeline engine does not implement. -> (optimizer class, kwargs).
+    and the modes the pipeline engine does not implement. -> (config, optimizer class, kwargs); the config
+    loses the sections initialize()'s optimizer= / lr_scheduler= override.
     client_optimizer: (class, defaults) of an optimizer passed to initialize(optimizer=) instead of a section."""
     from minizero.precision import LossScaler
+    # DeepSpeed's engine (_configure_optimizer, _configure_lr_scheduler) uses what initialize() was given and
+    # never reads the section then ("This overrides any optimizer definition in the DeepSpeed json config")
     if client_optimizer is not None and cfg["optimizer"] is not None:
-        raise ConfigError("an optimizer came twice: initialize(optimizer=...) and the config's 'optimizer' section; "
-                          "remove one (DeepSpeed would use only one of them)")
+        warn(f"initialize(optimizer={client_optimizer[0].__name__}) overrides the config's 'optimizer' section "
+             f"({cfg['optimizer']['type']}), as in DeepSpeed: the section is not used")
+        cfg = _without(cfg, "optimizer")
     if client_scheduler and cfg["scheduler"] is not None:
-        raise ConfigError("a scheduler came twice: initialize(lr_scheduler=...) and the config's 'scheduler' "
-                          "section; remove one")
+        warn(f"initialize(lr_scheduler=...) overrides the config's 'scheduler' section ({cfg['scheduler']['type']}), "
+             "as in DeepSpeed: the section is not used")
+        cfg = _without(cfg, "scheduler")
     if client_optimizer is None and cfg["optimizer"] is None:
         raise ConfigError("the engine needs an 'optimizer' section, "
                           "e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}, or initialize(optimizer=...)")
@@ -124,7 +139,7 @@ def check_config(cfg: dict, client_optimizer=None, client_scheduler: bool = Fals
         raise ConfigError("tensor_parallel.sequence_parallel needs tensor_parallel.autotp_size > 1")
     if cfg["pipeline"]["stages"] > 1:
         _check_pipeline_modes(cfg)
-    return cls, kw
+    return cfg, cls, kw
 
 
 def _is_onebit(cls) -> bool:
@@ -261,6 +276,29 @@ def _expert_parallel_size(model, cfg: dict, world_size: int) -> int:
     return ep
 
 
+def _pipeline_stages(config, model):
+    """A deepspeed.pipe.PipelineModule says its stage count (num_stages), as in DeepSpeed, whose config has no
+    pipeline.stages to give: it becomes the config's, before the batch arithmetic that depends on it."""
+    from minizero.pipe import PipelineModule
+    if not isinstance(model, PipelineModule):
+        return config
+    if isinstance(config, CheckedConfig):
+        if config["pipeline"]["stages"] != model.num_stages:
+            raise ConfigError(f"this config was checked for pipeline.stages = {config['pipeline']['stages']} but the "
+                              f"PipelineModule has num_stages={model.num_stages}: pass the config as a dict or a path")
+        return config
+    config = copy.deepcopy(load_json(config))  # a copy: the caller's dict stays as it was
+    if not isinstance(config, dict) or not isinstance(config.get("pipeline", {}), dict):
+        return config  # load_config says what is wrong with it
+    given = config.get("pipeline", {}).get("stages")
+    if given is not None and given != model.num_stages:
+        raise ConfigError(f"pipeline.stages = {given!r} but the PipelineModule was built with num_stages="
+                          f"{model.num_stages}: give one number (DeepSpeed reads num_stages; leave pipeline.stages "
+                          "out)")
+    config.setdefault("pipeline", {})["stages"] = model.num_stages
+    return config
+
+
 def pipeline_parts(model):
     """The model cut for a pipeline: a PipelineModel, or what model.pipeline_parts() gives (TinyGPT)."""
     from minizero.pipeline import PipelineModel
@@ -299,8 +337,8 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
     """Every check, in one place, touching nothing (module docstring). model None: the config's rules only.
     device: a function giving the ranks' device, called only by a rule that needs it. client_optimizer /
     client_scheduler: what initialize(optimizer=, lr_scheduler=) brought instead of config sections."""
-    cfg = load_config(config, world_size)
-    cls, kw = check_config(cfg, client_optimizer, client_scheduler)
+    cfg = load_config(_pipeline_stages(config, model), world_size)
+    cfg, cls, kw = check_config(cfg, client_optimizer, client_scheduler)
     zero, pipe, tp = cfg["zero_optimization"], cfg["pipeline"], cfg["tensor_parallel"]["autotp_size"]
     hpz = zero["zero_hpz_partition_size"]
     if node_size is not None and hpz > 1 and hpz != node_size:
@@ -354,6 +392,8 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
                               "sub-groups as ONE group: pass one group (its lr/weight_decay apply), or offload to "
                               "device cpu (several groups work there)")
         for key, on in (("tensor_parallel.autotp_size", tp > 1), ("pipeline.stages", pipe["stages"] > 1)):
+            if groups and on and len(groups) == 1 and set(groups[0]) == {"params"}:
+                groups = None  # every trainable parameter, no hyperparameter of its own: the default group
             if groups and on:
                 raise ConfigError(f"model_parameters with {key} > 1 is not implemented: the split replaces the "
                                   "model's parameters by their slices (or a stage's), so groups of the originals would "
@@ -373,6 +413,9 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
     dtype = torch.float16 if cfg["fp16"]["enabled"] else torch.bfloat16 if cfg["bf16"]["enabled"] else torch.float32
     from minizero.zero.tiers import ZeroPPSpec
     zeropp = ZeroPPSpec(zero["zero_quantized_weights"], hpz, zero["zero_quantized_gradients"])
+    if cfg["bf16"]["bf16_master_weights_and_grads"] and ep > 1:
+        raise ConfigError("bf16.bf16_master_weights_and_grads with MoE layers of ep_size > 1 is not implemented: the "
+                          "expert strategy keeps fp32 masters; remove the key or use ep_size 1")
     return Plan(cfg, world_size, world_size // (pipe["stages"] * tp * cp), pipe["stages"], tp, zero["stage"], dtype,
                 cls, kw, groups, zero_init, offload, cp, ep,
                 bucket_numel=int(zero["reduce_bucket_size"]), overlap_comm=zero["overlap_comm"],
@@ -388,7 +431,8 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
                 micro_batch_size=cfg["train_micro_batch_size_per_gpu"],
                 gradient_accumulation_steps=cfg["gradient_accumulation_steps"], scheduler=cfg["scheduler"],
                 seed=cfg["seed"], pipeline=PipelineSpec(pipe["stages"], pipe["schedule"], pipe["chunks"]),
-                sparse_attention=sparse)
+                sparse_attention=sparse,
+                master_dtype=torch.bfloat16 if cfg["bf16"]["bf16_master_weights_and_grads"] else torch.float32)
 
 
 def _sparse_attention(model, cfg: dict):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Callable, NamedTuple
 
 import torch
@@ -61,6 +61,7 @@ class StrategySpec(NamedTuple):
     offload: object              # a zero.tiers.OffloadSpec (the optimizer's tier, ZeRO-3's shards) or None
     runtime_syncs: bool = False  # a pipeline runtime calls DDP's finish_gradient_synchronization itself
     shard_layout: str = "flat"   # ZeRO-3: "flat" units or "per_param" (FSDP2's dim-0 pieces)
+    master_dtype: torch.dtype = torch.float32  # ZeRO 1-2's master shard (bf16: bf16_master_weights_and_grads)
 
     @property
     def mixed_precision(self) -> bool:
@@ -123,6 +124,12 @@ class Strategy(ABC):
         """DDP accumulates locally until the boundary (no_sync); the others reduce every backward."""
         return nullcontext()
 
+    def hold_gradients(self):
+        """While ANOTHER engine's backward runs through this model (a GAN's generator loss through the
+        discriminator): its gradients stay out of this engine's reduction, as with torch, where they stay in
+        p.grad until the discriminator's zero_grad(). Default: nothing reduces during backward (ZeRO-1)."""
+        return nullcontext()
+
     def norm_comm(self, world):
         """The ranks over which the sharded gradients' squares add up to the model's (None: none are sharded)."""
         return world if self.shards else None
@@ -182,7 +189,23 @@ class DDPStrategy(Strategy):
             if spec.mixed_precision else spec.optimizer_cls(params, **kw)
 
     def backward_context(self, boundary: bool):
-        return self.ddp.no_sync() if self.ddp is not None and not boundary else nullcontext()
+        if self.ddp is None:
+            return nullcontext()
+        if not boundary:
+            return self.ddp.no_sync()
+        return nullcontext() if self.spec.runtime_syncs else self._synced()
+
+    @contextmanager
+    def _synced(self):
+        """Average at the end of each boundary backward, as DeepSpeed's engine does (allreduce_gradients): a
+        second backward before step() (a GAN's real and fake halves) then adds its local gradient to the
+        average and the next average is the mean of the sum (the mean is linear)."""
+        yield
+        if self.ddp._pending:
+            self.ddp.finish_gradient_synchronization()
+
+    def hold_gradients(self):
+        return self.ddp.no_sync() if self.ddp is not None else nullcontext()
 
     def _trained(self):
         """(model parameter, the fp32 tensor stepped for it) in order."""
@@ -190,7 +213,7 @@ class DDPStrategy(Strategy):
         return list(zip(opt.params, opt.masters)) if self.spec.mixed_precision else [(p, p) for p in self.params]
 
     def reduced_grads(self) -> Grads:
-        if self.ddp is not None and not self.spec.runtime_syncs:
+        if self.ddp is not None and not self.spec.runtime_syncs and self.ddp._pending:
             self.ddp.finish_gradient_synchronization()
         if not self.spec.mixed_precision:
             return Grads([], [p.grad for p in self.params if p.grad is not None])
@@ -276,7 +299,8 @@ class Zero1Strategy(FlatStrategy):
         from minizero.zero.sharded_optimizer import ShardedOptimizer
         comm.broadcast_tensors([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
         self.optimizer = ShardedOptimizer(spec.groups or model.parameters(), spec.optimizer_cls, comm,
-                                          offload=spec.offload, **spec.optimizer_kwargs)
+                                          offload=spec.offload, master_dtype=spec.master_dtype,
+                                          **spec.optimizer_kwargs)
         self.offload = self.optimizer.tier
         self._shard_grad = None
 
@@ -304,7 +328,7 @@ class Zero2Strategy(FlatStrategy):
         from minizero.zero.shard_grad_op import ShardGradOp
         self.wrapped = ShardGradOp(model, spec.optimizer_cls, comm, bucket_numel=spec.bucket_numel,
                                    overlap=spec.overlap, params=spec.groups, offload=spec.offload,
-                                   **spec.optimizer_kwargs)
+                                   master_dtype=spec.master_dtype, **spec.optimizer_kwargs)
         self.optimizer = self.wrapped.optim
         self.offload = self.optimizer.tier
         self._shard_grad = None
@@ -315,6 +339,9 @@ class Zero2Strategy(FlatStrategy):
     def zero_grad(self):
         self.wrapped.zero_grad()
         self._shard_grad = None
+
+    def hold_gradients(self):
+        return self.wrapped.no_sync()  # full gradients stay in p.grad, as torch leaves them
 
     def memory_objects(self):
         return (self.offload, self.wrapped) if self.offload is not None else (self.wrapped,)
@@ -400,6 +427,11 @@ class Zero3Strategy(Strategy):
 
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
+
+    def hold_gradients(self):
+        # on the device the averaged gradients land in the local parts' .grad, which the model's zero_grad()
+        # clears as torch's would; offloaded they go to the host, out of its reach: dropped instead
+        return self.wrapped.drop_gradients() if self.offload is not None else nullcontext()
 
     def segments(self, name_of):
         if self.offload is None:

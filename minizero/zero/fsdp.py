@@ -83,6 +83,7 @@ import itertools
 import math
 import time
 import weakref
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -238,6 +239,7 @@ class FSDP(nn.Module):
         self.fetch_shard = None         # offload_param: fn(unit, shard) -> a device copy, before each all-gather
         self._forwarding = False        # inside forward(); a unit run outside it (an activation-checkpoint
                                         # recompute in backward) gathers itself but neither records nor prefetches
+        self._dropping = False          # inside drop_gradients(): backward reduces nothing
         self.grad_sink = None           # offload: fn(unit, part, flat fp32 grad) takes each reduced gradient
         self.masters = None             # offload with 16-bit shards: fn(unit, part) -> the host fp32 master
 
@@ -495,6 +497,10 @@ class FSDP(nn.Module):
         if unit.buf is not None:  # backward is done with unit's parameters
             self._wait(unit)
             self._free(unit)
+        if self._dropping:  # another model's backward ran through this one (drop_gradients)
+            memory.transient.free(f"{self._tag}/{unit.name}/grad")
+            unit.used = set()
+            return None, None
         self._event("reduce", unit)
         if unit.layout.reorders:  # per_param: each parameter's rows into the rank-major order reduce-scatter cuts
             g = torch.cat([unit.layout.to_comm(g[:unit.gathered_numel]), g[unit.gathered_numel:]])
@@ -599,6 +605,17 @@ class FSDP(nn.Module):
         sharded = [self.unit_grad(unit, "shard") for unit in self.units if unit.shard is not None]
         whole = [self.unit_grad(unit, "whole") for unit in self.units if unit.whole is not None]
         return precision.clip_grad_norm_(sharded, max_norm, self.comm, replicated=whole)[0]
+
+    @contextmanager
+    def drop_gradients(self):
+        """Backwards inside leave no gradient here: another model's loss backpropagates through this one (a
+        GAN's generator through the discriminator), which needs the gathered parameters but not their gradients,
+        which torch would leave in p.grad until the discriminator's zero_grad(). Every rank runs the same."""
+        prev, self._dropping = self._dropping, True
+        try:
+            yield
+        finally:
+            self._dropping = prev
 
     @property
     def require_backward_grad_sync(self) -> bool:

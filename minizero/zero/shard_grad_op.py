@@ -72,9 +72,10 @@ class Stage2Optimizer(ShardedOptimizer):
     during backward. A user (or an LR scheduler) holding model.optim calls step() / zero_grad() on it and
     gets what model.step() / model.zero_grad() do: they are the same methods."""
 
-    def __init__(self, owner, groups, optimizer_cls, comm, offload, optimizer_kwargs):
+    def __init__(self, owner, groups, optimizer_cls, comm, offload, optimizer_kwargs, master_dtype=torch.float32):
         self.owner = weakref.ref(owner)  # the ShardGradOp whose grad_shard holds the gradients (weak: no cycle)
-        super().__init__(groups, optimizer_cls, comm, gradients_reduced=True, offload=offload, **optimizer_kwargs)
+        super().__init__(groups, optimizer_cls, comm, gradients_reduced=True, offload=offload,
+                         master_dtype=master_dtype, **optimizer_kwargs)
 
     def reduce_gradients(self) -> torch.Tensor:
         owner = self.owner()
@@ -103,10 +104,11 @@ class ShardGradOp(SyncSwitch, nn.Module):
     def __init__(self, module: nn.Module, optimizer_cls, comm: comm_mod.Communicator | None = None,
                  bucket_numel: int = 6_250_000, overlap: bool = True, debug: bool | None = None,
                  params=None, broadcast_buffers: bool = True, offload=None, bucket_cap_mb: float | None = None,
-                 **optimizer_kwargs):
+                 master_dtype=torch.float32, **optimizer_kwargs):
         """params: param groups of `module`'s parameters (nanoGPT's decay / no-decay pair), every
         trainable parameter in one of them; default: one group of module.parameters().
-        offload: a zero.tiers.OffloadSpec: the shard's master and optimizer on the host (ZeRO-Offload)."""
+        offload: a zero.tiers.OffloadSpec: the shard's master and optimizer on the host (ZeRO-Offload).
+        master_dtype: what the optimizer steps (ShardedOptimizer's; bf16: DeepSpeed's bf16_master_weights_and_grads)."""
         super().__init__()
         check_optimizer_class(optimizer_cls)
         if bucket_cap_mb is not None:  # torch's MiB, converted here once
@@ -122,7 +124,7 @@ class ShardGradOp(SyncSwitch, nn.Module):
         self.bucket_numel = bucket_numel  # gradients per bucket; a bigger parameter gets its own
         self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward (torch DDP's default)
         # The sharded step of ZeRO-1, told that gradients arrive reduced (it allocates none).
-        self.optim = Stage2Optimizer(self, groups, optimizer_cls, self.comm, offload, optimizer_kwargs)
+        self.optim = Stage2Optimizer(self, groups, optimizer_cls, self.comm, offload, optimizer_kwargs, master_dtype)
         # frozen parameters and buffers: rank 0's (the flat buffer was broadcast by the optimizer)
         self.comm.broadcast_tensors([*(p for p in module.parameters() if not p.requires_grad), *module.buffers()])
         self.params = self.optim.params   # unique trainable parameters, in flat-buffer order

@@ -96,10 +96,15 @@ class ShardedOptimizer(FlatShardOptimizer):
 
     def __init__(self, params, optimizer_cls, comm: comm_mod.Communicator | None = None,
                  gradients_reduced: bool = False, debug: bool | None = None, offload=None, module=None,
-                 **optimizer_kwargs):
+                 master_dtype=torch.float32, **optimizer_kwargs):
         """module: the model these parameters belong to, when no wrapper (DDP) keeps its buffers equal: then
         BatchNorm's running statistics are rank 0's at construction and after every step (torch DDP's
-        broadcast_buffers, (N-1)/N of their bytes per step); without it each rank keeps its own."""
+        broadcast_buffers, (N-1)/N of their bytes per step); without it each rank keeps its own.
+        master_dtype: the dtype the optimizer steps. fp32 (default): 16-bit parameters get an fp32 master shard.
+        The parameters' own dtype (DeepSpeed's bf16_master_weights_and_grads): the shard itself is stepped, with
+        its gradient in that dtype, and the inner optimizer's state follows it (torch's Adam makes its moments
+        like the tensor it steps: DeepSpeed's bf16_optimizer_states). DeepSpeed keeps a bf16 master copy of the
+        bf16 shard; here the shard is the master (the same values: no duplicate), as in the fp32 case."""
         super().__init__(params, optimizer_cls, optimizer_kwargs)  # groups and values checked: nothing changed yet
         self.comm = comm or comm_mod.get()
         self.buffers = [] if module is None else list(module.buffers())  # kept equal across ranks by step()
@@ -119,14 +124,20 @@ class ShardedOptimizer(FlatShardOptimizer):
         for p, view in zip(self.params, self.layout.views(self.flat)):
             p.data = view  # the model's parameters now live in self.flat
         self.shard = self.layout.shard(self.flat, self.comm.rank)
-        self.mixed = self.flat.dtype != torch.float32
+        if master_dtype not in (torch.float32, self.flat.dtype):
+            raise ValueError(f"master_dtype must be torch.float32 or the parameters' {self.flat.dtype}, got "
+                             f"{master_dtype}")
+        if master_dtype != torch.float32 and offload is not None:
+            raise ValueError("a 16-bit master_dtype with offload is not implemented: the host tier keeps fp32 masters")
+        self.master_dtype = master_dtype
+        self.mixed = self.flat.dtype != master_dtype  # a separate master shard of another dtype
         # offload: the host tier (zero/tiers.py) holds the fp32 master and steps it; else the device does
         self.tier = None if offload is None else build_tier(offload, [self.shard], optimizer_cls, self.comm.rank,
                                                             after_params=self._all_gather_shard, **optimizer_kwargs)
         if self.tier is not None:
             self.master = self.tier.masters[0]
         else:
-            self.master = self.shard.float() if self.mixed else self.shard  # fp32: no redundant copy
+            self.master = self.shard.float() if self.mixed else self.shard  # same dtype: no redundant copy
         rank, shard_numel = self.comm.rank, self.layout.shard_numel
         data_end = min(shard_numel, max(0, self.layout.numel - rank * shard_numel))  # then padding
         self._build_runs([(self.master, [(pc.index, pc.lo, pc.hi, pc.shard_lo) for pc in self.layout.pieces(rank)],
@@ -236,7 +247,7 @@ class ShardedOptimizer(FlatShardOptimizer):
         """The fp32 gradient the step will use, where it will use it (unscale and clip it in place): the
         device shard (a copy when 16-bit), or, offloaded, the tier's host buffer (moved down, counted)."""
         if self.tier is None:
-            return grad_shard.float()
+            return grad_shard.to(self.master_dtype)
         if isinstance(grad_shard, HostGradShard):  # ZeRO-2: backward already added each bucket's part into it
             return grad_shard.host
         self.tier.grads_to_host([grad_shard])
