@@ -4,7 +4,8 @@
 #   check: python -m minizero grade --lab 7 --impl solutions    (or: pytest -m lab7 --impl solutions)
 """ZeRO-Offload: the fp32 master copy and the optimizer state on the host, the step on the CPU.
 
-Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training" (USENIX ATC), Sec. 4.
+Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training" (USENIX ATC):
+Sec. 3 derives the offload strategy, Sec. 4 its schedule, Sec. 5 the CPU step and the delayed update.
 Mixed-precision Adam holds 2Ψ (16-bit params) + 2Ψ (16-bit grads) + 12Ψ (fp32 master, m, v).
 ZeRO-Offload (built on ZeRO-2) keeps only the 2Ψ of 16-bit parameters on the device: each bucket's
 16-bit gradients go to the host during backward, as soon as they are reduced, into an fp32 gradient
@@ -12,7 +13,8 @@ partition there, and the 12Ψ that only the optimizer step touches live on the h
 runs on the CPU. Device model states: 16Ψ -> 2Ψ, 8x (plus the bucket buffers, which are transient).
 That is the paper's headline: 13B x 2 B = 26 GB fits a 32 GB V100 with room for activations;
 13B x 4 B = 52 GB would not. Each step, per rank, with this rank's shard of Ψ/N parameters
-(Sec. 4.1, the "offload strategy" that minimizes traffic):
+(Sec. 3.3: 4M bytes a step, the least any offload strategy moves; Sec. 4.2: each rank moves its own
+partition only):
 
     gradients down   g_bytes·Ψ/N   (2Ψ/N in fp16)        device -> host
     parameters up    p_bytes·Ψ/N   (2Ψ/N in fp16)        host -> device
@@ -26,7 +28,7 @@ each unit's shard). It counts every byte it copies in `traffic` (to_host, to_dev
 copied. The optimizer is torch's own, built on the host masters: `fused=True` (torch's fused CPU
 Adam/AdamW/SGD, about 3x the default loop on one core) when the class accepts it.
 
-The one-step delayed parameter update (DPU, Sec. 5.1): from step `dpu_warmup_steps` on, the CPU
+The one-step delayed parameter update (DPU, Sec. 5.2): from step `dpu_warmup_steps` on, the CPU
 step of iteration t runs in a thread while the device computes forward and backward of t+1, which
 therefore uses the parameters of step t-1 (the gradient it produces is one step stale). The paper
 warms up with plain steps first because early gradients change fast. `finish()` waits for the
@@ -143,7 +145,7 @@ class OffloadedOptimizer:
 
 
 class HostGradShard:
-    """ZeRO-2's gradient shard when offloaded (Ren et al. 2021, Sec. 4.1): `shard[lo:hi].add_(part)` copies
+    """ZeRO-2's gradient shard when offloaded (Ren et al. 2021, Sec. 4.2): `shard[lo:hi].add_(part)` copies
     the reduced bucket part down into the tier's fp32 host gradient at lo (counted in traffic.to_host) instead
     of adding it into a device buffer, so no gradient outlives backward on the device: it holds the 16-bit
     parameters and the bucket buffers only."""
@@ -241,7 +243,7 @@ class HostOptimizer(OffloadedOptimizer):
         #   The device tensors are what forward reads, and the model's weights are views of
         #   their memory: the updated masters must land IN that memory, in the device dtype, not
         #   in new tensors. Bytes: p_bytes * numel per tensor into self.traffic.to_device; with
-        #   the gradients down that is 4 Psi / N per rank in 16 bits (Ren et al. 2021, Sec. 4.1).
+        #   the gradients down that is 4 Psi / N per rank in 16 bits (Ren et al. 2021, Sec. 3.3, 4.2).
         for p, m in zip(self.device_params, self.masters):
             p.copy_(m.view(p.shape))
             self.traffic.to_device += p.numel() * p.element_size()
@@ -260,7 +262,7 @@ class HostOptimizer(OffloadedOptimizer):
             self.params_to_device()
             return
         # DPU, the delayed step in a thread (stretch task, extra points).
-        #   Ren et al. 2021, Sec. 5.1: the CPU step of iteration t overlaps forward and backward
+        #   Ren et al. 2021, Sec. 5.2: the CPU step of iteration t overlaps forward and backward
         #   of t+1, which computes with t-1's parameters. Run it in a thread (target self._run,
         #   kept in self._thread: finish() joins it and copies the parameters up at the next
         #   step). Meanwhile the next backward fills self.grads, so the thread must own the

@@ -45,7 +45,7 @@ def fp16_runs():
 
 
 def test_pcie_traffic_is_2_psi_over_n_each_way_in_fp16():
-    """ZeRO-Offload (Ren et al. 2021, Sec. 4.1): 2Ψ/N of 16-bit gradients down and 2Ψ/N of 16-bit parameters
+    """ZeRO-Offload (Ren et al. 2021, Sec. 3.3, 4.2): 2Ψ/N of 16-bit gradients down and 2Ψ/N of 16-bit parameters
     up per step and rank (Ψ padded to N shards). Stage 2 sends each micro-batch's reduced shard during its
     backward, so down = micro-batches x 2Ψ/N; stage 3 sends the fp32 reduce-scatter output (4 bytes: FSDP
     casts it on the device before it leaves, zero/fsdp.py _reduce_shard_grad)."""

@@ -32,7 +32,11 @@ def _compare(group, ring, timed):
                 mine = out
             diff = (mine - ref).abs().max().item()
             tol = 1e-5 if dtype == torch.float32 else 1e-12  # the summation order differs from MPI's
-            worst.append((diff, n, str(dtype), diff <= tol * max(1.0, ref.abs().max().item())))
+            bound = tol * max(1.0, ref.abs().max().item())
+            # which of the ring's N chunks came out right: names the phase that went wrong
+            pairs = zip(torch.tensor_split(mine.view(-1), group.size), torch.tensor_split(ref.view(-1), group.size))
+            chunks = [bool(((a - b).abs() <= bound).all()) for a, b in pairs]
+            worst.append((diff, n, str(dtype), diff <= bound, chunks))
     return worst
 
 
@@ -76,10 +80,22 @@ def check_equals_allreduce(impl):
                                   f"{worst['dtype']}) with {len(worst['never_waited'])} {worst['never_waited'][0]}(s) "
                                   "never waited for: wait() on every isend handle before its chunk changes, "
                                   "and before returning")
-            for diff, size, dtype, ok in worst:
+            for diff, size, dtype, ok, _ in worst:
                 if not ok:
+                    own = (rank + 1) % int(n)  # the chunk this rank holds whole after phase 1
+                    # the chunk pattern of a failing size whose N chunks are all non-empty says which phase failed
+                    chunks = next((c for _, s, _, good, c in worst if not good and s >= int(n)), [True] * int(n))
+                    why = ""
+                    if int(n) > 2 and chunks[own] and not any(c for i, c in enumerate(chunks) if i != own):
+                        why = (f": only chunk {own}, the one this rank finished summing in phase 1, is right. The "
+                               "chunks that arrive in phase 2 are complete sums already: receive each INTO its "
+                               "chunk (overwrite), do not add it to the partial sum this rank holds")
+                    elif not chunks[own]:
+                        why = (f": chunk {own}, the one this rank holds whole after phase 1, is already wrong: look "
+                               "at phase 1 (which chunk is sent and received at step s, and that the received one is "
+                               "added)")
                     raise CheckFailed(f"N={n}: rank {rank} result differs from MPI Allreduce for size {size} "
-                                      f"{dtype} (max diff {diff:.3g})")
+                                      f"{dtype} (max diff {diff:.3g}){why}")
         lines.append(f"N={n}: max diff {max(d for r in res[:int(n)] for d, *_ in r[n]):.2e} over sizes {SIZES}")
     return "\n".join(sorted(lines))
 

@@ -75,7 +75,8 @@ class _Step:
             p.register_post_accumulate_grad_hook(self._note)
         self.opt = make_optimizer("sgd", self.model.parameters(), LR)
         self.log = {"sent": [], "messages": [], "in_backward": [], "launch_clock": [], "full_clock": [],
-                    "grad_bytes": [], "grad_bytes_backward": [], "unused_none": [], "frozen_none": []}
+                    "grad_bytes": [], "grad_bytes_backward": [], "unused_none": [], "frozen_none": [],
+                    "unwaited": []}
 
     def _note(self, p):
         self.ready.setdefault(id(p), len(self.ready))
@@ -91,6 +92,7 @@ class _Step:
         # gradient memory at the end of backward, before finish: the high-water mark of p.grad
         self.log["grad_bytes_backward"].append(memory.measure(self.ddp).by_category["gradients"])
         self.ddp.finish_gradient_synchronization()
+        self.log["unwaited"].append(len(self.comm.in_flight("all_reduce")))  # async all-reduces never waited for
         self.log["sent"].append(comm.stats.sent())
         self.log["messages"].append(calls())
         self.log["launch_clock"].append([r["launch"] for r in self.comm.records if r["op"] == "all_reduce"])
@@ -220,6 +222,13 @@ def _runs(impl, names=tuple(MODELS)):
 
 def _equal(impl, names):
     for n, name, mode, rank, r, where in _runs(impl, names):
+        unwaited = r["mine"]["unwaited"]
+        if any(unwaited):
+            step = next(k for k, u in enumerate(unwaited) if u)
+            raise CheckFailed(f"{where}: finish_gradient_synchronization returned at step {step + 1} with "
+                              f"{unwaited[step]} all-reduce(s) never waited for: until its wait() returns a bucket's "
+                              "buffer may still hold this rank's own gradients, so dividing by N and reading it races "
+                              "the reduction; wait for every work of every bucket before dividing")
         if r["first_bad"]:
             b = r["first_bad"]
             raise CheckFailed(f"{where} parameter `{b['param']}` differs from the reference DDP after step "

@@ -85,9 +85,11 @@ def tier_probe(HostOptimizer, dtype, seed=7):
     steps = []
     for t in range(PROBE_STEPS):
         host.traffic.reset()
-        host.grads_to_host(grads[t])
         exact = [g.reshape(-1).float() for g in grads[t]]
+        device_grads = [g.clone() for g in grads[t]]
+        host.grads_to_host(grads[t])
         s = {"to_host": host.traffic.to_host, "last_bytes": grads[t][-1].numel() * grads[t][-1].element_size(),
+             "device_grads_written": any(not torch.equal(g, d) for g, d in zip(grads[t], device_grads)),
              "host_exact": all(torch.equal(h, e) for h, e in zip(host.grads, exact)),
              "host_via_fp16": all(torch.equal(h, e.half().float()) for h, e in zip(host.grads, exact)),
              "host_untouched": all(not h.any() for h in host.grads),
@@ -105,10 +107,12 @@ def tier_probe(HostOptimizer, dtype, seed=7):
                   "stepped_self_grads": all(_close(m, w) for m, w in zip(host.masters, with_zeros)),
                   "grad_on_buffers": any(getattr(g, "grad", None) is not None for g in given),
                   "grad_left": any(m.grad is not None for m in host.masters)})
+        stepped = [m.clone() for m in host.masters]
         host.params_to_device()
         s.update({"to_device": host.traffic.to_device,
                   "device_kept": [p.data_ptr() for p in host.device_params] == ptrs,
-                  "flat_right": torch.equal(flat, torch.cat(host.masters).to(dtype)),
+                  "masters_written": any(not torch.equal(m, k) for m, k in zip(host.masters, stepped)),
+                  "flat_right": torch.equal(flat, torch.cat(stepped).to(dtype)),
                   "aliases_master": any(p.untyped_storage().data_ptr() == m.untyped_storage().data_ptr()
                                         for p, m in zip(host.device_params, host.masters))})
         steps.append(s)
@@ -130,19 +134,30 @@ def dpu_probe(HostOptimizer, dtype=torch.float16, seed=8):
         after.append(_ref_step(ref, ref_opt, grads[t]))
     host = HostOptimizer(device, torch.optim.SGD, dpu_warmup_steps=1, lr=LR, momentum=MOMENTUM)
     real, threads, gate = host.cpu_step, [], threading.Event()
+    returned, overlapped, copied_up_on_main = [0], [], []
 
     def held(grads_):  # the delayed step waits until the next gradients are on the host
         on_main = threading.current_thread() is threading.main_thread()
+        call = len(threads)
         threads.append(on_main)
         if not on_main:
             gate.wait(timeout=2)
+            overlapped.append(returned[0] > call)  # did step() return while this step was held?
         return real(grads_)
     host.cpu_step = held
-    seen = []
+    up = host.params_to_device
+
+    def noted_up():
+        copied_up_on_main.append(threading.current_thread() is threading.main_thread())
+        return up()
+    host.params_to_device = noted_up
+    seen, buffers = [], []  # buffers: every host gradient tensor self.grads held (kept alive: ids stay unique)
     host.grads_to_host(grads[0])
     for t in range(PROBE_STEPS):
         gate.clear()
         host.step()
+        returned[0] += 1
+        buffers += [g for g in host.grads if not any(g is b for b in buffers)]
         now = torch.cat([p.reshape(-1).float() for p in host.device_params])
         seen.append(next((k for k, a in enumerate(after) if torch.equal(now, torch.cat(a).to(dtype).float())), -1))
         host.zero_grad()
@@ -150,7 +165,8 @@ def dpu_probe(HostOptimizer, dtype=torch.float16, seed=8):
         gate.set()
     host.finish()
     final = torch.equal(torch.cat([p.reshape(-1) for p in host.device_params]), torch.cat(after[-1]).to(dtype))
-    return {"main_thread": threads, "device_after_step": seen, "final_right": final,
+    return {"main_thread": threads, "device_after_step": seen, "final_right": final, "overlapped": overlapped,
+            "copied_up_on_main": copied_up_on_main, "gradient_buffers": len(buffers), "per_buffer": len(SIZES),
             "masters_right": all(_close(m, w) for m, w in zip(host.masters, after[-1]))}
 
 
@@ -272,6 +288,10 @@ def check_every_tensor(impl):
                                       "copy into the buffers of self.grads, allocated once (the ledger counts them, "
                                       "DPU alternates between two of them, and a new pinned buffer per step is an "
                                       "allocation on every step)")
+                if s["device_grads_written"]:
+                    raise CheckFailed(f"{where}: grads_to_host wrote INTO the device gradients (the copy runs "
+                                      "the wrong way: host and device swapped, in the zip or in copy_): copy from each "
+                                      "device gradient into its host buffer, host.copy_(device gradient)")
                 if not s["host_exact"]:
                     raise CheckFailed(f"{where}: after grads_to_host the host buffers do not hold the device "
                                       "gradients: "
@@ -296,6 +316,10 @@ def check_every_tensor(impl):
                 if not s["masters_right"]:
                     raise CheckFailed(f"{where}: the masters after cpu_step differ from torch SGD (momentum) on the "
                                       "given gradients: one optimizer step, on every master, with its own gradient")
+                if s["masters_written"]:
+                    raise CheckFailed(f"{where}: params_to_device wrote INTO the host masters (the copy runs the "
+                                      "wrong way: masters and device tensors swapped, in the zip or in copy_), so the "
+                                      "step just taken is lost: copy each master into its device tensor")
                 if not s["device_kept"] or s["aliases_master"]:
                     raise CheckFailed(f"{where}: params_to_device rebound the device tensors (p.data = ...) instead of "
                                       "copying into them: the model's weights are views of the device memory and keep "
@@ -317,6 +341,19 @@ def check_dpu(impl):
     if any(delayed):
         raise CheckFailed("DPU: the delayed CPU step ran on the main thread: nothing overlaps it; run cpu_step in a "
                           "thread (self._run) and let finish() join it")
+    if not all(r["copied_up_on_main"]):
+        raise CheckFailed("DPU: params_to_device ran on the CPU step's thread: the device parameters change while the "
+                          "next forward and backward read them (a race, and the update lands mid-step); the thread "
+                          "only computes, finish() copies the parameters up on the main thread")
+    if not all(r["overlapped"]):
+        raise CheckFailed("DPU: step() did not return until its delayed CPU step had finished (held here until the "
+                          "next gradients arrived): it blocked on the thread, so nothing overlaps the step; start the "
+                          "thread and return, finish() joins it at the next step")
+    sets = r["gradient_buffers"] // r["per_buffer"]
+    if sets > 2:
+        raise CheckFailed(f"DPU: self.grads held {sets} different sets of host gradient buffers in "
+                          f"{len(r['main_thread'])} steps: make the spare set once (self._spare) and swap the two; a "
+                          "new set each step is an allocation of 4 bytes x Psi/N on every step")
     if -1 in r["device_after_step"] or not r["masters_right"] or not r["final_right"]:
         raise CheckFailed("DPU: the parameters differ from torch SGD on the same gradients: the delayed step used the "
                           "buffer the next backward was filling; hand the thread the filled buffer and give "

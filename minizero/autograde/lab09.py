@@ -44,7 +44,14 @@ def _played(name, fn, p, m):
         return {"p": p, "m": m, "error": str(e)}
     return {"p": p, "m": m, "bubble": simulate(schedule)["bubble"],
             "in_flight": [peak_in_flight(schedule, r) for r in range(p)],
-            "pending": [_peak_pending(actions) for actions in schedule.actions]}
+            "pending": [_peak_pending(actions) for actions in schedule.actions],
+            "warmup": [_warmup(actions) for actions in schedule.actions]}
+
+
+def _warmup(actions):
+    """Forwards a rank runs before its first backward (1F1B and ZB-H1: the p - rank - 1 of the warm-up, then
+    the first steady-state one: min(p - rank, m))."""
+    return next((i for i, a in enumerate(actions) if a.kind != "F"), len(actions))
 
 
 def _peak_pending(actions):
@@ -160,6 +167,12 @@ def check_zb_h1(impl):
             raise CheckFailed(f"ZB-H1, p={p}, m={m}: {r['error']}")
         for rank, held in enumerate(r["in_flight"]):
             want = pipeline.in_flight_formula("zb_h1", p, m, rank)
+            if held > want and r["warmup"][rank] > min(p - rank, m):
+                raise CheckFailed(f"ZB-H1, p={p}, m={m}: rank {rank} runs {r['warmup'][rank]} forwards before its "
+                                  f"first B, 1F1B runs min(p - rank, m) = {min(p - rank, m)} (p - rank - 1 warm-up "
+                                  f"forwards, then F and B alternate): too many warm-up forwards, so it holds {held} "
+                                  f"micro-batches' activations (ZB-H1: {want}); ZB-H1 runs F and B exactly as 1F1B "
+                                  "does and only postpones W's")
             if held > want:
                 raise CheckFailed(f"ZB-H1, p={p}, m={m}: rank {rank} holds up to {held} micro-batches' activations (an "
                                   f"activation lives until its W), ZB-H1 holds min(p, m) = {want}: rank r keeps only r "

@@ -6,7 +6,8 @@ grader launches once per submission and the mutation suite (tests/mutants/lab12.
 mutants in one job too. Phases, one after the other on every rank:
   positions  expert_positions on hand-made choices (top-1 and top-2) against slots filled one by one
   alltoall   AllToAll on rank-dependent blocks: forward and backward values, collectives per pass
-  local      dispatch and combine on hand-made routing (drops included): buffer, output, gradients
+  local      dispatch and combine on hand-made routing (drops included): buffer, output, gradients;
+             dispatch of float64 and bfloat16 tokens: the buffer in the tokens' dtype
   exchange   exchange_to_experts / exchange_from_experts at ep = 4 and ep = 2 on labelled slots
   layer      the MoE model (experiments.experts.side_by_side with your functions): ep 4 top-1 with a
              skewed router (drops), ep 2 x expert-dp 2 top-2; 2 SGD steps each
@@ -21,6 +22,7 @@ from minizero.autograde.lab10 import _ops, _phase, load
 
 LAB = Lab(12, "moe_dispatch", "MoE dispatch and combine with all-to-all", "minizero/moe/dispatch.py")
 
+DTYPES = ("float16", "bfloat16", "float32", "float64")
 ATOL = 2e-7  # at rtol 1e-6: only the order of float32 additions differs from one process
 LAYER_STEPS = 2
 POSITION_CASES = {  # name: (choices [T, k], E, C)
@@ -121,8 +123,21 @@ def local_phase(comm, mod):
                 "wrong_tokens": [t for t, e in enumerate(token_errors) if e > ATOL],
                 "tokens_with_drops": [t for t in range(tokens_n) if not kept[t].all()],
                 "combine_grads": max(float("inf") if g is None else atol_needed(g, w)
-                                     for g, w in zip(grads, want_grads))})
+                                     for g, w in zip(grads, want_grads)),
+                "dtypes": {str(dtype).removeprefix("torch."): _dispatch_dtype(mod, tokens.detach().to(dtype), choice,
+                                                                              slots, kept, num_experts, cap)
+                           for dtype in (torch.float64, torch.bfloat16)}})
     return out
+
+
+def _dispatch_dtype(mod, tokens, choice, slots, kept, num_experts, cap) -> str:
+    """The dtype dispatch returns for these tokens, or the error it raised."""
+    try:
+        return str(mod.dispatch(tokens, choice, slots, kept, num_experts, cap).dtype).removeprefix("torch.")
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a buffer of another dtype makes index_add raise: that is the finding
+        return f"raised {type(e).__name__}: {str(e).splitlines()[0]}"
 
 
 def _label(rank, expert, slot):
@@ -256,7 +271,14 @@ def judge_local(results) -> str:
     if r["combine_grads"] > ATOL:
         raise CheckFailed(f"combine: the gradients of the expert outputs or of the gates are wrong (excess "
                           f"{r['combine_grads']:.3g})")
-    return "dispatch and combine equal the by-hand buffer and sum over the kept choices (with drops), gradients too"
+    for dtype, got in r["dtypes"].items():
+        if got != dtype:
+            raise CheckFailed(f"dispatch of {dtype} tokens {'returned ' + got if got in DTYPES else got}: the buffer "
+                              "must be made in the tokens' dtype (and on their device), not the default float32: a "
+                              "bf16 model's all-to-all then sends 2 bytes per element, not 4, and a float64 one "
+                              "loses nothing")
+    return ("dispatch and combine equal the by-hand buffer and sum over the kept choices (with drops), gradients too; "
+            "dispatch keeps the tokens' dtype (float64, bfloat16)")
 
 
 def judge_exchange(results) -> str:

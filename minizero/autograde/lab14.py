@@ -99,6 +99,7 @@ def forward_phase(comm, mod):
                     "unscaled": _dense(q, k, v, layout, config.block, causal, scale=1.0),
                     "no_token_mask": _dense(q, k, v, layout, config.block, causal, token_mask=False),
                     "per_block": _per_block_softmax(q, k, v, layout, config.block, causal, 1 / math.sqrt(d)),
+                    "keys_at_i": _keys_at_query_block(q, k, v, layout, config.block, causal, 1 / math.sqrt(d)),
                 }
             out[f"{name}/{scale:g}"] = {
                 "out": _diff(y, want), "finite": bool(torch.isfinite(y).all()),
@@ -119,6 +120,25 @@ def _per_block_softmax(q, k, v, layout, block, causal, scale):
         s[:, :n_diag] = s[:, :n_diag].masked_fill(torch.ones(block, block, dtype=torch.bool).triu(1), float("-inf"))
     o = s.softmax(-1) @ vb[:, h, j]
     return torch.zeros(B, H * nb, block, d, dtype=q.dtype).index_add_(1, h * nb + i, o).view(B, H, T, d)
+
+
+def _keys_at_query_block(q, k, v, layout, block, causal, scale):
+    """The slip of gathering the KEY blocks at the query block's index i[n] (values at j[n]): the softmax over
+    each row's kept blocks, as the reference does, but with scores against the wrong keys."""
+    h, i, j = ref_attention.kept_blocks(layout, causal)
+    B, H, T, d = q.shape
+    nb = T // block
+    qb, kb, vb = (t.view(B, H, nb, block, d) for t in (q, k, v))
+    s = (qb[:, h, i] @ kb[:, h, i].transpose(-2, -1)) * scale
+    if causal:
+        n_diag = int((i == j).sum())
+        s[:, :n_diag] = s[:, :n_diag].masked_fill(torch.ones(block, block, dtype=torch.bool).triu(1), float("-inf"))
+    row = h * nb + i
+    top = torch.full((B, H * nb, block), float("-inf"), dtype=q.dtype).index_reduce_(1, row, s.amax(-1), "amax")
+    p = torch.exp(s - top[:, row].unsqueeze(-1))
+    total = torch.zeros(B, H * nb, block, dtype=q.dtype).index_add_(1, row, p.sum(-1))
+    o = (p / total[:, row].unsqueeze(-1)) @ vb[:, h, j]
+    return torch.zeros(B, H * nb, block, d, dtype=q.dtype).index_add_(1, row, o).view(B, H, T, d)
 
 
 def cost_phase(comm, mod):
@@ -225,6 +245,9 @@ def judge_forward(results) -> str:
                 why = "the scores are not scaled by 1/sqrt(head_dim)"
             elif r["no_token_mask"] <= ATOL:
                 why = "the diagonal blocks are not causally masked: a query sees later keys of its own block"
+            elif r["keys_at_i"] <= ATOL:
+                why = ("the key blocks were gathered at the query block's index i[n]: block n's scores are query block "
+                       "i[n] against KEY block j[n] (the values too)")
             elif r["per_block"] <= ATOL:
                 why = ("each kept block is normalized on its own: the softmax runs over a query row's kept blocks "
                        "together (the max and the sum reduced per row h * nb + i)")

@@ -57,9 +57,15 @@ def unshard_sequence(parts: list[torch.Tensor], balanced: bool, dim: int = SEQUE
 
 def pair_kind(query_chunk: int, key_chunk: int, causal: bool) -> str:
     """'full', 'diagonal' (causal within the block) or 'skip' (keys wholly in the future)."""
+    # BEGIN SOLUTION: pair_kind: which chunk pairs causal attention computes, and how.
+    #   Chunk i holds tokens [i c, (i + 1) c): a query sees the keys at or before its own position.
+    #   Which key chunks does every query of query_chunk see whole, which does none of them see (no
+    #   work at all: not computed, not masked), and where does the mask cut a block? Non-causal
+    #   attention sees every key. The whole load-balancing argument (scores_per_rank) rests on this.
     if not causal or key_chunk < query_chunk:
         return "full"
     return "diagonal" if key_chunk == query_chunk else "skip"
+    # END SOLUTION
 
 
 def scores_per_rank(seq_len: int, cp: int, causal: bool, balanced: bool) -> list[int]:

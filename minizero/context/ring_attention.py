@@ -77,8 +77,14 @@ class _Ring:
     def exchange(self, send, tag):
         """Post this step's ring transfer: `send` to rank+1, a same-shaped buffer from rank-1."""
         incoming = torch.empty_like(send)
+        # BEGIN SOLUTION: the ring's direction: pass `send` on and receive the neighbour's block.
+        #   One isend and one irecv per rank and step, and they must pair up around the ring: what
+        #   rank r sends, exactly one rank receives, from r. Blocks travel towards higher ranks and
+        #   wrap around (the last rank's goes to rank 0); the backward passes its gradient
+        #   accumulators the same way. comm.isend(tensor, dst, tag=tag), comm.irecv(buffer, src, tag=tag).
         pending = [self.comm.isend(send, (self.comm.rank + 1) % self.comm.size, tag=tag),
                    self.comm.irecv(incoming, (self.comm.rank - 1) % self.comm.size, tag=tag)]
+        # END SOLUTION
         self.inflight.extend(pending)
         return incoming, pending
 
@@ -120,28 +126,61 @@ class RingAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
+class _Counted:
+    """The kernels as the forward loop calls them, counting in `work` what this rank really computes:
+    each block's scores (a diagonal one counted whole), the pairs by kind and the CPU seconds."""
+
+    def __init__(self, kernels, work):
+        self.kernels, self.work = kernels, work
+
+    def block_attention(self, q, k, v, causal=False):
+        t0 = time.thread_time()
+        self.work.pairs["diagonal" if causal else "full"] += 1
+        self.work.forward_scores += q.size(SEQUENCE_DIM) * k.size(SEQUENCE_DIM)
+        try:
+            return self.kernels.block_attention(q, k, v, causal=causal)
+        finally:
+            self.work.compute_s += time.thread_time() - t0
+
+    def merge(self, *partials):
+        t0 = time.thread_time()
+        try:
+            return self.kernels.merge(*partials)
+        finally:
+            self.work.compute_s += time.thread_time() - t0
+
+
 def _forward(ring, q, k, v, causal, balanced, kernels):
     comm, work = ring.comm, ring.work
     cp, rank, pieces = comm.size, comm.rank, 2 if balanced else 1
+    kernels, computed = _Counted(kernels, work), work.pairs["full"] + work.pairs["diagonal"]
     q_chunks = q.chunk(pieces, SEQUENCE_DIM)
-    outs, lses = [None] * pieces, [None] * pieces
+    outs, lses = [None] * pieces, [None] * pieces  # this rank's running (o, L) per query chunk
     blocks = torch.stack([k, v]).contiguous()  # one message per step: [2, b, heads, s/cp, d]
     for step in range(cp):
+        # BEGIN SOLUTION: the ring loop: attend to the block this rank holds at `step`, pass it on.
+        #   What must hold: after `step` hops (each r -> r+1) this rank holds one other rank's
+        #   block; _pairs(rank, that rank, cp, causal, balanced) lists its chunk pairs with their
+        #   kind. A transfer posted (ring.exchange) BEFORE this step's compute travels while it
+        #   computes; waiting (ring.wait) before computing leaves nothing to hide it behind. cp
+        #   steps, cp - 1 hops: the last block goes nowhere. A 'skip' pair costs nothing; a
+        #   'diagonal' one is masked inside (causal=True). Fold each result into outs[qi],
+        #   lses[qi] with kernels.merge (any order gives the same o and L).
+        source = (rank - step) % cp  # whose block this rank holds now
         if step < cp - 1:
             incoming, pending = ring.exchange(blocks, KV_TAG)
-        t0 = time.thread_time()
         k_chunks, v_chunks = blocks[0].chunk(pieces, SEQUENCE_DIM), blocks[1].chunk(pieces, SEQUENCE_DIM)
-        for qi, ki, kind in _pairs(rank, (rank - step) % cp, cp, causal, balanced):
-            work.pairs[kind] += 1
+        for qi, ki, kind in _pairs(rank, source, cp, causal, balanced):
             if kind == "skip":
                 continue
-            work.forward_scores += q_chunks[qi].size(SEQUENCE_DIM) * k_chunks[ki].size(SEQUENCE_DIM)
             block = kernels.block_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], causal=kind == "diagonal")
             outs[qi], lses[qi] = kernels.merge(outs[qi], lses[qi], *block)
-        work.compute_s += time.thread_time() - t0
         if step < cp - 1:
             ring.wait(pending)
             blocks = incoming
+        # END SOLUTION
+    # every pair not computed was skipped: cp blocks of pieces x pieces chunk pairs
+    work.pairs["skip"] += cp * pieces * pieces - (work.pairs["full"] + work.pairs["diagonal"] - computed)
     return torch.cat(outs, SEQUENCE_DIM), torch.cat(lses, SEQUENCE_DIM)
 
 

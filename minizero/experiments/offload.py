@@ -126,7 +126,7 @@ def _engine(comm, stage, offload=None, param=None, fp16=False, opt="adam", sub_g
 
 DISK_GPT = dict(n_layer=4, n_embd=192)  # 1.8 M parameters: 22 MB of fp32 master + Adam state per rank at N = 2
 DPU_STEPS = 150   # long enough for the loss curves to flatten at lr 3e-3
-DPU_WARMUP = 40   # tens of plain steps before the delayed update, as the paper warms up (Sec. 5.1)
+DPU_WARMUP = 40   # tens of plain steps before the delayed update, as the paper warms up (Sec. 5.2)
 
 
 def lesson(comm, steps=4):

@@ -16,14 +16,15 @@ from __future__ import annotations
 class _TimedWork:
     """The real handle, plus the clock when its wait() began and returned."""
 
-    def __init__(self, work, rec, clock):
-        self._work, self._rec, self._clock = work, rec, clock
+    def __init__(self, work, rec, clock, alive):
+        self._work, self._rec, self._clock, self._alive = work, rec, clock, alive
 
     def wait(self):
         if "wait_start" not in self._rec:
             self._rec["wait_start"] = self._clock()
         self._work.wait()
         self._rec.setdefault("done", self._clock())
+        self._alive.pop(id(self._rec), None)
         return True
 
     def is_completed(self) -> bool:
@@ -37,6 +38,10 @@ class TimedComm:
         self._comm = comm    # the real Communicator: every call goes there
         self._clock = clock  # what "when" means: seconds, or a logical counter
         self.records = []    # one dict per collective, in call order
+        # the buffers of async ops not waited for yet, kept alive: code that frees a buffer before its op is
+        # done (a missing wait) then reads a wrong value, which a check can name, instead of the backend
+        # writing into freed memory and killing the rank with no message
+        self._alive = {}
 
     def __getattr__(self, name):  # rank, size, device, stats, split, ...: the real ones
         return getattr(self._comm, name)
@@ -45,7 +50,7 @@ class TimedComm:
         """Records of async collectives (of `op`, or any) launched and not waited for yet."""
         return [r for r in self.records if r["async"] and "wait_start" not in r and op in (None, r["op"])]
 
-    def _timed(self, op, tensor, call, async_op):
+    def _timed(self, op, tensor, call, async_op, *buffers):
         rec = {"op": op, "bytes": tensor.numel() * tensor.element_size(), "async": bool(async_op),
                "launch": self._clock()}
         self.records.append(rec)
@@ -54,7 +59,8 @@ class TimedComm:
         if work is None:
             rec["wait_start"], rec["done"] = rec["launch"], rec["launched"]
             return None
-        return _TimedWork(work, rec, self._clock)
+        self._alive[id(rec)] = (tensor, *buffers)
+        return _TimedWork(work, rec, self._clock, self._alive)
 
     def all_reduce(self, tensor, op="sum", async_op=False):
         return self._timed("all_reduce", tensor, lambda: self._comm.all_reduce(tensor, op=op, async_op=async_op),
@@ -66,11 +72,12 @@ class TimedComm:
 
     def all_gather(self, output, input, async_op=False):
         return self._timed("all_gather", output, lambda: self._comm.all_gather(output, input, async_op=async_op),
-                           async_op)
+                           async_op, input)
 
     def reduce_scatter(self, output, input, op="sum", async_op=False):
         return self._timed("reduce_scatter", input,
-                           lambda: self._comm.reduce_scatter(output, input, op=op, async_op=async_op), async_op)
+                           lambda: self._comm.reduce_scatter(output, input, op=op, async_op=async_op), async_op,
+                           output)
 
     def broadcast(self, tensor, src=0, async_op=False):
         return self._timed("broadcast", tensor, lambda: self._comm.broadcast(tensor, src=src, async_op=async_op),

@@ -37,8 +37,11 @@ def all_to_all_bytes(num_experts: int, capacity: int, hidden: int, bytes_per: in
 def expert_positions(expert_index: torch.Tensor, num_experts: int, capacity: int):
     """(positions [T, k], kept [T, k]): each choice's slot in its expert, first choices before second."""
     # BEGIN SOLUTION: the slot of every choice in its expert, and which are kept.
-    #   One-hot the choices, lay them out choice-major ([k*T, E]: all first choices, then all second);
-    #   a running count per expert (cumsum) - 1 is the slot; kept = slot < capacity.
+    #   What must hold: an expert's slots 0, 1, 2, ... go to its choices in priority order, every
+    #   token's first choice before any token's second (GShard: a second choice never displaces
+    #   a first), token order within each. So a choice's slot is the number of higher-priority
+    #   choices that picked the same expert; slots >= capacity are dropped (the buffer has C rows
+    #   per expert). [T, k] in, [T, k] out, no Python loop over tokens (T is 1e4-1e5 per rank).
     one_hot = F.one_hot(expert_index, num_experts)                     # [T, k, E]
     tokens, k = expert_index.shape
     choice_major = one_hot.transpose(0, 1).reshape(k * tokens, num_experts)
@@ -55,7 +58,9 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x, comm):
         ctx.comm = comm
         # BEGIN SOLUTION: the forward exchange.
-        #   An output buffer like x; comm.all_to_all(output, a contiguous x); return the output.
+        #   What must hold: dim 0 of x is ep equal blocks; block j goes to rank j, and block j of the
+        #   result is what rank j sent here, with x's shape and dtype. One collective,
+        #   comm.all_to_all(output, input) on contiguous tensors: (ep-1)/ep of x's bytes leave.
         out = torch.empty_like(x)
         comm.all_to_all(out, x.contiguous())
         return out
@@ -64,7 +69,9 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # BEGIN SOLUTION: the backward exchange.
-        #   The gradient of block j came from rank j: send it back with the same all-to-all; None for comm.
+        #   What must hold: block j of the forward's output came from rank j, so the gradient of
+        #   that block belongs to rank j. Which exchange takes it there? One gradient per forward
+        #   input (x, comm).
         out = torch.empty_like(grad)
         ctx.comm.all_to_all(out, grad.contiguous())
         return out, None
@@ -79,8 +86,11 @@ def all_to_all(x: torch.Tensor, comm) -> torch.Tensor:
 def dispatch(tokens: torch.Tensor, expert_index, positions, kept, num_experts: int, capacity: int) -> torch.Tensor:
     """[E, C, d]: slot (e, c) holds the token whose choice landed there; zeros elsewhere."""
     # BEGIN SOLUTION: scatter the kept choices into their slots.
-    #   Slot index e * C + c of each kept choice; the token of each choice is its row;
-    #   index_add (out of place, so autograd sees it) the tokens into a zero [E*C, d] buffer.
+    #   What must hold: the result is [E, C, d] in the tokens' dtype and device (a bf16 model
+    #   sends bf16: the all-to-all's bytes are E C d b); slot (e, c) holds the token whose KEPT
+    #   choice got slot c of expert e, zeros where none did; a dropped choice writes nothing
+    #   (its e*C + c would land in the next expert's rows). The tokens need their gradient: build
+    #   the buffer with an out-of-place op autograd follows, no in-place write into a leaf.
     k = expert_index.shape[1]
     slot = (expert_index * capacity + positions)[kept]
     token = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1).expand(-1, k)[kept]
@@ -94,8 +104,10 @@ def exchange_to_experts(dispatched: torch.Tensor, comm) -> torch.Tensor:
     ep = 1 if comm is None else comm.size
     experts, cap, hidden = dispatched.shape
     # BEGIN SOLUTION: send each rank its experts' slots; regroup what arrives by local expert.
-    #   all_to_all the buffer (block j = experts of rank j); what arrives is [ep (source), E/ep, C, d]:
-    #   put the local expert first (transpose), then merge source and slot into ep*C rows.
+    #   What must hold: rank r owns experts r E/ep .. (r+1) E/ep - 1, a contiguous block of dim 0.
+    #   Afterwards row block [i, j C : (j+1) C] is rank j's C slots of this rank's local expert i,
+    #   so each expert runs ONCE on [ep C, d]. Shapes: [E, C, d] in, [E/ep, ep C, d] out; think
+    #   about the order of the dims of what arrives. Bytes: one all-to-all, (ep-1)/ep E C d b sent.
     received = all_to_all(dispatched, comm).view(ep, experts // ep, cap, hidden)
     return received.transpose(0, 1).reshape(experts // ep, ep * cap, hidden)
     # END SOLUTION
@@ -106,8 +118,9 @@ def exchange_from_experts(expert_out: torch.Tensor, comm) -> torch.Tensor:
     ep = 1 if comm is None else comm.size
     local, rows, hidden = expert_out.shape
     # BEGIN SOLUTION: undo exchange_to_experts.
-    #   Split the rows back into [E/ep, ep, C, d], put the source rank first (transpose, contiguous),
-    #   all_to_all it home, view as [E, C, d].
+    #   What must hold: exchange_from_experts(exchange_to_experts(x)) == x on every rank: slot
+    #   (e, c) comes back to the rank that dispatched it. The all-to-all sends dim 0's blocks, so
+    #   what leaves must be ordered by destination rank. [E/ep, ep C, d] in, [E, C, d] out.
     blocks = expert_out.view(local, ep, rows // ep, hidden).transpose(0, 1).contiguous()
     return all_to_all(blocks, comm).view(local * ep, rows // ep, hidden)
     # END SOLUTION
@@ -116,7 +129,9 @@ def exchange_from_experts(expert_out: torch.Tensor, comm) -> torch.Tensor:
 def combine(expert_out: torch.Tensor, expert_index, positions, kept, gates) -> torch.Tensor:
     """[T, d]: y_t = sum_j gates[t, j] * expert_out[e_tj, c_tj] over the kept choices."""
     # BEGIN SOLUTION: gather each choice's output from its slot, weight it by its gate, sum the choices.
-    #   A dropped choice has no slot: read any valid one (e.g. slot 0) and weight it by 0.
+    #   What must hold: y_t = sum_j g_tj expert_out[e_tj, c_tj] over the kept choices only, [T, d].
+    #   A dropped choice has no slot (c >= C: reading there reads another expert's row, or past
+    #   the end) and contributes 0. The router learns only through the gates: keep them in the graph.
     experts, cap, hidden = expert_out.shape
     slot = torch.where(kept, expert_index * cap + positions, torch.zeros_like(positions))
     picked = expert_out.reshape(experts * cap, hidden)[slot]           # [T, k, d]

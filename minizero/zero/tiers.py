@@ -9,7 +9,7 @@ A strategy takes an OffloadSpec when it is built, and builds its tier itself:
     FSDPOptimizer(FSDP(model), torch.optim.AdamW, offload=OffloadSpec("nvme", nvme_path="/scratch",
                                                                       params="nvme"))      # ZeRO-Infinity
 
-Per rank and step, with the rank's Ψ/N parameters (Sec. 4.1 of ZeRO-Offload): gradients go down
+Per rank and step, with the rank's Ψ/N parameters (ZeRO-Offload, Sec. 3.3 and 4.2): gradients go down
 (g_bytes·Ψ/N), parameters come up (p_bytes·Ψ/N); the disk tier reads and writes the master and the
 optimizer state (4·(1 + K/4)·Ψ/N each way, K = 8 for Adam's two moments). Every copy is counted in the
 tier's `traffic`, where it is made.

@@ -10,7 +10,7 @@ MUTANTS = [
            "        comm.recv(chunks[recv_idx], left)\n        pending.wait()\n",
            "        incoming = scratch[:chunks[recv_idx].numel()]\n        comm.recv(incoming, left)\n"
            "        chunks[recv_idx].add_(incoming)\n        pending.wait()\n",
-           "check_equals_allreduce", "differs from MPI Allreduce"),
+           "check_equals_allreduce", "do not add it to the partial sum"),
     Mutant("adds the whole scratch buffer, not the slice the chunk came in (wrong length on uneven chunks)",
            "chunks[recv_idx].add_(incoming)", "chunks[recv_idx].add_(scratch)",
            "check_equals_allreduce", "chunk"),

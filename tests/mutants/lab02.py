@@ -26,3 +26,8 @@ MUTANTS = [
            "        self.filled[i] = True\n", "",
            "check_overlap_and_memory", "during backward"),
 ]
+MUTANTS += [
+    Mutant("never waits for the buckets' all-reduces before dividing",
+           "                for work in bucket.works:\n                    work.wait()\n", "",
+           "check_equal", "never waited for"),
+]

@@ -13,7 +13,7 @@ MUTANTS = [
            "check_overlap", "in flight"),
     Mutant("never waits for the bucket's reduces before reading and freeing it (missing wait)",
            "        for work in bucket.works:\n            work.wait()\n", "",
-           "check_overlap", "wait"),
+           "check_overlap", "never waited for"),
     Mutant("sums over ranks but forgets to divide by N (wrong averaging)",
            "part = bucket.buffer[a - bucket.lo:b - bucket.lo].div_(self.comm.size)",
            "part = bucket.buffer[a - bucket.lo:b - bucket.lo]",

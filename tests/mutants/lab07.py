@@ -70,5 +70,26 @@ MUTANTS += [
            "        self._thread = None\n        self._run(grads)\n        self.params_to_device()\n",
            "check_dpu", "ran on the main thread"),
     Mutant("DPU: waits for the thread right away (the update is not delayed)", DPU_START,
-           DPU_START + "        self.finish()\n", "check_dpu", "right after step() the device held"),
+           DPU_START + "        self.finish()\n", "check_dpu", "did not return until its delayed CPU step"),
+    Mutant("DPU: joins the thread at once but copies up at the next step (blocks, no overlap)", DPU_START,
+           DPU_START + "        self._thread.join()\n", "check_dpu", "it blocked on the thread"),
+    Mutant("DPU: the thread copies the parameters up itself", DPU_START,
+           "        self._thread = threading.Thread(target=lambda g: (self._run(g), self.params_to_device()), "
+           "args=(grads,),\n                                        daemon=True)\n" + DPU_START, "check_dpu",
+           "params_to_device ran on the CPU step's thread"),
+    Mutant("DPU: a new spare gradient buffer every step", "        if self._spare is None:\n            self._spare",
+           "        if True:\n            self._spare", "check_dpu", "different sets of host gradient buffers"),
+]
+MUTANTS += [
+    # a copy that runs the wrong way: the cause is the method that copies, not cpu_step
+    Mutant("grads_to_host: zip's arguments swapped (the device gradients get the host buffers)",
+           "        for host, g in zip(self.grads, device_grads):\n            host.copy_(g.reshape(-1))",
+           "        for host, g in zip(device_grads, self.grads):\n            host.copy_(g.reshape(-1))",
+           "check_every_tensor", "grads_to_host wrote INTO the device gradients"),
+    Mutant("params_to_device: zip's arguments swapped (the masters get the device values)",
+           "        for p, m in zip(self.device_params, self.masters):\n            p.copy_(m.view(p.shape))\n"
+           "            self.traffic.to_device",
+           "        for p, m in zip(self.masters, self.device_params):\n            p.copy_(m.view(p.shape))\n"
+           "            self.traffic.to_device",
+           "check_every_tensor", "params_to_device wrote INTO the host masters"),
 ]

@@ -96,3 +96,11 @@ MUTANTS += [
     Mutant("hpZ: backward all-gathers the parts over the world group", BACKWARD,
            BACKWARD.replace("self.mesh.node.all_gather", "self.comm.all_gather"), "check_hpz", "over mesh.node"),
 ]
+HPZ_GATHER = ("unit.work = self.mesh.node.all_gather(buf[:unit.gathered_numel], self.secondary[unit], "
+              "async_op=True)\n")
+MUTANTS += [
+    Mutant("hpZ: the backward all-gather blocking", HPZ_GATHER, HPZ_GATHER.replace("async_op=True", "async_op=False"),
+           "check_hpz", "was blocking (async_op=False)"),
+    Mutant("hpZ: the backward all-gather waited for at once", HPZ_GATHER,
+           HPZ_GATHER + "            unit.work.wait()\n", "check_hpz", "was waited for before _gather_shards returned"),
+]

@@ -57,3 +57,10 @@ MUTANTS += [
            '    return actions + [Action("W", k) for k in range(weights, num_microbatches)]\n',
            "    return actions\n", "check_zb_h1", "never runs W"),
 ]
+ZB_WARMUP = ("    warmup = min(num_stages - rank - 1, num_microbatches)\n"
+             "    actions = [Action(\"F\", k) for k in range(warmup)]\n")
+MUTANTS += [
+    Mutant("ZB-H1: one warm-up forward too many", ZB_WARMUP + "    backwards",
+           ZB_WARMUP.replace("num_stages - rank - 1", "num_stages - rank") + "    backwards", "check_zb_h1",
+           "too many warm-up forwards"),
+]

@@ -88,5 +88,5 @@ MUTANTS = [
     Mutant("SP: the row layer adds its bias before the reduce-scatter (counted t times)",
            "y = reduce_scatter_to_sequence_parallel(F.linear(x, self.weight), self.comm)",
            "y = reduce_scatter_to_sequence_parallel(F.linear(x, self.weight, self.bias), self.comm)",
-           "check_sp", "differs from the single-process TinyGPT"),
+           "check_sp", "a bias added before the reduction"),
 ]

@@ -53,3 +53,15 @@ MUTANTS = [
            "return (picked * (gates.detach() * kept).unsqueeze(-1)).sum(1)", "check_layer",
            "the router learns only through the gates"),
 ]
+
+# dispatch in the tokens' dtype (float64 and bfloat16 tokens)
+BUFFER = "    buffer = tokens.new_zeros(num_experts * capacity, tokens.shape[1])\n"
+MUTANTS += [
+    Mutant("dispatch's buffer made with the default dtype (index_add then refuses other dtypes)", BUFFER,
+           "    buffer = torch.zeros(num_experts * capacity, tokens.shape[1], device=tokens.device)\n",
+           "check_local", "the buffer must be made in the tokens' dtype"),
+    Mutant("dispatch casts the tokens to float32 to fit a default-dtype buffer",
+           BUFFER + "    return buffer.index_add(0, slot, tokens[token])",
+           "    buffer = torch.zeros(num_experts * capacity, tokens.shape[1], device=tokens.device)\n"
+           "    return buffer.index_add(0, slot, tokens[token].float())", "check_local", "returned float32"),
+]

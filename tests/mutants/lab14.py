@@ -36,7 +36,7 @@ MUTANTS = [
            "    p = scores.exp()", "check_forward", "overflows"),
     Mutant("key blocks gathered at the query block's index", "as_blocks(k)[:, h, j], as_blocks(v)[:, h, j]  # [B",
            "as_blocks(k)[:, h, i], as_blocks(v)[:, h, j]  # [B",
-           "check_forward", "meets key and value block j[n]"),
+           "check_forward", "the key blocks were gathered at the query block's index"),
     Mutant("output normalized at the end, p returned unnormalized",
            NORMALIZE + "    out = torch.zeros(B, H * nb, block, d, "
            "dtype=q.dtype, device=q.device)." + OUT, "    out = torch.zeros(B, H * nb, block, d, dtype=q.dtype, "
