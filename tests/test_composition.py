@@ -180,9 +180,10 @@ BAD = [  # (what, model, config, world, match, extra initialize kwargs)
     ("nvme offload two groups", _gpt,
      {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}, 2,
      "nvme steps its sub-groups as ONE group", {"groups": 2}),
+    # one plain group (every parameter, no hyperparameter of its own) is accepted there: two are not
     ("tp groups", _gpt, {"tensor_parallel": {"autotp_size": 2}}, 2, "model_parameters with tensor_parallel",
-     {"groups": 1}),
-    ("pp groups", _gpt, {"pipeline": {"stages": 2}}, 2, "model_parameters with pipeline.stages", {"groups": 1}),
+     {"groups": 2}),
+    ("pp groups", _gpt, {"pipeline": {"stages": 2}}, 2, "model_parameters with pipeline.stages", {"groups": 2}),
     ("zero.Init at stage 1", "init", {"zero_optimization": {"stage": 1}}, 2, "needs ZeRO stage 3", {}),
     ("offload_param on CUDA", _gpt, {"zero_optimization": {"stage": 3, **OFF, "offload_param": {"device": "cpu"}}}, 2,
      "offload_param is implemented for CPU runs only", {"device": "cuda"}),
