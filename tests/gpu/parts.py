@@ -160,7 +160,7 @@ def ring(comm, quick, corrupt=False):
     worst = lab01._compare(comm, ring_fn, TimedComm(comm, lambda: 0))
     if isinstance(worst, dict):
         raise RuntimeError(f"ring_all_reduce left {worst['never_waited']} in flight")
-    all_worst = comm.allgather_object([(d, ok) for d, _, _, ok in worst])
+    all_worst = comm.allgather_object([(d, ok) for d, _, _, ok, *_ in worst])
     diff = max(d for w in all_worst for d, _ in w)
     rows = [row(("self-test, one element off: " if corrupt else "") +
                 f"ring all-reduce = backend all-reduce (N={comm.size}, sizes {lab01.SIZES}, fp32/fp64)",
