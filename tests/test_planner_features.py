@@ -41,14 +41,14 @@ def test_sparse_attention_activations_equal_the_planners_up_to_the_stated_extras
 
 
 @pytest.mark.parametrize("ep", [1, N])
-def test_moe_stage0_gradients_are_doubled_only_under_ddp(runs, ep):
-    """ep 1: DDP's buckets and .grad; ep N: ExpertDDPStrategy, no wrapper, the .grad alone."""
+def test_moe_stage0_gradients_are_one_copy_after_backward(runs, ep):
+    """ep 1: DDP's .grad are views of its buckets once backward's averaging ran; ep N: ExpertDDPStrategy, no
+    wrapper, the .grad alone. Both: one copy, as the ledger measures it after backward."""
     for rank, r in enumerate(runs):
         got = r["moe"][f"ep{ep}"]
         for c in CATEGORIES:
             assert got["measured"][c]["device"] == got["planned"][c], f"rank {rank} ep {ep}: {c}"
-    assert runs[0]["moe"]["ep1"]["planned"]["gradients"] == 2 * runs[0]["moe"]["ep1"]["planned"]["parameters"]
-    assert runs[0]["moe"][f"ep{N}"]["planned"]["gradients"] == runs[0]["moe"][f"ep{N}"]["planned"]["parameters"]
+        assert got["measured"]["gradients"]["device"] == got["measured"]["parameters"]["device"], (rank, ep)
 
 
 def test_onebit_run_reduction_follows_freeze_step_and_run_length():

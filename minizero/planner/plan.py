@@ -54,7 +54,7 @@ Everything is a formula of minizero's own layouts, so a run of the same configur
   buffer: 2(N-1)/N·(n/8 + 4N) for n padded to 8N (compression.bytes_compressed); sent["dp"] is the mean over
   a run of `steps` (the warm-up's without one), StagePlan.onebit has both phases and the run's reduction.
   Memory adds its error buffers: worker n padded, server n/N, fp32 ("compression_errors"). Stage 0 holds one
-  gradient copy here (no DDP buckets), as with MoE's ep > 1 (ExpertDDPStrategy reduces the .grad in place).
+  gradient copy after backward, as every stage-0 run (DDP's .grad are views of its buckets by then).
 * EP (MoE shapes: `experts` > 0, every block's MLP becomes E experts of the same size, tp = 1 as
   minizero's MoELayer): each rank holds E/ep experts per layer, reduced over dp·cp/ep ("expert_dp");
   the "ep" group sends 4 all-to-alls per MoE layer and micro-batch (6 with checkpointing) of
@@ -303,10 +303,9 @@ def plan(shape: ModelShape, s: Strategy) -> Plan:
             for category, where in states.items():
                 sp.memory[category] = sp.memory.get(category, 0) + where["device"]
                 sp.host[category] = sp.host.get(category, 0) + where["host"]
-        if s.zero == 0 and s.ep == 1 and s.optimizer != "onebitadam":
-            # DDP's buckets AND autograd's .grad until the step makes .grad views into them; with ep > 1
-            # (ExpertDDPStrategy) and 1-bit Adam no DDP wrapper: the .grad alone
-            sp.memory["gradients"] *= 2
+        # stage 0 holds one gradient copy after backward: the engine's DDP averages at the end of each backward (as
+        # DeepSpeed's allreduce_gradients) and each .grad becomes a view of its bucket; during backward both
+        # exist for the parameters not yet finished, a transient not counted here (as ZeRO's buckets are not)
         if s.optimizer == "onebitadam" and dp > 1:  # the worker error (the padded flat buffer) and the server's 1/N
             from minizero.compression import padded_numel
             sp.memory["compression_errors"] = 4 * padded_numel(params, dp) * (1 + 1 / dp)
