@@ -94,7 +94,7 @@ from minizero.comm.labels import labelled
 from minizero.zero.flat_layout import FlatLayout
 from minizero.zero.init import built_with_init
 from minizero.zero.per_param_layout import PerParamLayout
-from minizero.zero.sharded_grad import placeholder_grad, sharded_grad
+from minizero.zero.sharded_grad import is_placeholder, placeholder_grad, sharded_grad
 
 _IDS = itertools.count()
 SHARD_LAYOUTS = {"flat": FlatLayout, "per_param": PerParamLayout}  # the shard_layout= choices
@@ -680,7 +680,7 @@ class FSDP(nn.Module):
                 if p is not None:
                     yield "parameters" if p.dtype == self.dtype else "master_params", p, None
             for p in unit.visible:  # their .grads are views of the unit's flat gradients
-                if p.grad is not None:
+                if p.grad is not None and not is_placeholder(p.grad):  # (offload's hold no values)
                     yield "gradients", p.grad, None
             if unit.buf is not None:  # gathered and not freed: parameter memory this rank holds
                 yield "parameters", unit.buf, None
