@@ -16,31 +16,14 @@ def impl(request):
     return request.config.getoption("--impl")
 
 
-class _GradeCache:
-    """Runs `python -m minizero grade --lab N --impl X --json F` once per (lab, impl) and
-    keeps the parsed results.json: the per-check tests and the grader's own tests share it
-    (multi-rank checks cost seconds each)."""
-
-    def __init__(self, tmp_dir):
-        self.tmp_dir, self.cache = tmp_dir, {}
-
-    def __call__(self, lab: int, impl: str):
-        import subprocess
-        key = (lab, impl)
-        if key not in self.cache:
-            out = self.tmp_dir / f"lab{lab}-{impl.replace('/', '_')}.json"
-            start = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "minizero", "grade", "--lab", str(lab),
-                                   "--impl", impl, "--json", str(out)], capture_output=True, text=True, timeout=900)
-            result = json.loads(out.read_text()) if out.exists() else None
-            self.cache[key] = (proc, result)
-            _TIMES["grade_s"][f"lab{lab} {impl}"] = round(time.perf_counter() - start, 1)
-        return self.cache[key]
-
-
 @pytest.fixture(scope="session")
-def graded(tmp_path_factory):
-    return _GradeCache(tmp_path_factory.mktemp("grades"))
+def graded(request, impl, tmp_path_factory):
+    """graded(lab, impl) -> the lab's Gradescope result; graded.mutant(...), graded.started_lab(...): every
+    grading this session's tests need, run once in shared launches (tests/shared_grading.py)."""
+    from tests.shared_grading import SharedGrading
+    shared = SharedGrading(request.session, impl, tmp_path_factory)
+    yield shared
+    _TIMES["grade_s"]["shared batch"] = shared.seconds
 
 
 _STARTS_PROCESSES = ("launch.", "subprocess", "nbclient", "mpirun", "torchrun")

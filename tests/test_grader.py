@@ -54,19 +54,19 @@ def test_untouched_labs_score_zero_without_a_launch(tmp_path, monkeypatch, capsy
     assert f"total: 0 / {result['max_score']:g}" in capsys.readouterr().out
 
 
-def test_every_check_depends_on_the_students_file(monkeypatch):
+def test_every_check_depends_on_the_students_file(graded):
     """The shortcut above scores an untouched lab 0 whatever its checks do, so this shows that each check would
     fail on the stubs on its own: a check that no mutant makes lose marks (tests/mutants: the others depend on
-    the file by that suite) is launched on the untouched lab with the shortcut off, and fails on a stub it hits."""
-    from minizero import autograde
-    from minizero.autograde.batch import run_checks
+    the file by that suite) is launched on the lab with one line added outside its TODOs (started, so no
+    shortcut), and fails on a stub it hits."""
     from tests.test_mutants import MUTANTS
-    jobs = [(lab, c, "labs") for n, lab in LABS.items() for c in lab.checks()
-            if c.fn.__name__ not in {m.check for m in MUTANTS.get(n, [])}]
-    monkeypatch.setattr(autograde, "untouched_todos", lambda lab, path: None)
-    for (lab, check, _), entry in zip(jobs, run_checks(jobs)):
-        assert entry["status"] == "failed" and entry["score"] == 0, (lab.number, check.name, entry)
-        assert entry["output"].startswith(f"lab {lab.number}: not implemented yet: "), (check.name, entry["output"])
+    checks = [(n, c) for n, lab in LABS.items() for c in lab.checks()
+              if c.fn.__name__ not in {m.check for m in MUTANTS.get(n, [])}]
+    assert checks, "every check has a mutant: this test has nothing left to show"
+    for n, check in checks:
+        entry = graded.started_lab(n, check.fn.__name__)
+        assert entry["status"] == "failed" and entry["score"] == 0, (n, check.name, entry)
+        assert entry["output"].startswith(f"lab {n}: not implemented yet: "), (check.name, entry["output"])
 
 
 def test_a_started_lab_is_launched_and_names_the_stub_its_ranks_hit(tmp_path, monkeypatch):
@@ -91,16 +91,33 @@ def test_a_started_lab_is_launched_and_names_the_stub_its_ranks_hit(tmp_path, mo
 
 @pytest.mark.parametrize("lab", sorted(LABS))
 def test_solutions_score_full_marks_in_gradescope_format(lab, graded):
-    proc, result = graded(lab, "solutions")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = graded(lab, "solutions")
     checks = LABS[lab].checks()
     assert result["max_score"] == sum(c.max_score for c in checks if not c.extra)
     assert result["score"] == sum(c.max_score for c in checks)  # and every stretch task's extra points
+    assert len(result["tests"]) == len(checks)
     for t, c in zip(result["tests"], checks):
-        assert set(t) >= {"name", "score", "max_score", "status", "output"}
+        assert set(t) >= {"name", "score", "max_score", "status", "output", "execution_time"}
+        assert t["name"] == f"lab {lab}: {c.name}"
         assert t["status"] == "passed" and t["score"] == c.max_score and t["max_score"] == (0 if c.extra
-                                                                                            else c.max_score)
+                                                                                            else c.max_score), t
+
+
+def test_the_grade_command_writes_results_json_and_prints_each_check(tmp_path):
+    """The command a user runs, one lab as they run it (the other tests grade in shared launches): a line per
+    check as it starts and as it ends, the total, results.json in Gradescope's format, exit 0 at full marks."""
+    out = tmp_path / "results.json"
+    proc = _grade("--lab", "14", "--impl", "solutions", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    checks = LABS[14].checks()
+    assert [t["name"] for t in result["tests"]] == [f"lab 14: {c.name}" for c in checks]
+    assert result["score"] == sum(c.max_score for c in checks)
+    for c in checks:
+        assert f"....  lab 14: {c.name}" in proc.stdout
+        assert re.search(rf"PASS +{c.max_score:g}/(\d+|\+\d+ extra) +lab 14: {re.escape(c.name)}  \(\d+\.\ds\)", proc.stdout)
     assert f"total: {result['score']:g} / {result['max_score']:g}" in proc.stdout
+    assert f"wrote {out}" in proc.stdout
 
 
 def test_unknown_lab_lists_the_labs():

@@ -3,10 +3,9 @@
 Each `tests/mutants/labNN.py` lists `Mutant`s (tests/mutants/__init__.py): a text patch on the
 generated solution, the check that must catch it and words its message must contain. For each
 one, the solution is copied to a temporary folder and the patch applied; the copy is graded on
-that ONE check, by the grader's own `run_check`. The fast path: one check instead of the whole
-lab, in this process (no grade process per mutant), and the launches shared
-(minizero.autograde.batch: every mutant that a check's worker grades runs in ONE job of that
-worker, so start-up is paid per worker, not per mutant). The checks launch their ranks through
+that ONE check, by the grader's own `run_check`, in this process (no grade process per mutant),
+with every other grading of the session in shared launches (tests/shared_grading.py: start-up is
+paid per rank count and round, not per mutant). The checks launch their ranks through
 minizero.launch as always, so no collective runs in pytest. A lab added later is picked up by
 its file name (tests/mutants/labNN.py), and must bring at least MIN_PER_LAB mutants.
 """
@@ -17,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from minizero.autograde import LABS, REPO
-from minizero.autograde.batch import run_checks
 
 MUTANT_DIR = Path(__file__).resolve().parent / "mutants"
 MIN_PER_LAB = 6
@@ -41,7 +39,6 @@ POLICY_CASES = [pytest.param(n, m, id=f"lab{n}-{k}-{m.check}", marks=pytest.mark
                 for n, mutants in MUTANTS.items() if n in LABS for k, m in enumerate(mutants)
                 if (extra := sum(c.max_score for c in LABS[n].checks() if c.extra))
                 and not (c := {c.fn.__name__: c for c in LABS[n].checks()}[m.check]).extra and c.max_score <= extra]
-GRADED_BY = ("test_mutant_loses_marks", "test_stretch_points_never_make_up_for_a_failed_main_check")
 
 
 def mutate(lab, mutant, folder: Path) -> Path:
@@ -60,59 +57,11 @@ def the_check(number: int, mutant):
     return {c.fn.__name__: c for c in LABS[number].checks()}[mutant.check]
 
 
-class Graded:
-    """Gradescope entries of the mutants this session selected, graded one lab at a time (at the
-    first test of that lab) and all of a lab together, so that they share launches: one job per
-    check worker, not one per mutant (the workers are per lab, so nothing is lost by lab)."""
-
-    def __init__(self, session, tmp_path_factory):
-        self.selected = [item.callspec.params for item in session.items
-                         if getattr(item, "callspec", None) and item.originalname in GRADED_BY]
-        self.tmp, self.entries = tmp_path_factory, {}
-
-    def __call__(self, number: int, mutant):
-        key = (number, MUTANTS[number].index(mutant))
-        if key not in self.entries:
-            jobs, keys = [], []
-            for p in self.selected:
-                if p["number"] != number:
-                    continue
-                k = MUTANTS[number].index(p["mutant"])
-                if (number, k) in keys:  # selected by both tests: graded once
-                    continue
-                folder = self.tmp.mktemp(f"lab{number:02d}-{k}")
-                try:
-                    mutate(LABS[number], p["mutant"], folder)
-                except AssertionError as e:  # a stale patch fails its own test, not every mutant's
-                    self.entries[number, k] = e
-                    continue
-                jobs.append((LABS[number], the_check(number, p["mutant"]), str(folder)))
-                keys.append((number, k))
-            self.entries.update(zip(keys, run_checks(jobs)))
-        if isinstance(self.entries[key], AssertionError):
-            raise self.entries[key]
-        return self.entries[key]
-
-
-    def table(self) -> str:
-        """The mutant table (lab, mutant, check, score, the message's first line), in Markdown."""
-        rows = ["| lab | mutant | check | score | message |", "|---|---|---|---|---|"]
-        for (number, k), e in sorted(self.entries.items()):
-            m = MUTANTS[number][k]
-            if isinstance(e, AssertionError):
-                rows.append(f"| {number} | {m.name} | {m.check} | - | stale patch: {e} |")
-                continue
-            lines = [line for line in e["output"].splitlines() if line.strip()]
-            said = " ".join(lines[:1] + [line for line in lines[1:2] if line.startswith("likely cause:")])
-            rows.append(f"| {number} | {m.name} | {m.check} | {e['score']:g}/{e['max_score']:g} | "
-                        f"{said.replace('|', '/')[:300]} |")
-        return "\n".join(rows) + "\n"
-
-
 @pytest.fixture(scope="module")
-def graded_mutants(request, tmp_path_factory):
-    graded = Graded(request.session, tmp_path_factory)
-    yield graded
+def graded_mutants(graded):
+    """graded_mutants(number, mutant) -> the mutant's entry on its check, graded with every other grading of
+    this session in shared launches (tests/shared_grading.py)."""
+    yield graded.mutant
     if os.environ.get("MINIZERO_MUTANT_TABLE"):  # e.g. for the issue's note: every mutant's score and message
         Path(os.environ["MINIZERO_MUTANT_TABLE"]).write_text(graded.table())
 

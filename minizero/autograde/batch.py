@@ -2,20 +2,22 @@
 
 A check launches its ranks with `launch.run(worker, nprocs, args={"impl": file, ...})`, and a
 launch costs seconds of start-up (mpirun, Python, torch) before the worker does anything.
-Grading M files on one check one at a time pays that M times. `run_checks` pays it once per
-worker: it runs every check with `launch.run` replaced by a recorder, so that a check's first
-launch is queued instead of run (the check is stopped with `Deferred`); it then starts ONE job
-per (worker, ranks, env) that calls the worker for every queued file in turn, and re-runs the
-checks, which now get their results as if they had launched alone. A check that launches
-twice takes two rounds. The verdicts are the checks' own: nothing about grading changes.
+Grading M files on C checks one launch at a time pays that M x C times. `run_checks` pays it
+about once per rank count: it runs every check with `launch.run` replaced by a recorder, so
+that a check's first launch is queued instead of run (the check is stopped with `Deferred`);
+it then starts ONE job per (ranks, backend, env) that calls each queued (worker, file) in turn,
+whichever check and lab it belongs to, and re-runs the checks, which now get their results as
+if they had launched alone. A check that launches twice takes two rounds. The verdicts are the
+checks' own: nothing about grading changes.
 
 Inside the shared job each call gets a communicator of its own (`comm.split`), so a message
-a buggy call leaves behind cannot reach the next call, and the transient-memory tracker is
-reset between calls. A call that raises or crashes ends the job (the launcher aborts it, as
-for a single launch); its error is that call's result, the calls before it keep theirs (each
-writes its result, then the ranks pass a barrier before the next one starts), and the calls
-after it go on in a new job. A job that times out is not blamed on one call: each of its
-unfinished calls runs alone, with its own timeout.
+a buggy call leaves behind cannot reach the next call, and the transient-memory tracker and
+torch's global settings (default dtype, seed) are reset between calls. A call that raises or
+crashes ends the job (the launcher aborts it, as for a single launch): its ranks may be
+stuck in different collectives. Its error is that call's result, the calls before it keep
+theirs (each writes its result, then the ranks pass a barrier before the next one starts),
+and the calls after it go on in a new job. A job that times out is not blamed on one call:
+each of its unfinished calls runs alone, with its own timeout.
 """
 from __future__ import annotations
 
@@ -32,14 +34,21 @@ class Deferred(BaseException):
     own `except Exception` that keep a failed launch for later do not keep this one)."""
 
 
-def worker(comm, target, calls, out):
-    """Runs on every rank of a shared job: `target` for each call's args, in turn."""
+def worker(comm, calls, out):
+    """Runs on every rank of a shared job: each call's (target, args), in turn."""
+    import torch
+
     from minizero import memory
-    fn = launch.load_target(target)
-    for i, args in enumerate(calls):
+    fns: dict = {}
+    dtype, rng = torch.get_default_dtype(), torch.get_rng_state()
+    for i, (target, args) in enumerate(calls):
+        if target not in fns:
+            fns[target] = launch.load_target(target)
         memory.transient.reset()
+        torch.set_default_dtype(dtype)  # as a fresh process has them: what a call sets, it sets for itself
+        torch.set_rng_state(rng)
         own = comm.split(0, name=comm.name)  # a communicator per call: no message crosses calls
-        result = fn(own, **args)
+        result = fns[target](own, **args)
         path = os.path.join(out, f"{i}.{comm.rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(result, f)
@@ -52,20 +61,20 @@ def _key(target, nprocs, args, backend, env):
     return json.dumps([target, nprocs, args, backend, env], sort_keys=True)
 
 
-def _launch_shared(target, nprocs, backend, env, calls: list[tuple[str, dict, float]], results: dict):
-    """Run every (key, args, timeout) of `calls` in as few jobs as possible; fill results[key]."""
+def _launch_shared(nprocs, backend, env, calls: list[tuple[str, str, dict, float]], results: dict):
+    """Run every (key, target, args, timeout) of `calls` in as few jobs as possible; fill results[key]."""
     todo = list(calls)
     while todo:
         with tempfile.TemporaryDirectory(prefix="minizero-batch-") as out:
             try:
                 launch.run(f"{__name__}:worker", nprocs=nprocs, backend=backend, env=env,
-                           args={"target": target, "calls": [args for _, args, _ in todo], "out": out},
+                           args={"calls": [[target, args] for _, target, args, _ in todo], "out": out},
                            timeout=sum(t for *_, t in todo))
                 error = None
             except launch.LaunchError as e:
                 error = e
             done = 0
-            for key, _, _ in todo:
+            for key, *_ in todo:
                 files = [os.path.join(out, f"{done}.{r}.json") for r in range(nprocs)]
                 if not all(os.path.exists(p) for p in files):
                     break
@@ -76,7 +85,7 @@ def _launch_shared(target, nprocs, backend, env, calls: list[tuple[str, dict, fl
         if error is None:
             return
         if isinstance(error, launch.LaunchTimeout):  # slow or hung: no call is to blame, each runs alone
-            for key, args, timeout in todo[done:]:
+            for key, target, args, timeout in todo[done:]:
                 try:
                     results[key] = launch.run(target, nprocs=nprocs, args=args, timeout=timeout, backend=backend,
                                               env=env)
@@ -98,8 +107,8 @@ def _recording(results: dict, queue: dict):
             if isinstance(results[key], BaseException):
                 raise results[key]
             return results[key]
-        queue.setdefault((target, nprocs, backend, json.dumps(env or {}, sort_keys=True)), {})[key] = (args or {},
-                                                                                                       timeout)
+        queue.setdefault((nprocs, backend, json.dumps(env or {}, sort_keys=True)), {})[key] = (target, args or {},
+                                                                                                timeout)
         raise Deferred(key)
 
     launch.run = run
@@ -125,11 +134,12 @@ def run_checks(jobs: list[tuple], progress=None) -> list[dict]:
                     entries[i] = run_check(*jobs[i])
                 except Deferred:
                     waiting.append(i)
-        for (target, nprocs, backend, env), calls in queue.items():
+        for (nprocs, backend, env), calls in queue.items():
             if progress:
-                progress(f"{target} on {nprocs} ranks: {len(calls)} submissions in one job")
-            _launch_shared(target, nprocs, backend, json.loads(env) or None,
-                           [(key, args, timeout) for key, (args, timeout) in calls.items()], results)
+                progress(f"{len(calls)} launches of {len({t for t, *_ in calls.values()})} workers on {nprocs} ranks "
+                         "in one job")
+            _launch_shared(nprocs, backend, json.loads(env) or None,
+                           [(key, *call) for key, call in calls.items()], results)
         if waiting and not queue:
             raise RuntimeError("checks were deferred but queued no launch")  # cannot happen; never loop forever
         pending = waiting
