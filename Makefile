@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED = 1
+# The suite starts hundreds of Python processes (ranks, pytest runs, CLIs): let them reuse compiled bytecode
+# (__pycache__ is git-ignored) where the environment turned its writing off.
+unexport PYTHONDONTWRITEBYTECODE
 # mpirun and friends live in the venv's bin/ (the mpich wheel).
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 

@@ -26,13 +26,14 @@ def graded(request, impl, tmp_path_factory):
     _TIMES["grade_s"]["shared batch"] = shared.seconds
 
 
-_STARTS_PROCESSES = ("launch.", "subprocess", "nbclient", "mpirun", "torchrun")
+_STARTS_PROCESSES = ("launch.", "subprocess", "nbclient", "mpirun", "torchrun", "run_check(")
 _module_starts = {}
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark `launches` every test that starts ranks or processes (its module calls minizero.launch, subprocess,
-    a notebook client or a launcher, or it uses the grader's fixture): the slow part of the suite.
+    a notebook client, a launcher or a lab check, or it uses the grader's fixture): the slow part of the suite.
+    Tests that start them through a helper are marked `launches` in their file (the lessons, the site).
     `make check` runs the rest (python -m pytest -m "not launches")."""
     marker = pytest.mark.launches
     for item in items:

@@ -126,3 +126,16 @@ def test_the_pytest_commands_collect_from_the_root():
                               cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0 and re.search(r"\b[1-9]\d* tests? collected|^\d+/\d+ tests collected",
                                                    proc.stdout, re.M), (args, proc.stdout[-1500:], proc.stderr[-1500:])
+
+
+def test_make_check_selects_no_test_that_starts_processes():
+    """`make check` (-m "not launches") is the fast part: no lesson run, site build, lab check or launch in it,
+    and still the package's own tests (a marker rule that swallowed everything would pass the first half)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
+                           "not launches"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-1500:]
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    slow = ("test_lessons.py::test_lesson_executes", "test_site.py::", "test_stretch_untouched.py::",
+            "test_mutants.py::test_mutant", "test_labs.py::", "test_launchers.py::", "test_grader.py::test_solutions")
+    assert not [i for i in ids if any(s in i for s in slow)], [i for i in ids if any(s in i for s in slow)][:5]
+    assert len(ids) >= 300 and any("test_lessons.py::test_no_lesson_shows_a_solution" in i for i in ids), len(ids)

@@ -69,6 +69,7 @@ def test_committed_without_outputs(path):
     assert not dirty, f"{path.name}: cells {dirty} have outputs; strip them before committing"
 
 
+@pytest.mark.launches  # a kernel and the lesson's own ranks: not in `make check`
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_lesson_executes(path):
     from docs.site.notebooks import execute

@@ -45,7 +45,8 @@ def _missing():
 
 
 MISSING = _missing()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+# a Sphinx build and a browser: not in `make check`
+pytestmark = [pytest.mark.skipif(MISSING is not None, reason=MISSING or ""), pytest.mark.launches]
 
 
 # The bench run for this test's own build (none where build/bench/ holds one): tests/test_bench.py's tiny run
