@@ -166,28 +166,24 @@ ACCELERATE_VARIABLES: dict[str, Variable] = {
 
 def accelerate_get(name: str, environ=None):
     """An Accelerate variable's value (its default when unset); EnvError naming it and what is allowed."""
-    var = ACCELERATE_VARIABLES[name]
-    text = (os.environ if environ is None else environ).get(name)
-    if text is None:
-        return var.default
-    try:
-        return var.parse(text)
-    except ValueError:
-        raise EnvError(f"environment variable {name}={text!r} is not allowed: use {var.allowed}. "
-                       f"{name}: {var.means}") from None
+    return _read(ACCELERATE_VARIABLES, name, environ, "")
 
 def get(name: str, environ=None):
     """The variable's value (its default when unset); EnvError when it is set to something not allowed.
     environ: the environment to read (default os.environ; launch.run checks its ranks' before starting them)."""
-    var = VARIABLES[name]
+    return _read(VARIABLES, name, environ, " (or unset it)")
+
+
+def _read(table: dict, name: str, environ, unset: str):
+    var = table[name]
     text = (os.environ if environ is None else environ).get(name)
     if text is None:
         return var.default
     try:
         return var.parse(text)
     except ValueError:
-        raise EnvError(f"environment variable {name}={text!r} is not allowed: use {var.allowed} "
-                       f"(or unset it). {name}: {var.means}") from None
+        raise EnvError(f"environment variable {name}={text!r} is not allowed: use {var.allowed}{unset}. "
+                       f"{name}: {var.means}") from None
 
 
 def is_set(name: str) -> bool:
