@@ -118,11 +118,14 @@ def yaml_to_env(cfg: dict, path: str = "config") -> dict:
     return out, nprocs
 
 
-def _deepspeed_env(ds: dict, where: str) -> dict:
-    unknown = set(ds) - DEEPSPEED_KEYS
+def _only_known(section: dict, keys, where: str):
+    unknown = set(section) - set(keys)
     if unknown:
-        raise ConfigError(f"{where}{sorted(unknown)[0]}: not a key minizero reads; allowed: "
-                          f"{', '.join(sorted(DEEPSPEED_KEYS))}")
+        raise ConfigError(f"{where}{sorted(unknown)[0]}: not a key minizero reads; allowed: {', '.join(sorted(keys))}")
+
+
+def _deepspeed_env(ds: dict, where: str) -> dict:
+    _only_known(ds, DEEPSPEED_KEYS, where)
     out = {"ACCELERATE_USE_DEEPSPEED": "true"}
     if "zero_stage" in ds:
         out["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = str(_choice(ds, "zero_stage", (0, 1, 2, 3), 2, where))
@@ -149,10 +152,7 @@ def _deepspeed_env(ds: dict, where: str) -> dict:
 
 
 def _fsdp_env(fsdp: dict, where: str) -> dict:
-    unknown = set(fsdp) - FSDP_KEYS
-    if unknown:
-        raise ConfigError(f"{where}{sorted(unknown)[0]}: not a key minizero reads; allowed: "
-                          f"{', '.join(sorted(FSDP_KEYS))}")
+    _only_known(fsdp, FSDP_KEYS, where)
     out = {"ACCELERATE_USE_FSDP": "true"}
     if fsdp.get("fsdp_version", 1) not in (1, 2):
         raise ConfigError(f"{where}fsdp_version: {fsdp['fsdp_version']!r} is not allowed: use 1 or 2")
