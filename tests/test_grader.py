@@ -115,7 +115,8 @@ def test_the_grade_command_writes_results_json_and_prints_each_check(tmp_path):
     assert result["score"] == sum(c.max_score for c in checks)
     for c in checks:
         assert f"....  lab 14: {c.name}" in proc.stdout
-        assert re.search(rf"PASS +{c.max_score:g}/(\d+|\+\d+ extra) +lab 14: {re.escape(c.name)}  \(\d+\.\ds\)", proc.stdout)
+        line = rf"PASS +{c.max_score:g}/(\d+|\+\d+ extra) +lab 14: {re.escape(c.name)}  \(\d+\.\ds\)"
+        assert re.search(line, proc.stdout), (line, proc.stdout)
     assert f"total: {result['score']:g} / {result['max_score']:g}" in proc.stdout
     assert f"wrote {out}" in proc.stdout
 
