@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 # The website's packages (the `site` extra: Sphinx, myst-nb, furo; playwright for the browser test) and the
 # peers the tests compare against (the `peers` extra: real DeepSpeed, no C++ op built).
 SITE_STAMP := $(VENV)/.site-installed
-$(SITE_STAMP): $(STAMP)
+$(SITE_STAMP): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,site,peers]"
 	@touch $(SITE_STAMP)
 
