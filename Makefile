@@ -23,10 +23,11 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # The website's packages (the `site` extra: Sphinx, myst-nb, furo; playwright for the browser test) and the
-# peers the tests compare against (the `peers` extra: real DeepSpeed, no C++ op built).
+# peers the tests compare against (the `peers` extra: real DeepSpeed, no C++ op built, and Accelerate), and the
+# code minizero was not designed around (the `outside` extra: Hugging Face transformers, tests/test_outside.py).
 SITE_STAMP := $(VENV)/.site-installed
 $(SITE_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e ".[dev,site,peers]"
+	$(PY) -m pip install --quiet -e ".[dev,site,peers,outside]"
 	@touch $(SITE_STAMP)
 
 demo: setup

@@ -7,6 +7,8 @@
   engine    the same in a user's script whose entry point is minizero.initialize (it starts them)
   reaper    rank 0 kills its own reaper (the job's helper process), then the job ends normally
   ok        no fault: every rank says it was never stopped
+  bad_config        a user's script calls minizero.initialize with zero_optimization.stage 5 (no communicator yet)
+  bad_config_later  the same after the script started the communicator itself (deepspeed.init_distributed())
 """
 import os
 import signal
@@ -18,7 +20,15 @@ from minizero import comm as comm_mod
 from minizero.comm import watchdog
 
 mode = sys.argv[1]
+BAD = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+       "zero_optimization": {"stage": 5}}
+if mode == "bad_config":
+    import minizero
+    minizero.initialize(model=torch.nn.Linear(4, 4), config=BAD)
 comm = comm_mod.init()
+if mode == "bad_config_later":
+    import minizero
+    minizero.initialize(model=torch.nn.Linear(4, 4), config=BAD)
 if mode == "engine":
     import minizero
     engine, *_ = minizero.initialize(model=torch.nn.Linear(4, 4), config={

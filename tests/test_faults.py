@@ -69,6 +69,19 @@ def test_every_rank_failing_exits_2_without_mpich_banner(tmp_path):
     assert left == [] and pids == [], (left, pids)
 
 
+@pytest.mark.parametrize("mode", ["bad_config", "bad_config_later"])
+def test_a_bad_config_in_a_users_own_job_is_one_line_and_exit_2(mode, tmp_path):
+    """mpirun running the user's script, minizero.initialize with zero_optimization.stage 5: each rank raised its
+    ConfigError and printed its traceback; now the message is said once, naming the key, and the job exits 2
+    (before the script started the communicator, and after)."""
+    code, text, left, pids = _job(_mpirun(2, "tests/fault_script.py", mode), tmp_path)
+    assert code == 2, text[-3000:]
+    said = [line for line in text.splitlines() if "zero_optimization.stage" in line]
+    assert len(said) == 1 and said[0].startswith("minizero.initialize: "), text[-3000:]
+    assert "Traceback" not in text and "BAD TERMINATION" not in text, text[-3000:]
+    assert [x for x in left if x.startswith("minizero")] == [] and pids == [], (left, pids)
+
+
 def test_a_killed_rank_is_named_and_leaves_no_job_directory(tmp_path):
     """kill -9 of rank 1: mpiexec's banner names rank 0's PID and exits 9 (its own; no rank runs any code after
     mpiexec's SIGKILL); the reaper (comm/reaper.py) names rank 1 and removes the job directory."""

@@ -24,13 +24,17 @@ What each argument means here (deepspeed.initialize's, checked against deepspeed
 minizero's own keywords: comm= (a Communicator) and mesh= (a comm.Mesh whose nodes ZeRO++ uses).
 
 The return value is DeepSpeed's tuple (engine, optimizer, training_dataloader, lr_scheduler); the last two
-are None when nothing was asked for. In a job of several ranks it also starts the collective watchdog and the
+are None when nothing was asked for. A bad config or argument is a ConfigError, raised before any collective;
+in a user's own job of several ranks (mpirun or torchrun running the script) every rank finds it alike, so
+rank 0 says it in one line and the job exits 2, instead of one traceback per rank. In a job of several ranks it
+also starts the collective watchdog and the
 job's reaper (comm/watchdog.py), as `minizero train` does. `engine = minizero.initialize(...)` is a mistake
 DeepSpeed users do not make but others do: the tuple's attribute errors (and calling it) say which line to write.
 """
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, NamedTuple
 
 import torch
@@ -59,6 +63,38 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                config_params=None, *, comm=None, mesh=None) -> Initialized:
     """DeepSpeed's initialize. Every error is raised before any collective (runtime/resolve.py)."""
+    try:
+        return _initialize(args, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn, config,
+                           config_params, mpu, comm, mesh)
+    except ConfigError as e:
+        if _users_own_job():
+            _end_job(f"minizero.initialize: {e}")
+        raise
+
+
+def _users_own_job() -> bool:
+    """Several ranks run the user's script (not minizero.launch's worker, which reports a rank's error itself)."""
+    from minizero import comm as comm_mod
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return comm_mod.launched_world_size() > 1 and getattr(main, "name", None) != "minizero.launch"
+
+
+def _end_job(message: str):
+    """Every rank found the same bad input: said once for the job, exit 2 (comm/watchdog.end_job's vote where the
+    communicator exists; before it, no rank has started MPI or a rendezvous, so each just exits)."""
+    from minizero import comm as comm_mod
+    from minizero.comm import watchdog
+    if comm_mod.is_initialized() and comm_mod.get().size > 1:
+        watchdog.start(comm_mod.get())  # the job directory the vote is taken in
+        watchdog.end_job(comm_mod.get(), message, 2)
+    if comm_mod.launched_rank() == 0:
+        sys.stderr.write(message.rstrip() + "\n")
+        sys.stderr.flush()
+    sys.exit(2)
+
+
+def _initialize(args, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn, config,
+                config_params, mpu, comm, mesh) -> Initialized:
     if isinstance(args, torch.nn.Module):
         raise TypeError("minizero.initialize takes DeepSpeed's keywords: initialize(model=model, config=cfg) "
                         "(its first positional argument is DeepSpeed's `args`)")
