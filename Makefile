@@ -12,6 +12,9 @@ unexport PYTHONDONTWRITEBYTECODE
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 
+# every target is a command, never a file: `make site` runs although site/ exists
+.PHONY: setup demo browser test check grade labs handout site site-test test-gpu lint clean
+
 setup: $(STAMP)
 
 # Re-install only when the pins change.
@@ -79,7 +82,6 @@ site-test: $(SITE_STAMP)
 # Every lab's mechanism against DDP or one process, and its memory, on this machine's GPU: one table, and
 # docs/gpu.md (tests/gpu/check.py; at most 8 minutes). No `setup` first: a lent GPU machine has no network,
 # so PY may name a Python that already has a CUDA torch, mpi4py and mpich. ARGS=--quick: the CPU smoke run.
-.PHONY: test-gpu check
 test-gpu:
 	$(PY) tests/gpu/check.py $(ARGS)
 

@@ -139,3 +139,12 @@ def test_make_check_selects_no_test_that_starts_processes():
             "test_mutants.py::test_mutant", "test_labs.py::", "test_launchers.py::", "test_grader.py::test_solutions")
     assert not [i for i in ids if any(s in i for s in slow)], [i for i in ids if any(s in i for s in slow)][:5]
     assert len(ids) >= 300 and any("test_lessons.py::test_no_lesson_shows_a_solution" in i for i in ids), len(ids)
+
+
+def test_every_make_target_is_a_command():
+    """`make site` with site/ present said "'site' is up to date" and built nothing: a target named like a folder
+    or file the build makes must be .PHONY. Every target of the Makefile is a command (none names a file)."""
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][\w-]*):(?!=)", makefile, re.M))
+    phony = {t for line in re.findall(r"^\.PHONY:(.*)$", makefile, re.M) for t in line.split()}
+    assert {"site", "test", "check", "demo"} <= targets and not targets - phony, sorted(targets - phony)
