@@ -176,8 +176,10 @@ def stage_api(dest: Path) -> int:
                           []).append(name)
     for group, names in groups.items():
         body = [f"# {group}", ""]
-        for name in names:  # a package's docstring only: its members are documented in their own modules
-            members = [] if _is_package(name) else ["   :members:", "   :show-inheritance:"]
+        for name in names:  # a package's docstring only: its members are documented in their own modules (conf.py
+            # turns members on by default, which documented a package's re-exports twice: `minizero.comm.launcher`
+            # the function over `minizero.comm.launcher` the module)
+            members = ["   :no-members:"] if _is_package(name) else ["   :members:", "   :show-inheritance:"]
             body += [f"## {name}", "", "```{eval-rst}", f".. automodule:: {name}", *members, "```", ""]
         (dest / f"{group}.md").write_text("\n".join(body))
     (dest / "index.md").write_text("# API reference\n\nGenerated from the package's docstrings (shown as written: "
@@ -266,6 +268,26 @@ def stale(out: Path) -> str | None:
     return None
 
 
+def sphinx(cmd: list) -> list:
+    """sphinx-build, its progress condensed to a line per phase and quarter (it takes half a minute and more on 2
+    cores; its own output is a line per page). Its warnings and errors pass through as it writes them, and are
+    returned."""
+    shown, warnings = set(), []
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        m = re.match(r"(\w[\w ]*?)\.\.\. \[\s*(\d+)%\]", line)
+        if m:
+            if (m.group(1), int(m.group(2)) // 25) not in shown:
+                shown.add((m.group(1), int(m.group(2)) // 25))
+                print(f"  sphinx: {m.group(1)} {m.group(2)}%", flush=True)
+        elif "WARNING" in line or "ERROR" in line:
+            warnings.append(line.rstrip())
+            print(line, end="", file=sys.stderr, flush=True)
+    if proc.wait():
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return warnings
+
+
 def build(out: Path, bench_args=()) -> dict:
     t0 = time.time()
     shutil.rmtree(STAGE, ignore_errors=True)
@@ -279,11 +301,11 @@ def build(out: Path, bench_args=()) -> dict:
     stage_bench(STAGE, bench_args)
     staged = time.time() - t0
     shutil.rmtree(out, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "auto", "-c", str(HERE),
-                    "-d", str(ROOT / "build" / "site-doctrees"), str(STAGE), str(out)], cwd=ROOT, check=True)
+    warnings = sphinx([sys.executable, "-m", "sphinx", "-b", "html", "-j", "auto", "-c", str(HERE),
+            "-d", str(ROOT / "build" / "site-doctrees"), str(STAGE), str(out)])
     pages = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.html"))
     summary = {"lessons": len(lessons), "labs": labs, "guide_pages": len(guide), "api_modules": modules,
-               "html_pages": len(pages),
+               "html_pages": len(pages), "warnings": warnings,
                "stage_s": round(staged, 1), "total_s": round(time.time() - t0, 1)}
     print(f"site: {out}/index.html, {len(pages)} pages ({len(lessons)} lessons, {labs} labs, {modules} API modules); "
           f"staged in {staged:.0f} s, built in {time.time() - t0:.0f} s")
