@@ -132,6 +132,9 @@ BAD_FLAGS = [  # (argv, words the one line must hold)
     (["grade", "--json", "no/such/dir/results.json"], ["--json no/such/dir/results.json", "does not exist"]),
     (["grade", "--impl", "no_such_folder"], ["--impl no_such_folder", "no such folder"]),
     (["grade", "--lab", "99"], ["--lab 99", "1 (Ring all-reduce"]),
+    (["gradescope", "--times", "no/such/dir/t.md"], ["OUT no/such/dir/t.md", "does not exist"]),
+    (["gradescope", "--times", "t.md", "--lab", "99"], ["--lab 99", "the labs are 1-"]),
+    (["gradescope", "bundle.txt"], ["OUT 'bundle.txt'", ".zip"]),
     (["train", "--config", "dup.json"], ["dup.json", "'train_micro_batch_size_per_gpu' given twice"]),
     (["train", "--config", "huge.json"], ["train_micro_batch_size_per_gpu", "[1, 1048576]"]),
 ]
@@ -149,6 +152,39 @@ def test_a_bad_flag_or_key_is_one_line_exit_2_and_nothing_written(argv, words, m
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and all(w in err for w in words), err
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(CONFIGS), "something was written"
+
+
+SITE_TOOLS = [  # the course's own tools (docs/site): (module, argv, words)
+    ("docs.site.syllabus", ["measure", "--lessons", "99"], ["--lessons 99", "no such lesson", "0, 1, 2"]),
+    ("docs.site.syllabus", ["measure", "--labs", "3", "99"], ["--labs 99", "no such lab"]),
+    ("docs.site.build", ["--out", "/proc/x"], ["--out /proc/x", "cannot create it"]),
+]
+
+
+@pytest.mark.parametrize("module,argv,words", SITE_TOOLS, ids=[f"{m} {' '.join(a)}" for m, a, _ in SITE_TOOLS])
+def test_the_site_tools_check_their_flags_before_minutes_of_work(module, argv, words, monkeypatch, tmp_path, capsys):
+    """`measure --lessons 99` measured every lab (the other flag's default) for minutes and `build --out /proc/x`
+    failed after Sphinx: now one line before anything runs, and no measured times written."""
+    import importlib
+
+    from docs.site import syllabus
+    before = syllabus.TIMES.read_text()
+    monkeypatch.setattr(syllabus, "measure", lambda *a: pytest.fail(f"measured {a}"))
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and all(w in err for w in words), err
+    assert syllabus.TIMES.read_text() == before
+
+
+def test_the_syllabus_measures_only_what_was_named(monkeypatch):
+    from docs.site import syllabus
+    asked = []
+    monkeypatch.setattr(syllabus, "measure", lambda lessons, labs: asked.append((lessons, labs)))
+    syllabus.main(["measure", "--labs", "3"])
+    syllabus.main(["measure", "--lessons", "2", "4"])
+    syllabus.main(["measure"])
+    assert asked == [([], [3]), ([2, 4], []), (None, None)]
 
 
 def test_the_commands_exit_2_in_a_real_process_without_a_traceback(tmp_path):

@@ -16,7 +16,6 @@ Stages build/site-src/ and runs sphinx-build on it with docs/site/conf.py:
   bench`'s plot and table, run once
     into build/bench/ (kept there; delete the folder to measure again).
 Every link is relative, MathJax is served from the site itself: the site works from file://."""
-import argparse
 import ast
 import datetime
 import json
@@ -313,12 +312,14 @@ def build(out: Path, bench_args=()) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m docs.site.build", description=__doc__.splitlines()[0])
+    from minizero.cli import checks
+    ap = checks.Parser(prog="python -m docs.site.build", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "site"), help="where the HTML goes (default: site/)")
     ap.add_argument("--bench-args", default="", help="extra arguments of `python -m minizero bench` when it runs")
     ap.add_argument("--if-stale", action="store_true", help="build only when a source changed after the last build")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
+    checks.output_folder(ap, "--out", str(out))  # before the staging and the half minute of Sphinx
     if args.if_stale:
         why = stale(out)
         if why is None:

@@ -8,7 +8,6 @@ each lab's reference solution (`python -m minizero grade --lab N --impl solution
 runs every check to the end), one at a time, and records the seconds, the 1-minute load average before and
 after, and the machine. `write` renders docs/syllabus_times.json into docs/syllabus.md between the two
 marker lines; tests/test_syllabus.py checks the page's table is that rendering, so no figure is typed."""
-import argparse
 import json
 import os
 import re
@@ -126,15 +125,25 @@ def write() -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m docs.site.syllabus", description=__doc__.splitlines()[0])
+    from minizero.cli import checks
+    ap = checks.Parser(prog="python -m docs.site.syllabus", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     m = sub.add_parser("measure", help="run the lessons and grade the labs, one at a time; write " + TIMES.name)
-    m.add_argument("--lessons", type=int, nargs="*", help="lesson numbers (default: all)")
-    m.add_argument("--labs", type=int, nargs="*", help="lab numbers (default: all)")
+    m.add_argument("--lessons", type=int, nargs="+", help="lesson numbers (default: all, or none when --labs is given)")
+    m.add_argument("--labs", type=int, nargs="+", help="lab numbers (default: all, or none when --lessons is given)")
     sub.add_parser("write", help="render the times into docs/syllabus.md")
     args = ap.parse_args(argv)
     if args.command == "measure":
-        measure(args.lessons, args.labs)
+        from minizero.autograde import LABS
+        lessons = sorted(int(p.name[:2]) for p in (ROOT / "lessons").glob("*.ipynb"))
+        for flag, given, known in (("--lessons", args.lessons, lessons), ("--labs", args.labs, sorted(LABS))):
+            if given and set(given) - set(known):
+                ap.error(f"{flag} {min(set(given) - set(known))}: no such {flag[2:-1]}; they are "
+                         f"{', '.join(map(str, known))}")
+        if args.lessons or args.labs:  # what was named, only
+            measure(args.lessons or [], args.labs or [])
+        else:
+            measure(None, None)
     else:
         write()
     return 0

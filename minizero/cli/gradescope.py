@@ -9,7 +9,6 @@ run_autograder grades each submission (minizero.autograde.gradescope) into /auto
 `--times FILE.md` instead grades solutions/ lab by lab here and writes the table of how long each took
 (docs/grading-times.md: the time limit to set on Gradescope).
 """
-import argparse
 import os
 import subprocess
 import sys
@@ -62,10 +61,10 @@ def bundle(out: str, labs: list[int], limit_s: float) -> list[str]:
     return names
 
 
-def times(out: str) -> None:
+def times(out: str, labs: list) -> None:
     """Grade solutions/ lab by lab here (a full-marks run: every check runs to its end) and write the table."""
     rows = []
-    for n, lab in LABS.items():
+    for n, lab in ((n, LABS[n]) for n in labs):
         load = os.getloadavg()[0]
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-m", "minizero", "grade", "--lab", str(n), "--impl", "solutions"],
@@ -85,7 +84,8 @@ def times(out: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minizero gradescope", description=__doc__.splitlines()[0])
+    from minizero.cli import checks
+    ap = checks.Parser(prog="python -m minizero gradescope", description=__doc__.splitlines()[0])
     ap.add_argument("out", help="the zip to write (e.g. lab04.zip), or with --times the Markdown table")
     ap.add_argument("--lab", type=int, action="append", help="a lab it grades (repeatable); default: every lab")
     ap.add_argument("--limit-s", type=float, default=540,
@@ -93,17 +93,18 @@ def main(argv=None) -> int:
                          "it below the timeout set on Gradescope (default 540, for its 10 minutes)")
     ap.add_argument("--times", action="store_true", help="measure each lab's grading time here into OUT (Markdown)")
     args = ap.parse_args(argv)
-    if args.times:
-        times(args.out)
-        return 0
     labs = sorted(set(args.lab or LABS))
     unknown = [n for n in labs if n not in LABS]
     if unknown:
         ap.error(f"--lab {unknown[0]}: the labs are {min(LABS)}-{max(LABS)}")
-    if not args.out.endswith(".zip"):
+    if not args.times and not args.out.endswith(".zip"):
         ap.error(f"OUT {args.out!r}: give a .zip file name (Gradescope takes the autograder as a zip)")
     if not os.path.isdir(os.path.join(REPO, "solutions")):
         ap.error("this is a handout (no solutions/): make the bundle from the course's repository")
+    checks.output_file(ap, "OUT", args.out)  # before minutes of grading: a table that cannot be written is lost
+    if args.times:
+        times(args.out, labs)
+        return 0
     names = bundle(args.out, labs, args.limit_s)
     print(f"wrote {args.out}: {len(names)} files (setup.sh, run_autograder, a handout of lab(s) "
           f"{', '.join(map(str, labs))}); upload it under Configure Autograder (Ubuntu base image)")
