@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from minizero import cli, env
+from minizero.autograde import LABS
 from minizero.cli import train as train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,6 +136,9 @@ BAD_FLAGS = [  # (argv, words the one line must hold)
     (["gradescope", "--times", "no/such/dir/t.md"], ["OUT no/such/dir/t.md", "does not exist"]),
     (["gradescope", "--times", "t.md", "--lab", "99"], ["--lab 99", "the labs are 1-"]),
     (["gradescope", "bundle.txt"], ["OUT 'bundle.txt'", ".zip"]),
+    (["handout", "/proc/x", "--labs", "1-3"], ["OUT '/proc/x'", "cannot make a folder in /proc"]),
+    (["handout", "hh", "--labs", "0-99"], ["--labs '0-99'", f"no lab 0, {max(LABS) + 1}-99", "the labs are 1-"]),
+    (["train", "--steps", "3"], ["minizero train: error:", "--config"]),
     (["train", "--config", "dup.json"], ["dup.json", "'train_micro_batch_size_per_gpu' given twice"]),
     (["train", "--config", "huge.json"], ["train_micro_batch_size_per_gpu", "[1, 1048576]"]),
 ]

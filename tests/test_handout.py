@@ -105,7 +105,7 @@ def test_lessons_that_run_a_lab_say_after_which(student):
 
 
 def test_bad_input_is_one_message_and_changes_nothing(tmp_path):
-    for args, words in [(["--labs", "0-3"], "--labs '0-3': no lab [0]"), (["--labs", "two"], "use numbers and ranges")]:
+    for args, words in [(["--labs", "0-3"], "--labs '0-3': no lab 0;"), (["--labs", "two"], "use numbers and ranges")]:
         proc = subprocess.run([sys.executable, "-m", "minizero", "handout", str(tmp_path / "out"), *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

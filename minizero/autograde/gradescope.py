@@ -10,7 +10,6 @@ labs/). A module it lacks is the bundle's own (its stub). The lab file is made a
 it (labgen.render 'package') and graded in a child process with a time limit (--limit-s, below Gradescope's
 own timeout): a submission that hangs or crashes gets failing entries, and results.json is always written.
 """
-import argparse
 import json
 import os
 import shutil
@@ -136,7 +135,8 @@ def _grade(labs: list[int], impl: str, limit_s: float) -> list[dict]:
 
 def main(argv=None) -> int:
     mz_env.check_or_exit("minizero.autograde.gradescope")  # a bad MINIZERO_GRADESCOPE_* value: one line, exit 2
-    ap = argparse.ArgumentParser(prog="python -m minizero.autograde.gradescope", description=__doc__.splitlines()[0])
+    from minizero.cli import checks
+    ap = checks.Parser(prog="python -m minizero.autograde.gradescope", description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=mz_env.get("MINIZERO_GRADESCOPE_ROOT"),
                     help="Gradescope's folder (default: $MINIZERO_GRADESCOPE_ROOT or /autograder)")
     ap.add_argument("--lab", type=int, action="append", help="lab to grade (repeatable); default: the bundle's labs")

@@ -16,7 +16,6 @@ zeropp.py for its stretch task): they are joined in that order into one file (`j
 `python -m minizero.cli.labgen` (make labs) writes them; `--check` fails if the committed files
 differ from what would be generated (a test runs it).
 """
-import argparse
 import ast
 import os
 import re
@@ -177,7 +176,8 @@ def render(lab, kind: str, root: str = REPO) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minizero.cli.labgen", description=__doc__.splitlines()[0])
+    from minizero.cli import checks
+    ap = checks.Parser(prog="python -m minizero.cli.labgen", description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="fail if labs/ or solutions/ are out of date")
     ap.add_argument("--lab", type=int, action="append", help="only this lab (repeatable); default: all")
     args = ap.parse_args(argv)

@@ -27,7 +27,6 @@ down) measured from the real per-rank events, against the papers' formulas, with
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -193,7 +192,8 @@ def report(s, out=sys.stdout):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="minizero bench pipeline", description=__doc__.splitlines()[0])
+    from minizero.cli import checks
+    ap = checks.Parser(prog="minizero bench pipeline", description=__doc__.splitlines()[0])
     ap.add_argument("--nprocs", type=int, default=4, help="pipeline stages (= ranks)")
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--micro", type=int, default=4, help="sequences per micro-batch")

@@ -11,7 +11,6 @@ one-element collectives: the loss broadcast and the gradient-norm all-reduces, a
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -71,7 +70,8 @@ def report(s: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="minizero bench 3d", description=__doc__.splitlines()[0])
+    from minizero.cli import checks
+    ap = checks.Parser(prog="minizero bench 3d", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="timed steps per layout (after one warm-up step)")
     ap.add_argument("--micro", type=int, default=4, help="sequences per micro-batch")
     ap.add_argument("--json", default=None)

@@ -1,14 +1,14 @@
 """`python -m minizero consolidate DIR OUT.pt`: a sharded checkpoint -> one fp32 state dict that
 loads into the plain model (DeepSpeed's zero_to_fp32.py). No ranks needed: it reads every
 rank's file (minizero/runtime/checkpoint.py explains the format)."""
-import argparse
 import sys
 
 from minizero.runtime.checkpoint import CheckpointError, check_output, consolidate
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="minizero consolidate", description="write a checkpoint's full fp32 state "
+    from minizero.cli import checks
+    ap = checks.Parser(prog="minizero consolidate", description="write a checkpoint's full fp32 state "
                                  "dict, which loads into the plain model (DeepSpeed's zero_to_fp32.py)")
     ap.add_argument("dir", help="the checkpoint directory (holds `latest`)")
     ap.add_argument("out", help="where to write the state dict (torch.save)")

@@ -17,7 +17,6 @@ is called with 4-byte parameters and gradients and K = 8 (Adam's m and v).
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
@@ -234,7 +233,8 @@ def plot(results, path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="minizero demo", description=__doc__.splitlines()[0])
+    from minizero.cli import checks
+    ap = checks.Parser(prog="minizero demo", description=__doc__.splitlines()[0])
     ap.add_argument("--nprocs", type=int, default=4, help="ranks (default 4)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--strategy", action="append", choices=sorted(STRATEGIES),

@@ -11,12 +11,12 @@ code (markers dropped): the package works for everything the handout does not as
   * a short Makefile: setup, demo, test (STUDENT_TESTS: what holds before any lab is done), grade.
 Left out: what grades or generates from the solutions (STAFF_ONLY).
 """
-import argparse
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 import sys
 
 from minizero.autograde import LABS, REPO, tree_digest
@@ -60,7 +60,14 @@ def parse_labs(text: str) -> list[int]:
         labs |= set(range(lo, hi + 1))
     unknown = sorted(labs - set(LABS))
     if unknown or not labs:
-        raise ValueError(f"--labs {text!r}: no lab {unknown or text}; the labs are {_all_labs()}")
+        runs = []  # 0, 15-99 rather than 86 numbers
+        for n in unknown:
+            if runs and n == runs[-1][1] + 1:
+                runs[-1][1] = n
+            else:
+                runs.append([n, n])
+        named = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or text
+        raise ValueError(f"--labs {text!r}: no lab {named}; the labs are {_all_labs()}")
     return sorted(labs)
 
 
@@ -213,7 +220,8 @@ def build(out: str, labs: list[int], root: str = REPO) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minizero handout", description=__doc__.splitlines()[0])
+    from minizero.cli import checks
+    ap = checks.Parser(prog="python -m minizero handout", description=__doc__.splitlines()[0])
     ap.add_argument("out", help="the folder to write (must not exist)")
     ap.add_argument("--labs", default=_all_labs(),
                     help=f"the labs the student writes, e.g. 1-6 or 1,3,8 (default: all, {_all_labs()})")
@@ -224,6 +232,12 @@ def main(argv=None) -> int:
         ap.error(str(e))
     if os.path.exists(args.out):
         ap.error(f"OUT {args.out!r} exists; give a new folder")
+    parent = os.path.dirname(os.path.abspath(args.out))
+    try:  # a folder made and removed, so nothing is left (os.access says yes to root everywhere)
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as e:
+        ap.error(f"OUT {args.out!r}: cannot make a folder in {parent} ({e.strerror}): give a path in a folder you "
+                 "can write")
     if not os.path.isdir(os.path.join(REPO, "solutions")):
         ap.error("this is a handout already (no solutions/): make a handout from the course's repository")
     changed = build(args.out, labs)

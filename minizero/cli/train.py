@@ -28,7 +28,6 @@ in a collective for MINIZERO_WATCHDOG_S seconds (default 300). Exit code 2: your
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -309,7 +308,8 @@ def runs(args) -> list[tuple[str, str]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="minizero train", description=__doc__.splitlines()[0])
+    from minizero.cli import checks
+    ap = checks.Parser(prog="minizero train", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, nargs="+",
                     help="a DeepSpeed JSON config (see configs/); several train one after the other in one launch")
     ap.add_argument("--model", default=None, choices=sorted(MODELS), help="the model (default: the config's "
