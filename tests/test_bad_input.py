@@ -133,6 +133,9 @@ BAD_FLAGS = [  # (argv, words the one line must hold)
     (["grade", "--json", "no/such/dir/results.json"], ["--json no/such/dir/results.json", "does not exist"]),
     (["grade", "--impl", "no_such_folder"], ["--impl no_such_folder", "no such folder"]),
     (["grade", "--lab", "99"], ["--lab 99", "1 (Ring all-reduce"]),
+    (["grade", "--lab", "1", "--impl", "/etc"], ["--impl /etc", "holds none of the files", "lab01_"]),
+    (["demo", "--steps", "0"], ["--steps", "got 0", "a whole number >= 1"]),
+    (["consolidate", "/no/such", "out.pt"], ["DIR /no/such", "no such folder"]),
     (["gradescope", "--times", "no/such/dir/t.md"], ["OUT no/such/dir/t.md", "does not exist"]),
     (["gradescope", "--times", "t.md", "--lab", "99"], ["--lab 99", "the labs are 1-"]),
     (["gradescope", "bundle.txt"], ["OUT 'bundle.txt'", ".zip"]),
@@ -158,10 +161,11 @@ def test_a_bad_flag_or_key_is_one_line_exit_2_and_nothing_written(argv, words, m
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(CONFIGS), "something was written"
 
 
-SITE_TOOLS = [  # the course's own tools (docs/site): (module, argv, words)
+SITE_TOOLS = [  # the course's own tools (docs/site, labgen): (module, argv, words)
     ("docs.site.syllabus", ["measure", "--lessons", "99"], ["--lessons 99", "no such lesson", "0, 1, 2"]),
     ("docs.site.syllabus", ["measure", "--labs", "3", "99"], ["--labs 99", "no such lab"]),
     ("docs.site.build", ["--out", "/proc/x"], ["--out /proc/x", "cannot create it"]),
+    ("minizero.autograde.labgen", ["--lab", "99"], ["--lab 99", "no such lab"]),
 ]
 
 

@@ -297,6 +297,10 @@ def main(argv=None) -> int:
     if args.impl not in ("labs", "solutions", "package") and not os.path.isdir(args.impl):
         ap.error(f"--impl {args.impl}: no such folder (give 'labs', 'solutions', 'package' or a folder with "
                  "labNN_*.py files)")
+    if os.path.isdir(args.impl) and args.impl not in ("labs", "solutions") and not any(
+            os.path.exists(os.path.join(args.impl, LABS[n].filename)) for n in labs):
+        ap.error(f"--impl {args.impl}: holds none of the files graded here ("
+                 + ", ".join(LABS[n].filename for n in labs[:3]) + (", ..." if len(labs) > 3 else "") + ")")
     checks.output_file(ap, "--json", args.json)  # before grading: a result that cannot be written is lost
     tests: list = []
 

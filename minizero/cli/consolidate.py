@@ -1,6 +1,7 @@
 """`python -m minizero consolidate DIR OUT.pt`: a sharded checkpoint -> one fp32 state dict that
 loads into the plain model (DeepSpeed's zero_to_fp32.py). No ranks needed: it reads every
 rank's file (minizero/runtime/checkpoint.py explains the format)."""
+import os
 import sys
 
 from minizero.runtime.checkpoint import CheckpointError, check_output, consolidate
@@ -14,6 +15,8 @@ def main(argv=None) -> int:
     ap.add_argument("out", help="where to write the state dict (torch.save)")
     ap.add_argument("--tag", default=None, help="which checkpoint (default: the one in DIR/latest)")
     args = ap.parse_args(argv)
+    if not os.path.isdir(args.dir):
+        ap.error(f"DIR {args.dir}: no such folder (give the checkpoint folder, the one that holds `latest`)")
     try:
         check_output(args.out)  # a bad OUT is a usage error (exit 2), found before anything is read
     except CheckpointError as ex:

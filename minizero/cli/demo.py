@@ -235,12 +235,13 @@ def plot(results, path):
 def main(argv=None) -> int:
     from minizero.cli import checks
     ap = checks.Parser(prog="minizero demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--nprocs", type=int, default=4, help="ranks (default 4)")
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--nprocs", type=checks.whole(1), default=4, help="ranks (default 4)")
+    ap.add_argument("--steps", type=checks.whole(1), default=60, help="training steps of each strategy (default 60)")
     ap.add_argument("--strategy", action="append", choices=sorted(STRATEGIES),
                     help="repeatable; default: ddp, zero1, zero2, zero3")
     ap.add_argument("--png", default="demo.png", help="where to write the plot")
-    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--timeout", type=checks.number(0, open_low=True), default=600,
+                    help="seconds the job may take (default 600)")
     args = ap.parse_args(argv)
     from minizero import launch
     t0 = time.time()
