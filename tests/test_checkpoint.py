@@ -169,7 +169,12 @@ def test_consolidate_edge_model(saved, stage, tmp_path):
 
 
 def test_consolidate_reports_a_bad_directory(tmp_path, capsys):
-    assert cli(["consolidate", str(tmp_path / "nothing"), str(tmp_path / "x.pt")]) == 1
+    """No such folder: a usage error (exit 2); a folder without a checkpoint: exit 1, saying so."""
+    with pytest.raises(SystemExit) as e:
+        cli(["consolidate", str(tmp_path / "nothing"), str(tmp_path / "x.pt")])
+    assert e.value.code == 2 and "no such folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli(["consolidate", str(tmp_path / "empty"), str(tmp_path / "x.pt")]) == 1
     assert "no checkpoint in" in capsys.readouterr().err and not (tmp_path / "x.pt").exists()
 
 
