@@ -139,6 +139,7 @@ BAD_FLAGS = [  # (argv, words the one line must hold)
     (["gradescope", "--times", "no/such/dir/t.md"], ["OUT no/such/dir/t.md", "does not exist"]),
     (["gradescope", "--times", "t.md", "--lab", "99"], ["--lab 99", "the labs are 1-"]),
     (["gradescope", "bundle.txt"], ["OUT 'bundle.txt'", ".zip"]),
+    (["gradescope", "b.zip", "--limit-s", "-3"], ["--limit-s", "a number > 0"]),
     (["handout", "/proc/x", "--labs", "1-3"], ["OUT '/proc/x'", "cannot make a folder in /proc"]),
     (["handout", "hh", "--labs", "0-99"], ["--labs '0-99'", f"no lab 0, {max(LABS) + 1}-99", "the labs are 1-"]),
     (["train", "--steps", "3"], ["minizero train: error:", "--config"]),
@@ -161,16 +162,19 @@ def test_a_bad_flag_or_key_is_one_line_exit_2_and_nothing_written(argv, words, m
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(CONFIGS), "something was written"
 
 
-SITE_TOOLS = [  # the course's own tools (docs/site, labgen): (module, argv, words)
+COURSE_TOOLS = [  # the course's own tools (docs/site, labgen, the Gradescope runner): (module, argv, words)
     ("docs.site.syllabus", ["measure", "--lessons", "99"], ["--lessons 99", "no such lesson", "0, 1, 2"]),
     ("docs.site.syllabus", ["measure", "--labs", "3", "99"], ["--labs 99", "no such lab"]),
     ("docs.site.build", ["--out", "/proc/x"], ["--out /proc/x", "cannot create it"]),
     ("minizero.autograde.labgen", ["--lab", "99"], ["--lab 99", "no such lab"]),
+    ("minizero.autograde.gradescope", ["--root", "/no/such"], ["--root /no/such", "no submission/ folder"]),
+    ("minizero.autograde.gradescope", ["--root", ".", "--lab", "99"], ["--lab 99", "no such lab"]),
+    ("minizero.autograde.gradescope", ["--limit-s", "-3"], ["--limit-s", "a number > 0"]),
 ]
 
 
-@pytest.mark.parametrize("module,argv,words", SITE_TOOLS, ids=[f"{m} {' '.join(a)}" for m, a, _ in SITE_TOOLS])
-def test_the_site_tools_check_their_flags_before_minutes_of_work(module, argv, words, monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("module,argv,words", COURSE_TOOLS, ids=[f"{m} {' '.join(a)}" for m, a, _ in COURSE_TOOLS])
+def test_the_course_tools_check_their_flags_before_any_work(module, argv, words, monkeypatch, tmp_path, capsys):
     """`measure --lessons 99` measured every lab (the other flag's default) for minutes and `build --out /proc/x`
     failed after Sphinx: now one line before anything runs, and no measured times written."""
     import importlib

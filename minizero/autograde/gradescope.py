@@ -140,11 +140,18 @@ def main(argv=None) -> int:
     ap.add_argument("--root", default=mz_env.get("MINIZERO_GRADESCOPE_ROOT"),
                     help="Gradescope's folder (default: $MINIZERO_GRADESCOPE_ROOT or /autograder)")
     ap.add_argument("--lab", type=int, action="append", help="lab to grade (repeatable); default: the bundle's labs")
-    ap.add_argument("--limit-s", type=float, default=mz_env.get("MINIZERO_GRADESCOPE_LIMIT_S"),
+    ap.add_argument("--limit-s", type=checks.number(0, open_low=True),
+                    default=mz_env.get("MINIZERO_GRADESCOPE_LIMIT_S"),
                     help="stop grading after this many seconds (keep it below Gradescope's timeout; default 540 "
                          "or $MINIZERO_GRADESCOPE_LIMIT_S)")
     args = ap.parse_args(argv)
     labs = args.lab or (HANDOUT["labs"] if HANDOUT else sorted(LABS))
+    for n in labs:
+        if n not in LABS:
+            ap.error(f"--lab {n}: no such lab; the labs are {min(LABS)}-{max(LABS)}")
+    if not os.path.isdir(os.path.join(args.root, "submission")):  # Gradescope always makes it, empty or not
+        ap.error(f"--root {args.root}: no submission/ folder in it (Gradescope unzips the student's files into "
+                 "ROOT/submission; the results go to ROOT/results/results.json)")
     result = run(args.root, labs, args.limit_s)
     print(f"{result['output']}\ntotal: {result['score']:g} / {result['max_score']:g}")
     return 0  # a low score is a result; Gradescope reads it from results.json

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap = checks.Parser(prog="python -m minizero gradescope", description=__doc__.splitlines()[0])
     ap.add_argument("out", help="the zip to write (e.g. lab04.zip), or with --times the Markdown table")
     ap.add_argument("--lab", type=int, action="append", help="a lab it grades (repeatable); default: every lab")
-    ap.add_argument("--limit-s", type=float, default=540,
+    ap.add_argument("--limit-s", type=checks.number(0, open_low=True), default=540,
                     help="run_autograder stops grading after this many seconds and still writes results.json: keep "
                          "it below the timeout set on Gradescope (default 540, for its 10 minutes)")
     ap.add_argument("--times", action="store_true", help="measure each lab's grading time here into OUT (Markdown)")
