@@ -175,8 +175,8 @@ COURSE_TOOLS = [  # the course's own tools (docs/site, labgen, the Gradescope ru
 
 @pytest.mark.parametrize("module,argv,words", COURSE_TOOLS, ids=[f"{m} {' '.join(a)}" for m, a, _ in COURSE_TOOLS])
 def test_the_course_tools_check_their_flags_before_any_work(module, argv, words, monkeypatch, tmp_path, capsys):
-    """`measure --lessons 99` measured every lab (the other flag's default) for minutes and `build --out /proc/x`
-    failed after Sphinx: now one line before anything runs, and no measured times written."""
+    """These tools run for minutes (measuring, grading, Sphinx): a bad flag is one line before any of it runs, and
+    no measured times are written."""
     import importlib
 
     from docs.site import syllabus

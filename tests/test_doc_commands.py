@@ -142,8 +142,8 @@ def test_make_check_selects_no_test_that_starts_processes():
 
 
 def test_every_make_target_is_a_command():
-    """`make site` with site/ present said "'site' is up to date" and built nothing: a target named like a folder
-    or file the build makes must be .PHONY. Every target of the Makefile is a command (none names a file)."""
+    """Every target of the Makefile is a command, none names a file: without .PHONY, `make site` with site/
+    present (as after `make test`) would say "'site' is up to date" and build nothing."""
     makefile = (ROOT / "Makefile").read_text()
     targets = set(re.findall(r"^([a-z][\w-]*):(?!=)", makefile, re.M))
     phony = {t for line in re.findall(r"^\.PHONY:(.*)$", makefile, re.M) for t in line.split()}

@@ -71,9 +71,9 @@ def test_every_rank_failing_exits_2_without_mpich_banner(tmp_path):
 
 @pytest.mark.parametrize("mode", ["bad_config", "bad_config_later"])
 def test_a_bad_config_in_a_users_own_job_is_one_line_and_exit_2(mode, tmp_path):
-    """mpirun running the user's script, minizero.initialize with zero_optimization.stage 5: each rank raised its
-    ConfigError and printed its traceback; now the message is said once, naming the key, and the job exits 2
-    (before the script started the communicator, and after)."""
+    """mpirun running the user's script, minizero.initialize with zero_optimization.stage 5: every rank finds it,
+    so the message is said once, naming the key, and the job exits 2 without a traceback per rank (before the
+    script started the communicator, and after)."""
     code, text, left, pids = _job(_mpirun(2, "tests/fault_script.py", mode), tmp_path)
     assert code == 2, text[-3000:]
     said = [line for line in text.splitlines() if "zero_optimization.stage" in line]

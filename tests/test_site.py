@@ -75,8 +75,8 @@ def site():
 
 
 def test_the_build_says_no_warning(site):
-    """Sphinx's warnings and errors of this test's own build (a fresh clone reads every page: a package's
-    re-exports documented twice showed up there as 4 duplicate-object warnings)."""
+    """Sphinx's warnings and errors of this test's own build: none (in a fresh clone it reads every page, so a
+    docstring Sphinx cannot render, or an object documented twice, shows here)."""
     if "warnings" not in BUILD:
         pytest.skip("MINIZERO_SITE names a site built elsewhere: its build's warnings were printed there")
     assert BUILD["warnings"] == [], "\n".join(BUILD["warnings"])
