@@ -146,9 +146,7 @@ def main(argv=None) -> int:
                          "or $MINIZERO_GRADESCOPE_LIMIT_S)")
     args = ap.parse_args(argv)
     labs = args.lab or (HANDOUT["labs"] if HANDOUT else sorted(LABS))
-    for n in labs:
-        if n not in LABS:
-            ap.error(f"--lab {n}: no such lab; the labs are {min(LABS)}-{max(LABS)}")
+    checks.known_numbers(ap, "--lab", labs, LABS, "lab")
     if not os.path.isdir(os.path.join(args.root, "submission")):  # Gradescope always makes it, empty or not
         ap.error(f"--root {args.root}: no submission/ folder in it (Gradescope unzips the student's files into "
                  "ROOT/submission; the results go to ROOT/results/results.json)")

@@ -181,9 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="fail if labs/ or solutions/ are out of date")
     ap.add_argument("--lab", type=int, action="append", help="only this lab (repeatable); default: all")
     args = ap.parse_args(argv)
-    for n in args.lab or []:
-        if n not in LABS:
-            ap.error(f"--lab {n}: no such lab; the labs are {min(LABS)}-{max(LABS)}")
+    checks.known_numbers(ap, "--lab", args.lab, LABS, "lab")
     stale = []
     for lab in LABS.values():
         if args.lab and lab.number not in args.lab:

@@ -73,3 +73,10 @@ def output_folder(parser: argparse.ArgumentParser, flag: str, path: str | None):
         if not existed and os.path.isdir(path):
             os.rmdir(path)  # made here, unusable: not left behind
         parser.error(f"{flag} {path}: cannot create it or write in it ({e.strerror})")
+
+
+def known_numbers(parser: argparse.ArgumentParser, flag: str, given, known, noun: str):
+    """Every number of `given` (the values of `flag`) is in `known` (the labs, the lessons)."""
+    for n in given or []:
+        if n not in known:
+            parser.error(f"{flag} {n}: no such {noun}; the {noun}s are {min(known)}-{max(known)}")

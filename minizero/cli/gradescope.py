@@ -94,9 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--times", action="store_true", help="measure each lab's grading time here into OUT (Markdown)")
     args = ap.parse_args(argv)
     labs = sorted(set(args.lab or LABS))
-    unknown = [n for n in labs if n not in LABS]
-    if unknown:
-        ap.error(f"--lab {unknown[0]}: the labs are {min(LABS)}-{max(LABS)}")
+    checks.known_numbers(ap, "--lab", labs, LABS, "lab")
     if not args.times and not args.out.endswith(".zip"):
         ap.error(f"OUT {args.out!r}: give a .zip file name (Gradescope takes the autograder as a zip)")
     if not os.path.isdir(os.path.join(REPO, "solutions")):

@@ -40,13 +40,18 @@ LESSON_TOPIC = {"00": 0, "01": 1, "02": 2, "03": 3, "04": 4, "05": 5, "06": 6, "
 
 def _all_labs() -> str:
     """Every lab as --labs takes it: runs of consecutive numbers as a-b (a number may be missing: 1-12,14)."""
-    runs, numbers = [], sorted(LABS)
-    for n in numbers:
+    return _as_ranges(LABS, ",")
+
+
+def _as_ranges(numbers, sep: str) -> str:
+    """Runs of consecutive numbers as a-b: [0, 15, 16, 17] -> '0, 15-17' with sep ', '."""
+    runs = []
+    for n in sorted(numbers):
         if runs and n == runs[-1][1] + 1:
             runs[-1][1] = n
         else:
             runs.append([n, n])
-    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+    return sep.join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def parse_labs(text: str) -> list[int]:
@@ -60,13 +65,7 @@ def parse_labs(text: str) -> list[int]:
         labs |= set(range(lo, hi + 1))
     unknown = sorted(labs - set(LABS))
     if unknown or not labs:
-        runs = []  # 0, 15-99 rather than 86 numbers
-        for n in unknown:
-            if runs and n == runs[-1][1] + 1:
-                runs[-1][1] = n
-            else:
-                runs.append([n, n])
-        named = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or text
+        named = _as_ranges(unknown, ", ") or text  # 0, 15-99 rather than 86 numbers
         raise ValueError(f"--labs {text!r}: no lab {named}; the labs are {_all_labs()}")
     return sorted(labs)
 

@@ -84,9 +84,10 @@ def _end_job(message: str):
     communicator exists; before it, no rank has started MPI or a rendezvous, so each just exits)."""
     from minizero import comm as comm_mod
     from minizero.comm import watchdog
-    if comm_mod.is_initialized() and comm_mod.get().size > 1:
-        watchdog.start(comm_mod.get())  # the job directory the vote is taken in
-        watchdog.end_job(comm_mod.get(), message, 2)
+    world = comm_mod.get() if comm_mod.is_initialized() else None
+    if world is not None and world.size > 1:
+        watchdog.start(world)  # the job directory the vote is taken in
+        watchdog.end_job(world, message, 2)
     if comm_mod.launched_rank() == 0:
         sys.stderr.write(message.rstrip() + "\n")
         sys.stderr.flush()
