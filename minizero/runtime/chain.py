@@ -96,17 +96,19 @@ def select_strategy(plan: Plan, model, comm, mesh=None, node_mesh=None, runtime_
     """The one place a plan becomes a data-parallel strategy, keyed by what the plan asks for.
     comm: the ranks that reduce (and shard); mesh: the engine's (experts need mesh.dp and mesh.expert_dp);
     node_mesh: the nodes ZeRO++ uses, if the caller has them (initialize(mesh=...))."""
+    # The stage is read once, here; the variants below are keyed by their own fields, which the config allows
+    # only at the stages they need (runtime/config.py: ZeRO++ and MiCS at 3, experts at 0-1, 1-bit Adam at 0).
     if plan.ep_size > 1:  # MoE: experts reduced over mesh.expert_dp, dense parameters over mesh.dp
         from minizero.runtime.expert_strategy import ExpertDDPStrategy, ExpertZero1Strategy
-        cls = ExpertDDPStrategy if plan.stage == 0 else ExpertZero1Strategy
+        cls = {0: ExpertDDPStrategy, 1: ExpertZero1Strategy}[plan.stage]
         return cls(model, mesh, strategy_spec(plan))
     from minizero.compression import OneBitAdam
-    if issubclass(plan.optimizer_cls, OneBitAdam):  # stage 0 (resolve): the optimizer reduces, no wrapper
+    if issubclass(plan.optimizer_cls, OneBitAdam):  # the optimizer reduces, no wrapper
         return OneBitAdamStrategy(model, comm, strategy_spec(plan))
-    if plan.stage == 3 and plan.mics_shard_size is not None:
+    if plan.mics_shard_size is not None:
         from minizero.comm import Mesh
         return HybridShardStrategy(model, comm, strategy_spec(plan, Mesh(comm, node_size=plan.mics_shard_size)))
-    if plan.stage == 3 and plan.zeropp is not None:
+    if plan.zeropp is not None:
         from minizero.comm import Mesh
         hpz = plan.zeropp.hpz_partition_size
         nodes = node_mesh or Mesh(comm, node_size=hpz if hpz > 1 else None)
