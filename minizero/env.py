@@ -90,6 +90,10 @@ VARIABLES: dict[str, Variable] = {
         _flag, False, "0 or 1",
         "1: the mpi backend stages CPU tensors through a host copy too, as it always does CUDA ones (several ranks "
         "on one GPU); make test-gpu's --quick run takes that path on CPU"),
+    "MINIZERO_STRICT_HOST": Variable(
+        _flag, False, "0 or 1",
+        "1: the offload tiers mark their host tensors and every collective refuses one, as NCCL refuses a CPU "
+        "tensor (minizero/host.py): the test suite's way to find that bug on a machine without a GPU"),
     "MINIZERO_GRADESCOPE_ROOT": Variable(
         _directory, "/autograder", "an existing directory this process can write to",
         "the Gradescope autograder's folder (source/, submission/, results/); tests simulate it in a temporary one"),

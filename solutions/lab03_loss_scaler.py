@@ -172,18 +172,23 @@ def clip_grad_norm_(grads, max_norm: float, shard_comm=None, *, replicated=(), w
     over which the replicated ones differ (pipeline stages, tensor-parallel slices). shard_comm then
     spans every rank holding a different piece (the world):
         ||g||^2 = sum over shard_comm of sum_sharded w g^2  +  sum over model_comms of sum_replicated w g^2"""
-    def squares(tensors, ws, sq):
+    tensors = [g for g in [*grads, *replicated] if g is not None]
+    # the sums meet on the communicator's device: offloaded gradients are host tensors (ZeRO-Offload), which a
+    # device collective refuses (NCCL), so each tensor's square sum is taken where it lives and then moved
+    device = next((c.device for c in (shard_comm, *model_comms) if c is not None),
+                  tensors[0].device if tensors else torch.device("cpu"))
+
+    def squares(tensors, ws, total):
         for g, w in zip(tensors, ws or [None] * len(tensors)):
             if g is not None:
-                sq += g.float().pow(2).sum() if w is None else (w * g.float().pow(2)).sum()
-    tensors = [g for g in [*grads, *replicated] if g is not None]
-    sq = torch.zeros(1, dtype=torch.float32, device=tensors[0].device if tensors else "cpu")
-    squares(list(grads), weights, sq)
+                w = w.to(g.device) if torch.is_tensor(w) else w
+                total += (g.float().pow(2) if w is None else w * g.float().pow(2)).sum().to(device)
+        return total
+    sq = squares(list(grads), weights, torch.zeros(1, dtype=torch.float32, device=device))
     if shard_comm is not None:
         shard_comm.all_reduce(sq, op="sum")
     if model_comms:
-        whole = torch.zeros_like(sq)
-        squares(list(replicated), replicated_weights, whole)
+        whole = squares(list(replicated), replicated_weights, torch.zeros_like(sq))
         for comm in model_comms:
             comm.all_reduce(whole, op="sum")
         sq += whole
@@ -192,7 +197,7 @@ def clip_grad_norm_(grads, max_norm: float, shard_comm=None, *, replicated=(), w
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s epsilon
     for g in tensors:
-        g.mul_(coef.to(g.dtype))
+        g.mul_(coef.to(g.device, g.dtype))
     return norm
 
 

@@ -51,6 +51,8 @@ import torch
 
 from minizero import memory
 from minizero.comm.labels import labelled
+from minizero.host import empty as host_empty
+from minizero.host import to_host
 
 
 class Traffic:
@@ -71,11 +73,6 @@ class Traffic:
 
 # param-group keys that are not hyperparameters: the tensors, and the kernel cpu_optimizer chose
 IMPLEMENTATION = ("params", "fused", "foreach", "capturable", "differentiable")
-
-
-def host_empty(numel: int, dtype=torch.float32, pin: bool = False) -> torch.Tensor:
-    """A host (CPU) buffer; page-locked when `pin` and CUDA exist, so copies can be asynchronous."""
-    return torch.empty(numel, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
 
 
 def cpu_optimizer(optimizer_cls, params, **kwargs):
@@ -108,7 +105,7 @@ class OffloadedOptimizer:
         gradient is reduced, ZeRO-2 as each bucket's is: it moves during backward, in the device's width,
         and micro-batches add up on the host in fp32)."""
         flat = grad.reshape(-1)
-        self.grads[i][offset:offset + flat.numel()].add_(flat.to(self.grads[i].device, torch.float32))
+        self.grads[i][offset:offset + flat.numel()].add_(to_host(flat, torch.float32))
         self.traffic.to_host += grad.numel() * grad.element_size()
 
     @property

@@ -167,6 +167,7 @@ def main(comm, tmp):
         ref.load_checkpoint(path)
         want = checkpoint.gather(ref)[0]
         out[f"reshard/{name}"] = all(torch.equal(want[n][k], loaded[n][k]) for n in want for k in want[n])
+    out["strict"] = strict_matrix(comm, tmp)
     out["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return out
 
@@ -182,6 +183,56 @@ def fp16_layouts(comm):
                       "shard_numel": sum(p.numel() for p in engine.offload.device_params),
                       "device_dtypes": sorted({str(p.dtype) for p in engine.offload.device_params}),
                       "micro_batches": ACC, "skipped": engine.skipped_steps}
+    return out
+
+
+def strict_matrix(comm, tmp):
+    """Every offload family through minizero.initialize, as a user sets it (AdamW, clipping 1.0, 2 micro-batches),
+    twice: with MINIZERO_STRICT_HOST=1, where a host tensor reaching a collective raises as NCCL does on a GPU
+    (and host and device tensors in one op as torch does there), and without. {name: error text, or whether
+    the two runs' losses, last gradient norm and final parameters are bitwise equal}."""
+    import minizero
+
+    def cfg(stage, dtype="fp32", clip=1.0, opt="cpu", param=None, **zero):
+        c = config(stage, ADAM, fp16=dtype == "fp16", offload={"device": opt}, param=param, **zero)
+        if opt == "nvme":
+            c["zero_optimization"]["offload_optimizer"]["nvme_path"] = os.path.join(tmp, f"strict{comm.rank}")
+        if param == "nvme":
+            c["zero_optimization"]["offload_param"]["nvme_path"] = os.path.join(tmp, f"strict{comm.rank}")
+        return {**c, "gradient_clipping": clip, "bf16": {"enabled": dtype == "bf16"}}
+    cases = {f"{stage}/{dtype}": cfg(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16", "fp16")}
+    cases.update({"2/fp32/no-clip": cfg(2, clip=0.0),
+                  "2/fp32/dpu": cfg(2),
+                  "3/fp32/nvme": cfg(3, opt="nvme", sub_group_size=1000),
+                  "3/bf16/param-cpu": cfg(3, "bf16", param="cpu"),
+                  "3/fp32/param-nvme": cfg(3, opt="nvme", param="nvme", sub_group_size=1000),
+                  "3/fp32/zero-init": cfg(3, param="cpu")})
+    cases["2/fp32/dpu"]["zero_optimization"]["offload_optimizer"]["dpu_warmup_steps"] = 1
+    out = {}
+    for name, c in cases.items():
+        losses = []
+        for strict in ("1", "0"):
+            os.environ["MINIZERO_STRICT_HOST"] = strict
+            try:
+                if name.endswith("zero-init"):
+                    with minizero.zero.Init():
+                        model = build_model("tiny-gpt", seed=0, **GPT)
+                else:
+                    model = build_model("tiny-gpt", seed=0, **GPT)
+                engine = minizero.initialize(model=model, model_parameters=model.parameters(), config=c)[0]
+                losses.append(train(engine, 2) + [engine.get_global_grad_norm()])
+                if name in ("2/fp32", "3/fp32/nvme"):  # a checkpoint's save and load gather and scatter
+                    path = os.path.join(tmp, f"strict_ckpt_{name.replace('/', '_')}")
+                    engine.save_checkpoint(path)
+                    engine.load_checkpoint(path)
+                losses[-1].append(params(engine).tolist())
+            except Exception as e:  # every rank raises the same, before any peer waits on it
+                out[name] = f"{'strict' if strict == '1' else 'plain'}: {type(e).__name__}: {e}"
+                break
+            finally:
+                del os.environ["MINIZERO_STRICT_HOST"]
+        else:
+            out[name] = losses[0] == losses[1]
     return out
 
 

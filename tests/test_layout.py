@@ -10,7 +10,7 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parent.parent / "minizero"
 # ops: DeepSpeed's optimizer names (deepspeed.ops.adam) over torch's, a leaf like a mechanism
 MECHANISMS = ("comm", "dp", "zero", "pipeline", "tensor", "context", "moe", "compression", "sparse", "ops")
-SHARED = ("minizero.comm", "minizero.memory", "minizero.precision",
+SHARED = ("minizero.comm", "minizero.memory", "minizero.precision", "minizero.host",
           "minizero.env")  # env: the one place MINIZERO_* variables are read and checked
 ABOVE = ("minizero.bench", "minizero.experiments", "minizero.cli", "minizero.autograde",
          "minizero.models", "minizero.data", "minizero.launch")

@@ -210,3 +210,15 @@ def test_nvme_path_that_cannot_be_written(tmp_path):
     with pytest.raises(DiskError, match="is not a writable directory"):
         check_nvme_path(str(blocker / "nvme"))
     assert check_nvme_path(str(tmp_path / "new" / "dir")).endswith("dir")
+
+
+def test_no_host_tensor_reaches_a_collective():
+    """MINIZERO_STRICT_HOST=1 marks the tiers' host tensors (minizero/host.py) and the communicator refuses one as
+    NCCL refuses a CPU tensor on a GPU: every offload family through initialize (stages 1-3, cpu and nvme,
+    optimizer and parameters, fp32/bf16/fp16, clipping on and off, accumulation, DPU, zero.Init) must train,
+    and the marks must change no number (losses bitwise equal to the same run unmarked)."""
+    strict = [r["strict"] for r in results()]
+    assert len(strict[0]) == 15, sorted(strict[0])
+    for rank, cases in enumerate(strict):
+        bad = {name: v for name, v in cases.items() if v is not True}
+        assert not bad, f"rank {rank}: " + "; ".join(f"{k}: {v}" for k, v in bad.items())

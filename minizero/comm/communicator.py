@@ -24,6 +24,7 @@ import sys
 import torch
 
 from minizero import env as mz_env
+from minizero import host
 from minizero.comm.backends import (MPIBackend, TorchBackend, heartbeat, init_torch_distributed, mpi_module,
                                     report_rank_lost)
 from minizero.comm.labels import label
@@ -107,6 +108,10 @@ class Communicator:
 
     def _enter(self, op, *tensors, check=True):
         for t in tensors:
+            if host.is_host(t):  # MINIZERO_STRICT_HOST: what NCCL says of an offload tier's CPU tensor
+                raise ValueError(f"{op}: tensor on the host, communicator {self.name} is on the device "
+                                 f"(MINIZERO_STRICT_HOST=1: on a GPU this is 'tensor on cpu, communicator "
+                                 f"{self.name} is on cuda'): move it with .to(comm.device) first")
             if t.device != self.device and not (self.backend == "mpi" and t.device.type == "cpu"):
                 raise ValueError(f"{op}: tensor on {t.device}, communicator {self.name} is on {self.device}")
             if not t.is_contiguous():

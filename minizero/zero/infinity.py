@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from minizero import memory
+from minizero import host, memory
 from minizero.comm.labels import labelled
 from minizero.zero.offload import OffloadedOptimizer, Traffic, cpu_optimizer, host_empty
 
@@ -116,7 +116,7 @@ class DiskOptimizer(OffloadedOptimizer):
         self.sub_group_numel = min(int(sub_group_numel), max(self.numel, 1))
         self.bounds = [(lo, min(lo + self.sub_group_numel, self.numel))
                        for lo in range(0, self.numel, self.sub_group_numel)]
-        self._work = torch.nn.Parameter(torch.zeros(1), requires_grad=False)  # each sub-group is swapped in here
+        self._work = torch.nn.Parameter(host.zeros(1), requires_grad=False)  # each sub-group is swapped in here
         self.optim = cpu_optimizer(optimizer_cls, [self._work], **optimizer_kwargs)
         self.keys = None                           # elementwise state names, known after the first step
         self.scalars = {}                          # sub-group -> its scalar state (Adam's step)
@@ -213,7 +213,7 @@ class DiskOptimizer(OffloadedOptimizer):
         for key in ["master"] + (self.keys if stepped else []):
             arr = np.fromfile(self._path(i, key), dtype=np.float32)
             self.traffic.disk_read += arr.nbytes
-            out[key] = torch.from_numpy(arr)
+            out[key] = host.mark(torch.from_numpy(arr))
         self._held(sum(t.numel() * 4 for t in out.values()))  # released when its write-back is queued
         return out
 
@@ -226,7 +226,7 @@ class DiskOptimizer(OffloadedOptimizer):
                 yield i, a - start, b - start, a - lo
 
     def _gather_device(self, lo, hi):
-        out = torch.empty(hi - lo)
+        out = host.empty(hi - lo)
         for i, a, b, off in self._segments(lo, hi):
             out[off:off + b - a] = self.device_params[i].detach().reshape(-1)[a:b]
         return out
@@ -255,7 +255,7 @@ class DiskOptimizer(OffloadedOptimizer):
                 self.keys = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape)
             self.scalars[i] = {k: v for k, v in state.items() if k not in self.keys}
             self._work.grad = None
-            self._work.data = torch.zeros(1)
+            self._work.data = host.zeros(1)
             for j, a, b, off in self._segments(lo, hi):  # parameters up, this sub-group's part
                 p = self.device_params[j]
                 p.view(-1)[a:b].copy_(master[off:off + b - a])
@@ -345,7 +345,7 @@ class _DiskState:
         if owner.keys is None:
             return default
         start, end = owner.offsets[i], owner.offsets[i + 1]
-        out, scalars = {k: torch.empty(end - start) for k in owner.keys}, {}
+        out, scalars = {k: host.empty(end - start) for k in owner.keys}, {}
         for g, (lo, hi) in enumerate(owner.bounds):
             a, b = max(lo, start), min(hi, end)
             if a < b:
@@ -371,8 +371,8 @@ class _DiskState:
                 data = {}
                 for k in owner.keys:  # read-modify-write: a sub-group may hold pieces of several params
                     path = owner._path(g, k)
-                    data[k] = torch.from_numpy(np.fromfile(path, dtype=np.float32)) if os.path.exists(path) \
-                        else torch.zeros(hi - lo)
+                    data[k] = (host.mark(torch.from_numpy(np.fromfile(path, dtype=np.float32)))
+                               if os.path.exists(path) else host.zeros(hi - lo))
                     data[k][a - lo:b - lo] = state[k].reshape(-1)[a - start:b - start]
                 owner._write(g, data)
                 owner.scalars[g] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()
