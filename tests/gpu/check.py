@@ -133,6 +133,22 @@ has no CUDA reduce-scatter, all-to-all or send/recv. NCCL itself is checked at a
 Bounded: each part has a timeout (a hung part is a failed row and the parts after it run in a fresh
 launch), and the whole run stops launching after 8 minutes (`--budget-s 480`).
 
+## What it does not check
+
+- **Several GPUs over NCCL: never.** One GPU is lent at a time; the multi-rank parts above go through the
+  mpi backend, staged through the host.
+- **A user's model through `initialize` on CUDA**, with the options users set (clipping, accumulation,
+  bf16): no row trains one. A user's GPT-2 small (124M, `gradient_clipping: 1.0`) on an H200 found every
+  ZeRO-Offload config crashing at the clip (`all_reduce: tensor on cpu, communicator world is on cuda:0`).
+  That class of bug is now caught without a GPU: `MINIZERO_STRICT_HOST=1` (minizero/host.py) makes the
+  offload tiers' host tensors refuse a device collective, and `tests/test_offload.py` trains every offload
+  family through it. The fix has not yet run on a GPU.
+- **bf16 speed against torch's autocast.** That user measured stage 0 at 0.81-0.86x autocast's tokens/s and
+  stage 3 at 0.56-0.63x at a world of one (fp32 stages 0-3: 0.97-0.98x); no change since.
+- **Where `offload_param: {"device": "cpu"}` keeps ZeRO-3's shards.** FSDP makes each unit's shard on
+  `comm.device` and nothing moves it, so on CUDA the shards stay on the GPU while the ledger books them as
+  host memory (zero/fsdp_optimizer.py `memory_tensors`); on a CPU machine the two are the same RAM.
+
 ## How to produce it
 
 On a machine with CUDA and this repository's environment: `make test-gpu` (it writes `docs/gpu.md`;
