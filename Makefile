@@ -63,11 +63,12 @@ labs: setup
 	$(PY) -m minizero.cli.labgen
 
 # The student's copy (docs/instructors.md): `make handout HANDOUT_LABS=1-6 HANDOUT_DIR=../minizero-student`.
-HANDOUT_LABS ?= 1-12
+# Unset, the command's own default: every lab (a lab left out keeps its reference code in the handout).
+HANDOUT_LABS ?=
 HANDOUT_DIR  ?= build/handout
 handout: setup
 	rm -rf $(HANDOUT_DIR)
-	$(PY) -m minizero handout $(HANDOUT_DIR) --labs $(HANDOUT_LABS)
+	$(PY) -m minizero handout $(HANDOUT_DIR)$(if $(HANDOUT_LABS), --labs $(HANDOUT_LABS))
 
 # The course website in site/ (docs/site/build.py): lessons as executed in build/lessons/ (or run now).
 site: $(SITE_STAMP)

@@ -114,3 +114,15 @@ def test_bad_input_is_one_message_and_changes_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "minizero", "handout", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "exists" in proc.stderr and not any((tmp_path / "out").iterdir())
+
+
+def test_make_handout_gives_every_lab_as_the_command_does():
+    """`make handout` runs the command with its own default (every lab: a lab left out ships its reference
+    code), and HANDOUT_LABS still narrows it."""
+    def dry(*extra):
+        proc = subprocess.run(["make", "-n", "handout", *extra], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return [line for line in proc.stdout.splitlines() if "-m minizero handout" in line]
+    assert len(dry()) == 1 and "--labs" not in dry()[0], dry()
+    assert dry("HANDOUT_LABS=1-6")[0].endswith("--labs 1-6"), dry("HANDOUT_LABS=1-6")
