@@ -51,7 +51,7 @@ browser:
 test: setup $(SITE_STAMP) browser
 	$(PY) -m pytest -q --durations=15
 
-# the fast part of the suite for everyday work: no test that starts ranks or processes (about 2 minutes)
+# the fast part of the suite for everyday work: no test that starts ranks or processes (about 15 s)
 check: setup
 	$(PY) -m pytest -q -m "not launches" --durations=5
 	$(PY) -m minizero.cli.labgen --check

@@ -61,6 +61,7 @@ def test_the_solution_scores_full_marks(source, tmp_path):
     assert result["score"] == result["max_score"] == MAX, proc.stdout[-3000:]
     assert [t["status"] for t in result["tests"]] == ["passed"] * len(LAB.checks())
     assert "graded my-repo/minizero/comm/ring.py" in result["output"]
+    assert result["visibility"] == result["stdout_visibility"] == "visible"  # else hidden until published
 
 
 def test_the_untouched_lab_scores_zero(source, tmp_path):

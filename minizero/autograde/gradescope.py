@@ -93,8 +93,10 @@ def run(root: str, labs: list[int], limit_s: float) -> dict:
         tests += [t for n in labs for t in _failing(get_lab(n), notes[-1]) if t["name"] not in done]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    # visible at once: the messages name the cause of each lost point, which is what a student needs
     result = {"score": sum(t["score"] for t in tests), "max_score": sum(t["max_score"] for t in tests),
-              "execution_time": round(time.time() - t0, 1), "output": "\n".join(notes), "tests": tests}
+              "execution_time": round(time.time() - t0, 1), "output": "\n".join(notes),
+              "visibility": "visible", "stdout_visibility": "visible", "tests": tests}
     with open(results, "w") as f:
         json.dump(result, f, indent=2)
     return result
