@@ -62,6 +62,12 @@ def test_the_untouched_handout_scores_zero(student):
     for t in result["tests"]:
         assert (t["status"] == "failed" and "not implemented yet" in t["output"]
                 and "no rank was launched" in t["output"]), t
+        lab = LABS[int(t["name"].split(":")[0].split()[1])]  # named: where its TODO is here
+        assert f"every TODO in {' and '.join(labgen.sources(lab))} is still" in t["output"], t
+    wrong = in_handout(student, sys.executable, "-m", "minizero", "grade", "--lab", "1",
+                       "--impl", "labs")
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1, wrong.stderr
+    assert "--impl package" in wrong.stderr, wrong.stderr
 
 
 def test_the_handout_with_the_solutions_pasted_back_scores_full_marks(student, tmp_path):
@@ -90,6 +96,18 @@ def test_the_handouts_make_test_passes(student):
     proc = in_handout(student, sys.executable, "-m", *shlex.split(recipe.group(1)), "-p", "no:cacheprovider")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert re.search(r"\d+ passed", proc.stdout) and "failed" not in proc.stdout
+
+
+def test_lessons_name_the_students_files(student):
+    """The lessons' exercises say where to write a lab: in the handout, its module(s), not labs/
+    (which holds the demos there); no lesson asks for --impl labs."""
+    for path in sorted((student / "lessons").glob("*.ipynb")):
+        text = path.read_text()
+        for lab in LABS.values():
+            old = f"labs/{lab.filename}"
+            assert f"in `{old}`" not in text and f"`{old}` (" not in text, path.name
+        assert "--impl labs" not in text, path.name
+    assert "in `minizero/dp/ddp.py`" in (student / "lessons" / "02_dp_ddp.ipynb").read_text()
 
 
 def test_lessons_that_run_a_lab_say_after_which(student):
@@ -126,3 +144,41 @@ def test_make_handout_gives_every_lab_as_the_command_does():
         return [line for line in proc.stdout.splitlines() if "-m minizero handout" in line]
     assert len(dry()) == 1 and "--labs" not in dry()[0], dry()
     assert dry("HANDOUT_LABS=1-6")[0].endswith("--labs 1-6"), dry("HANDOUT_LABS=1-6")
+
+
+def test_every_command_of_the_students_readme_works_there(student, tmp_path):
+    """The handout's README is the student's own: each command it gives is run in the handout
+    (make's targets dry, as they install .venv first; `.venv/bin/` is this environment's), and fails
+    only as an untouched lab does, naming the file to write."""
+    text = (student / "README.md").read_text()
+    assert "make site" not in text and "make check" not in text and "--impl labs" not in text
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    commands = [line.strip() for block in blocks for line in block.splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert len(commands) == 7, commands
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(student), str(copy)], check=True)
+    bindir = os.path.dirname(sys.executable)
+    for command in commands:
+        words = shlex.split(command.replace(".venv/bin/", bindir + "/"))
+        if words[0] == "make":
+            proc = in_handout(copy, "make", "-n", *words[1:], timeout=60)
+            assert proc.returncode == 0, (command, proc.stderr)
+        elif words[:3] == [sys.executable, "-m", "minizero"]:
+            proc = in_handout(copy, *words, timeout=300)
+            said = "every TODO in minizero/comm/ring.py is still its stub"
+            assert proc.returncode == 1 and said in proc.stdout, (command, proc.stdout[-2000:])
+        elif words[0].endswith("mpirun"):
+            proc = in_handout(copy, *words, timeout=300)
+            said = proc.stdout + proc.stderr
+            assert "lab 1: not implemented yet" in said, (command, said[-2000:])
+        elif words[0].endswith("jupyter"):
+            assert os.path.exists(words[0]) and (copy / words[2]).is_dir(), command
+            proc = in_handout(copy, words[0], "lab", "--version", timeout=60)
+            assert proc.returncode == 0, (command, proc.stderr)
+        else:
+            proc = in_handout(copy, "bash", "-c", command, timeout=60)
+            assert proc.returncode == 0, (command, proc.stderr)
+    log = in_handout(copy, "git", "log", "--oneline")
+    assert log.stdout.count("\n") == 1, log.stdout + log.stderr
+    assert "the handout as given" in log.stdout, log.stdout

@@ -187,10 +187,14 @@ def untouched_todos(lab: Lab, path: str) -> list | None:
     return stubs
 
 
-def _untouched_message(lab: Lab, stubs: list) -> str:
+def _untouched_message(lab: Lab, stubs: list, impl: str) -> str:
+    """Names the file(s) the student edits: a handout's package modules, else the lab file."""
+    from minizero.autograde import labgen
     functions = list(dict.fromkeys(name for name, _ in stubs))
-    return (f"lab {lab.number}: not implemented yet: {', '.join(functions)} (every TODO in {lab.filename} is still "
-            f"its stub; no rank was launched)\n" + "\n".join(f"  {name}: {words}" for name, words in stubs))
+    where = " and ".join(labgen.sources(lab)) if impl == "package" else lab.filename
+    return (f"lab {lab.number}: not implemented yet: {', '.join(functions)} "
+            f"(every TODO in {where} is still its stub; no rank was launched)\n"
+            + "\n".join(f"  {name}: {words}" for name, words in stubs))
 
 
 def run_check(lab: Lab, check: Check, impl: str) -> dict:
@@ -208,7 +212,7 @@ def run_check(lab: Lab, check: Check, impl: str) -> dict:
         path = impl_file(lab, impl)
         stubs = untouched_todos(lab, path)
         if stubs:
-            raise CheckFailed(_untouched_message(lab, stubs))
+            raise CheckFailed(_untouched_message(lab, stubs, impl))
         output, ok = check.fn(path), True
     except CheckFailed as e:
         output, ok = str(e), False
@@ -294,6 +298,10 @@ def main(argv=None) -> int:
         if HANDOUT and n not in HANDOUT["labs"]:
             ap.error(f"--lab {n}: this handout's labs are {', '.join(map(str, HANDOUT['labs']))} "
                      f"(lab {n}'s code is in the package as written)")
+    if HANDOUT and args.impl in ("labs", "solutions"):  # a handout's labs/ holds demos only
+        ap.error(f"--impl {args.impl}: in this handout your code is graded where you write it, in "
+                 "minizero/ (--impl package, the default: python -m minizero grade --lab N); labs/ "
+                 "holds each lab's demo")
     if args.impl not in ("labs", "solutions", "package") and not os.path.isdir(args.impl):
         ap.error(f"--impl {args.impl}: no such folder (give 'labs', 'solutions', 'package' or a folder with "
                  "labNN_*.py files)")

@@ -99,6 +99,16 @@ def lesson_note(needs: list[int]) -> str:
             f"-m minizero grade --lab {n}` passes, its numbers are your code's.")
 
 
+def students_files(text: str) -> str:
+    """A lesson's "write it in labs/labNN_*.py" names, in the handout, the module(s) the student
+    writes (its labs/ holds only each lab's demo launcher)."""
+    for lab in LABS.values():
+        where = "`, `".join(labgen.sources(lab))
+        for before in ("in `{}`", "`{}` ("):
+            text = text.replace(before.format(f"labs/{lab.filename}"), before.format(where))
+    return text
+
+
 def mark_lesson(text: str, needs: list[int]) -> str:
     nb = json.loads(text)
     nb["cells"].insert(1, {"cell_type": "markdown", "id": "handout-note", "metadata": {},
@@ -145,19 +155,50 @@ clean:
 """
 
 
-def readme_note(labs: list[int]) -> str:
+def readme(labs: list[int]) -> str:
+    """The handout's README: only commands that exist in the handout (tests/test_handout.py runs
+    each)."""
     rows = "\n".join(f"| {n} | {LABS[n].title} | `{'`, `'.join(labgen.sources(LABS[n]))}` |" for n in labs)
+    first = LABS[labs[0]]
+    demo = f".venv/bin/mpirun -n {first.nprocs} .venv/bin/python labs/{first.filename}"
     return f"""# Your copy of minizero
 
-You write the labs in the package itself: each `TODO(lab N)` in the files below replaces the reference code
-with a `raise NotImplementedError`. The lessons import these files, so a lesson that needs a lab says so at
-its top. `python -m minizero grade --lab N` grades your code (`make grade`: every lab, results.json);
-`mpirun -n 4 python labs/labNN_*.py` runs a lab's demo on it; `make test` checks this copy.
+A course on how large models are trained across many GPUs, and a reference package you complete:
+each `TODO(lab N)` in the files below replaces the reference code with a `raise
+NotImplementedError`. The lessons import these files, so a lesson that needs a lab says so at its
+top.
 
 | lab | title | write the TODOs in |
 |---|---|---|
 {rows}
 
+## Commands
+
+```bash
+# creates .venv (the first run takes a few minutes), then 4 ranks train a tiny GPT
+make demo
+# quick checks of this copy (they hold before any lab is done)
+make test
+# grades lab {first.number} where you wrote it (make grade: every lab, into results.json)
+.venv/bin/python -m minizero grade --lab {first.number}
+make grade
+# lab {first.number}'s demo, on your code
+{demo}
+# the lessons: open one, then Run -> Run All Cells
+.venv/bin/jupyter lab lessons/
+```
+
+Every command runs in this folder. A lab's grade names the check that failed and its likely
+cause; the grader runs your code on 2 to 8 ranks of this machine's CPU.
+
+## Keeping your work
+
+This folder is not a git repository yet. Make it one before you start, so that every step can be
+undone:
+
+```bash
+git init -q && git add -A && git commit -q -m "the handout as given"
+```
 """
 
 
@@ -186,6 +227,7 @@ def build(out: str, labs: list[int], root: str = REPO) -> dict:
                 with open(os.path.join(root, path)) as f:
                     text = f.read()
                 with open(dest, "w") as f:
+                    text = students_files(text)
                     f.write(mark_lesson(text, needs) if needs else text)
                 if needs:
                     changed["lessons"].append(f"{path} (after lab {needs[-1]})")
@@ -193,11 +235,9 @@ def build(out: str, labs: list[int], root: str = REPO) -> dict:
                 with open(dest, "w") as f:
                     f.write(makefile(labs))
                 changed["unmarked"].append(path)
-            elif path == "README.md":
-                with open(os.path.join(root, path)) as f:
-                    text = f.read()
+            elif path == "README.md":  # the course's README is the instructor's: theirs
                 with open(dest, "w") as f:
-                    f.write(readme_note(labs) + text)
+                    f.write(readme(labs))
                 changed["unmarked"].append(path)
             else:
                 shutil.copy2(os.path.join(root, path), dest)
