@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,7 @@ class LaunchTimeout(LaunchError):
     def __init__(self, timeout, where, output=""):
         desc = "; ".join(f"rank {r} {w}" for r, w in sorted(where.items()))
         super().__init__(f"timed out after {timeout:g}s: {desc}", output)
-        self.where = where
+        self.where, self.timeout = where, timeout
 
 
 def find_mpirun() -> str:
@@ -65,6 +66,15 @@ def find_mpirun() -> str:
             return cand
     raise LaunchError("mpirun not found. Run `make setup` (it installs the `mpich` wheel, which puts "
                       "mpirun in .venv/bin/), or `pip install mpi4py mpich`, then use .venv/bin/python.")
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port nothing listens on now (on every interface by default), as the OS hands one out (what
+    `torchrun --standalone` does): a fixed default such as 29500 is shared by every job on the machine,
+    and two jobs that meet at one store mix their ranks. Free when asked; whoever binds it next wins."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def max_ranks() -> int:
