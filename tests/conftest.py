@@ -84,7 +84,8 @@ def pytest_collection_modifyitems(config, items):
 
 # The time every user waits, from this run (build/test-times.json): each test's seconds (setup + call +
 # teardown), each file's, each grading run's, and the load average at the start and the end, so a table of
-# waiting times says whether the machine was idle when it was measured.
+# waiting times says whether the machine was idle when it was measured. A file this run did not run keeps
+# its seconds from the run that last did: tests/progress.py estimates a whole run's time left from them.
 _TIMES = {"grade_s": {}, "test_s": {}}
 
 
@@ -105,6 +106,13 @@ def pytest_sessionfinish(session):
     report = {"wall_s": round(time.time() - _TIMES["start"], 1), "load_at_start": _TIMES["load_at_start"],
               "load_at_end": os.getloadavg(), "tests": len(_TIMES["test_s"]), "file_s": files,
               "grade_s": _TIMES["grade_s"], "test_s": _TIMES["test_s"]}
+    path = os.path.join(ROOT, "build", "test-times.json")
+    try:
+        with open(path) as f:
+            files = {**json.load(f)["file_s"], **files}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no earlier run: this run's files only
+    report["file_s"] = files
     os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
-    with open(os.path.join(ROOT, "build", "test-times.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(report, f, indent=1)
