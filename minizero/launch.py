@@ -69,12 +69,21 @@ def find_mpirun() -> str:
 
 
 def free_port(host: str = "") -> int:
-    """A TCP port nothing listens on now (on every interface by default), as the OS hands one out (what
-    `torchrun --standalone` does): a fixed default such as 29500 is shared by every job on the machine,
-    and two jobs that meet at one store mix their ranks. Free when asked; whoever binds it next wins."""
+    """A TCP port nothing listens on now (on every interface by default), as the OS hands one out
+    (what `torchrun --standalone` does): a fixed default such as 29500 is shared by every job on the
+    machine, and two jobs that meet at one store mix their ranks. Free when asked; whoever binds it
+    next wins."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def timeout_scale() -> float:
+    """MINIZERO_TIMEOUT_SCALE's factor now: a job's timeout guards against a hang on an idle
+    machine, and a busy one must not turn it into a failure."""
+    from minizero import env as mz_env
+    scale = mz_env.get("MINIZERO_TIMEOUT_SCALE")
+    return mz_env.load_scale() if scale == "load" else scale
 
 
 def max_ranks() -> int:
@@ -98,6 +107,7 @@ def run(target: str, nprocs: int = 2, args: dict | None = None, timeout: float =
                           f"(set MINIZERO_MAX_RANKS to raise the cap if you have the cores)")
     if ":" not in target:
         raise ValueError(f"target {target!r} must look like 'module:function' or 'file.py:function'")
+    timeout *= timeout_scale()
     path, _, _ = target.rpartition(":")
     if path.endswith(".py"):
         if not os.path.exists(path):

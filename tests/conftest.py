@@ -9,6 +9,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.chdir(ROOT)  # launch targets like "tests/comm_workers.py:fn" are relative to the repo root
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every launch.run of the session and of the processes it starts (the grader, the lessons' kernels)
+# waits its timeout times the load per core: the timeouts in tests, lessons and lab checks are
+# deadlock guards for an idle machine, and a loaded one must not turn them into verdicts.
+os.environ.setdefault("MINIZERO_TIMEOUT_SCALE", "load")
 
 
 @pytest.fixture
@@ -33,35 +37,6 @@ def graded(request, impl, tmp_path_factory):
     _TIMES["grade_s"]["shared batch"] = shared.seconds
 
 
-# The shortest launch timeout that is a deadlock guard: a shorter one is what its test checks (a job that
-# must time out, and the message saying after how long), and stays as written.
-GUARD_FROM_S = 10
-
-
-@pytest.fixture(scope="session", autouse=True)
-def launch_timeouts_scaled_to_the_machine():
-    """Every minizero.launch.run of this session (the tests', the grader's, its shared batch's) waits its
-    timeout times how busy the machine is now (tests/machine.py): the timeouts in tests and in the lab
-    checks are deadlock guards for an idle machine, and a loaded one must not turn them into verdicts."""
-    import inspect
-
-    from minizero import launch
-    from tests.machine import guard
-    real = launch.run
-    signature = inspect.signature(real)
-
-    def run(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        if bound.arguments["timeout"] >= GUARD_FROM_S:
-            bound.arguments["timeout"] = guard(bound.arguments["timeout"])
-        return real(*bound.args, **bound.kwargs)
-
-    launch.run = run
-    yield
-    launch.run = real
-
-
 _STARTS_PROCESSES = ("launch.", "subprocess", "nbclient", "mpirun", "torchrun", "run_check(")
 _module_starts = {}
 
@@ -84,8 +59,8 @@ def pytest_collection_modifyitems(config, items):
 
 # The time every user waits, from this run (build/test-times.json): each test's seconds (setup + call +
 # teardown), each file's, each grading run's, and the load average at the start and the end, so a table of
-# waiting times says whether the machine was idle when it was measured. A file this run did not run keeps
-# its seconds from the run that last did: tests/progress.py estimates a whole run's time left from them.
+# waiting times says whether the machine was idle when it was measured. A file this run did not run
+# keeps its seconds from the run that last did: tests/progress.py estimates the time left from them.
 _TIMES = {"grade_s": {}, "test_s": {}}
 
 
@@ -106,13 +81,14 @@ def pytest_sessionfinish(session):
     report = {"wall_s": round(time.time() - _TIMES["start"], 1), "load_at_start": _TIMES["load_at_start"],
               "load_at_end": os.getloadavg(), "tests": len(_TIMES["test_s"]), "file_s": files,
               "grade_s": _TIMES["grade_s"], "test_s": _TIMES["test_s"]}
-    path = os.path.join(ROOT, "build", "test-times.json")
+    # TEST_TIMES_JSON: elsewhere, for a run inside a test (test_busy_machine.py: no real timing)
+    path = os.environ.get("TEST_TIMES_JSON") or os.path.join(ROOT, "build", "test-times.json")
     try:
         with open(path) as f:
             files = {**json.load(f)["file_s"], **files}
     except (OSError, ValueError, KeyError, TypeError):
         pass  # no earlier run: this run's files only
     report["file_s"] = files
-    os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=1)

@@ -1,9 +1,10 @@
-"""What a test needs of a shared machine: a rendezvous port nobody else uses, time limits that are deadlock
-guards scaled to how busy the machine is now, and a CPU load to run tests beside (tests/test_busy_machine.py).
+"""What a test needs of a shared machine: a rendezvous port nobody else uses, time limits that are
+deadlock guards scaled to how busy the machine is now, and a CPU load to run tests beside
+(tests/test_busy_machine.py).
 
-A laptop running the suite also runs other jobs: other test runs launching torchrun and DeepSpeed on their
-default port 29500, compilers, browsers. A fixed port lets two jobs meet at one store and mix their ranks; a
-fixed time limit turns a slow machine into a failure. Neither is what a test checks.
+A laptop running the suite also runs other jobs: other test runs launching torchrun and DeepSpeed on
+their default port 29500, compilers, browsers. A fixed port lets two jobs meet at one store and mix
+their ranks; a fixed time limit turns a slow machine into a failure. Neither is what a test checks.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 
-# torchrun's, DeepSpeed's and Accelerate's default rendezvous port: every other job's on this machine
+# torchrun's, DeepSpeed's and Accelerate's default rendezvous port: every other job's here too
 DEFAULT_PORT = 29500
 # what torch's TCPStore, gloo and MPICH print when the port they were given is taken
 PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use")
@@ -40,9 +41,10 @@ def port_taken(text: str) -> bool:
 
 
 def retry_on_port_collision(start, attempts: int = 3):
-    """start(port) -> a finished subprocess.CompletedProcess (or anything with stdout and stderr); run again
-    on a new free port when its output says the port was taken meanwhile (another job bound it between our
-    asking and the rendezvous binding it), at most `attempts` times. The last result is returned."""
+    """start(port) -> a finished subprocess.CompletedProcess (anything with stdout and stderr); run
+    again on a new free port when its output says the port was taken meanwhile (another job bound it
+    between our asking and the rendezvous binding it), at most `attempts` times. Returns the
+    last."""
     for _ in range(attempts):
         result = start(free_port())
         if not port_taken(f"{result.stdout or ''}{result.stderr or ''}"):
@@ -51,9 +53,10 @@ def retry_on_port_collision(start, attempts: int = 3):
 
 
 def slowdown() -> float:
-    """How many times slower than an idle machine a job runs here now, >= 1: the larger of the run-queue
-    length per core (the 1-minute load average) and the wall/CPU ratio of a 50 ms busy loop (the share of
-    a core this process gets now). Capped at MAX_SLOWDOWN."""
+    """How many times slower than an idle machine a job runs here now, >= 1: the larger of the
+    run-queue length per core (the 1-minute load average) and the wall/CPU ratio of a 50 ms busy
+    loop (the share of a core this process gets now; the load average lags a minute). Capped at
+    MAX_SLOWDOWN."""
     cpu0, wall0 = time.process_time(), time.perf_counter()
     while time.process_time() - cpu0 < 0.05:
         pass
@@ -63,17 +66,19 @@ def slowdown() -> float:
 
 
 def guard(seconds: float) -> float:
-    """A deadlock guard: `seconds` on an idle machine, scaled by slowdown() on a busy one. What a test
-    checks is that a job ends, and says why, not how fast."""
+    """A deadlock guard: `seconds` on an idle machine, scaled by slowdown() on a busy one. What a
+    test checks is that a job ends, and says why, not how fast."""
     return seconds * slowdown()
 
 
 @contextlib.contextmanager
 def busy_cpu(seconds: float, per_core: int = 2):
-    """per_core busy processes per core for at most `seconds`: each stops itself then, and all are killed
-    when the block ends (a test that fails early leaves no load behind)."""
-    code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
-    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(per_core * (os.cpu_count() or 1))]
+    """per_core busy processes per core for at most `seconds`: each stops itself then, and all are
+    killed when the block ends (a test that fails early leaves no load behind)."""
+    code = (f"import time\nend = time.monotonic() + {seconds}\n"
+            "while time.monotonic() < end:\n    pass\n")
+    count = per_core * (os.cpu_count() or 1)
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
     try:
         yield procs
     finally:

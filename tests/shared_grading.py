@@ -56,9 +56,9 @@ class SharedGrading:
         self.entries: dict = {}  # ("mutant", lab, index) or ("started", lab, check) -> entry or AssertionError
 
     def _run(self):
-        # The batch is every selected test's grading at once (minutes), inside the first test that asks: no
-        # stack dump for outliving one test's faulthandler_timeout. Each of its launches has its own timeout
-        # (a deadlock guard scaled to the machine, tests/conftest.py), so it cannot hang.
+        # The batch is every selected test's grading at once (minutes), inside the first test
+        # that asks: no stack dump for outliving one test's faulthandler_timeout. Each of its
+        # launches has its own timeout (a deadlock guard scaled to the load, tests/conftest.py).
         faulthandler.cancel_dump_traceback_later()
         try:
             self._run_batch()

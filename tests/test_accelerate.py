@@ -40,15 +40,18 @@ def runs(tmp_path_factory):
     out = {}
     cmd = [sys.executable, "-m", "minizero.accelerate.launch", "--config_file", ARTICLE_YAML, SCRIPT,
            "--peer", "minizero", "--variants", ",".join(VARIANTS), "--out", str(tmp / "minizero.json")]
-    done = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=guard(600))
+    done = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True,
+                          timeout=guard(600))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out["minizero"] = json.loads((tmp / "minizero.json").read_text())
     out["minizero_log"] = done.stdout + done.stderr
     if HAVE_ACCELERATE:
         cmd = [SCRIPT, "--peer", "accelerate", "--out", str(tmp / "accelerate.json")]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
         done = retry_on_port_collision(lambda port: subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), *cmd],
-            cwd=tmp, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=guard(600)))
+            [*torchrun, "--master-port", str(port), *cmd], cwd=tmp,
+            env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
+            timeout=guard(600)))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         out["accelerate"] = json.loads((tmp / "accelerate.json").read_text())["ddp"]
     return out

@@ -37,7 +37,8 @@ def _env(**extra):
 
 
 def _run(cmd, timeout=240, **env):
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=guard(timeout), cwd=ROOT, env=_env(**env))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=guard(timeout), cwd=ROOT,
+                          env=_env(**env))
 
 
 @pytest.fixture
@@ -56,11 +57,12 @@ def _first_loss(world, micro=4):
 
 # ---------------------------------------------------------------------------- torchrun
 def test_torchrun_runs_the_train_command_and_a_plain_script_on_two_ranks(config, tmp_path):
-    cmd = ["-m", "minizero", "train", "--config", str(config), "--model", "mlp", "--steps", "2", "--no-progress",
-           "--out", str(tmp_path / "run")]
-    # torchrun's default port, 29500, is every other job's; its torchelastic_* log folder lands in TMPDIR
-    proc = retry_on_port_collision(lambda port: _run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(port),
-                                                      *cmd], TMPDIR=str(tmp_path)))
+    cmd = ["-m", "minizero", "train", "--config", str(config), "--model", "mlp", "--steps", "2",
+           "--no-progress", "--out", str(tmp_path / "run")]
+    # torchrun's default port, 29500, is every other job's; its torchelastic_* log folder lands in
+    # TMPDIR
+    two = [TORCHRUN, "--nproc_per_node", "2", "--master_port"]
+    proc = retry_on_port_collision(lambda port: _run([*two, str(port), *cmd], TMPDIR=str(tmp_path)))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("minizero train:") == 1 and "2 ranks" in proc.stdout, proc.stdout
     log = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
@@ -68,8 +70,8 @@ def test_torchrun_runs_the_train_command_and_a_plain_script_on_two_ranks(config,
     # 2 ranks x 4 rows: the loss of the 8-row global batch (one rank alone would see 4 rows)
     assert log[0]["loss"] == pytest.approx(_first_loss(2), rel=1e-6)
     assert log[0]["loss"] != pytest.approx(_first_loss(1), rel=1e-6)
-    # rank 1 starts 3 s past the rendezvous wait (6 s when idle, longer on a busy machine, where the two ranks'
-    # imports end further apart): a collective may wait longer than the rendezvous
+    # rank 1 starts 3 s past the rendezvous wait (6 s when idle, longer on a busy machine, where the
+    # two ranks' imports end further apart): a collective may wait longer than the rendezvous
     # (gloo used the rendezvous timeout for every collective: "Timed out waiting 5999ms for recv")
     wait = guard(6)
     proc = retry_on_port_collision(lambda port: _run(
@@ -205,8 +207,9 @@ def test_watchdog_ends_a_job_whose_rank_was_stopped(what, config, tmp_path):
     # a rank of a busy machine may wait its turn for seconds: the watchdog's limit is scaled to it
     watchdog = f"{guard(3):.0f}"
     proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, env=_env(MINIZERO_WATCHDOG_S=watchdog, MINIZERO_JOB_ID=job,
-                                                             MINIZERO_HEARTBEAT_DIR=str(beats)))
+                            start_new_session=True,
+                            env=_env(MINIZERO_WATCHDOG_S=watchdog, MINIZERO_JOB_ID=job,
+                                     MINIZERO_HEARTBEAT_DIR=str(beats)))
     try:
         deadline = time.monotonic() + guard(120)
         while time.monotonic() < deadline:  # wait until rank 1 is busy with collectives
@@ -230,4 +233,4 @@ def test_watchdog_ends_a_job_whose_rank_was_stopped(what, config, tmp_path):
     assert proc.returncode != 0
     assert err.count(f"[minizero watchdog] no progress for {watchdog}s") == 1, err[-3000:]
     assert "rank 0 has been blocked in" in err and "rank 1 " in err and "STOPPED" in err, err[-3000:]
-    assert took < guard(60), took  # 3 s of no progress, then the end: a deadlock guard, not a speed check
+    assert took < guard(60), took  # 3 s of no progress, then the end: a deadlock guard, not speed

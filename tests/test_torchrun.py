@@ -48,8 +48,9 @@ def test_two_nodes_with_one_agent_say_what_they_wait_for_and_end_in_one_line(bac
 
 def test_two_agents_meet_and_run_the_script(tmp_path):
     port = free_port()
+    wait = f"{guard(120):.0f}"
     agents = [_agent(tmp_path, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", f"127.0.0.1:{port}", MINIZERO_INIT_TIMEOUT_S=f"{guard(120):.0f}")
+                     "--rdzv-endpoint", f"127.0.0.1:{port}", MINIZERO_INIT_TIMEOUT_S=wait)
               for _ in range(2)]
     texts = [a.communicate(timeout=guard(240))[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], texts
@@ -60,7 +61,8 @@ def test_two_agents_meet_and_run_the_script(tmp_path):
 
 def test_a_failed_worker_is_one_line_with_its_exit_code(tmp_path):
     """Every rank fails alike (exit 2): minizero's message once, then one line, not torchrun's ChildFailedError."""
-    proc = _agent(tmp_path, "--nproc_per_node", "2", "--master-port", str(free_port()), mode="fail_all")
+    port = str(free_port())
+    proc = _agent(tmp_path, "--nproc_per_node", "2", "--master-port", port, mode="fail_all")
     text = proc.communicate(timeout=guard(240))[0]
     assert proc.returncode == 2, text[-3000:]
     assert text.count("the input is bad") == 1 and "ChildFailedError" not in text and "Traceback" not in text, text

@@ -103,14 +103,16 @@ def main(argv=None) -> int:
                          "(MINIZERO_MAX_RANKS raises the cap)\n")
         return 2
     if args.main_process_port is not None and not 0 < args.main_process_port < 65536:
-        sys.stderr.write(f"{p.prog}: --main_process_port {args.main_process_port}: give a port number 1..65535\n")
+        sys.stderr.write(f"{p.prog}: --main_process_port {args.main_process_port}: give a port "
+                         "number 1..65535\n")
         return 2
     # a fixed 29500 is every other job's too: two jobs meeting at one store mix their ranks
     port = args.main_process_port
     if port is None:
         from minizero.launch import free_port
         port = free_port()
-        sys.stderr.write(f"{p.prog}: rendezvous port {port} (free, chosen here; --main_process_port sets one)\n")
+        sys.stderr.write(f"{p.prog}: rendezvous port {port} (free, chosen here; "
+                         "--main_process_port sets one)\n")
     child = {**os.environ, **extra, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     child.pop("ACCELERATE_CONFIG_FILE", None)  # the ranks read the variables, as under `accelerate launch`
     child.setdefault("OMP_NUM_THREADS", "1")

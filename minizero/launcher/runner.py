@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     if nranks > mz_env.get("MINIZERO_MAX_RANKS"):
         p.error(f"{nranks} ranks: this machine allows at most {mz_env.get('MINIZERO_MAX_RANKS')} "
                 "(MINIZERO_MAX_RANKS raises the cap when you have the cores)")
-    # DeepSpeed's fixed 29500 is every other job's too: two jobs meeting at one store mix their ranks
+    # DeepSpeed's fixed 29500 is every other job's too: two jobs meeting at one store mix ranks
     chosen = args.master_port is None
     if chosen:
         from minizero.launch import free_port
@@ -190,7 +190,8 @@ def main(argv=None) -> int:
         child["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     cmd = command(args, nranks, launcher)
     sys.stderr.write(f"minizero.launcher: {nranks} rank{'s' * (nranks > 1)} of {args.user_script} under {launcher}"
-                     + (f" on GPUs {child['CUDA_VISIBLE_DEVICES']}" if devices is not None else " on CPU")
+                     + (f" on GPUs {child['CUDA_VISIBLE_DEVICES']}" if devices is not None
+                        else " on CPU")
                      + f", rendezvous port {args.master_port}"
                      + (" (free, chosen here; --master_port sets one)" if chosen else "") + "\n")
     try:
