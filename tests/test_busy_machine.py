@@ -5,6 +5,7 @@ limits are deadlock guards scaled to the load (tests/machine.py), not speed chec
 
 One pytest run in a subprocess beside the load; the load stops itself after LOAD_S at the latest.
 """
+import faulthandler
 import os
 import subprocess
 import sys
@@ -14,14 +15,11 @@ import pytest
 from tests.machine import busy_cpu, guard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# 6 processes importing torch in all: a minute or two beside the load (the watchdog's test, with a
-# training job under mpirun, would take several)
+# 4 processes importing torch in all: 2-3 minutes beside the load on 2 cores that other jobs share
+# too (with the 3 s rendezvous test of test_launchers.py as well: 6.5 minutes at load 20)
 TIGHTEST = [
     # a rank dies mid-step: the job must end, with the rank named, well before its timeout
     "tests/test_launch.py::test_rank_killed_mid_step_ends_job_with_clear_error",
-    # a 3 s rendezvous wait with nobody there: one clear error on each rank
-    "tests/test_launchers.py::"
-    "test_a_world_size_with_no_rendezvous_is_a_clear_error_within_the_timeout",
     # a 2 s rendezvous wait, nobody listening: one line, exit 2
     "tests/test_faults.py::test_a_world_size_with_nobody_listening_fails_fast_in_one_message",
 ]
@@ -35,6 +33,8 @@ def test_the_tightest_time_limits_pass_with_the_cpu_oversubscribed(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
            "TEST_TIMES_JSON": str(tmp_path / "test-times.json")}
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *TIGHTEST]
+    # this test runs minutes on a loaded machine by design: pytest's stack dump after 300 s, scaled
+    faulthandler.dump_traceback_later(guard(300), file=sys.__stderr__)
     with busy_cpu(LOAD_S, per_core=2) as load:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=guard(600))
