@@ -37,6 +37,16 @@ def graded(request, impl, tmp_path_factory):
     _TIMES["grade_s"]["shared batch"] = shared.seconds
 
 
+def pytest_runtest_setup(item):
+    """pytest's faulthandler_timeout (pyproject.toml) dumps every thread's stack when a test runs
+    longer: a hang's trace on an idle machine, noise on a busy one (a module's launch past 300 s at
+    load 20). Re-armed here, inside pytest's own arming, with the limit scaled to the machine now."""
+    limit = float(item.config.getini("faulthandler_timeout") or 0)
+    if limit > 0:
+        from tests.machine import dump_stacks_after, guard
+        dump_stacks_after(item.config, guard(limit))
+
+
 _STARTS_PROCESSES = ("launch.", "subprocess", "nbclient", "mpirun", "torchrun", "run_check(")
 _module_starts = {}
 

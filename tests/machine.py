@@ -71,6 +71,16 @@ def guard(seconds: float) -> float:
     return seconds * slowdown()
 
 
+def dump_stacks_after(config, seconds: float) -> None:
+    """(Re-)arm pytest's faulthandler_timeout for the running test: every thread's stack dumped to
+    pytest's own stderr after `seconds` unless the test ends first."""
+    import faulthandler
+
+    from _pytest.faulthandler import fault_handler_stderr_fd_key
+    faulthandler.dump_traceback_later(seconds, file=config.stash.get(fault_handler_stderr_fd_key,
+                                                                     sys.__stderr__))
+
+
 @contextlib.contextmanager
 def busy_cpu(seconds: float, per_core: int = 2):
     """per_core busy processes per core for at most `seconds`: each stops itself then, and all are

@@ -11,7 +11,6 @@ lab 3 only). The `grade` command itself, one lab at a time as a user runs it, is
 from __future__ import annotations
 
 import faulthandler
-import sys
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ def mutant_key(number: int, mutant) -> tuple:
 class SharedGrading:
     def __init__(self, session, impl: str, tmp_path_factory):
         self.tmp, self.impl, self.ran, self.seconds = tmp_path_factory, impl, False, 0.0
+        self.config = session.config
         self.dump_after_s = float(session.config.getini("faulthandler_timeout") or 0)
         self.labs: set = set()  # (lab, impl): every check of the lab
         self.mutants: dict = {}  # (lab, index) -> Mutant
@@ -64,7 +64,8 @@ class SharedGrading:
             self._run_batch()
         finally:
             if self.dump_after_s > 0:  # the rest of the test is guarded as pytest guards every test
-                faulthandler.dump_traceback_later(self.dump_after_s, file=sys.__stderr__)
+                from tests.machine import dump_stacks_after, guard
+                dump_stacks_after(self.config, guard(self.dump_after_s))
 
     def _run_batch(self):
         from tests.test_mutants import mutate  # staff-only (not in a handout), as are the tests that need it

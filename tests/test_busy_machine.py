@@ -5,14 +5,13 @@ limits are deadlock guards scaled to the load (tests/machine.py), not speed chec
 
 One pytest run in a subprocess beside the load; the load stops itself after LOAD_S at the latest.
 """
-import faulthandler
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.machine import busy_cpu, guard
+from tests.machine import busy_cpu, dump_stacks_after, guard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 processes importing torch in all: 2-3 minutes beside the load on 2 cores that other jobs share
@@ -28,13 +27,13 @@ VERDICTS = ("PASSED ", "FAILED ", "ERROR ", "SKIPPED ")
 
 
 @pytest.mark.launches
-def test_the_tightest_time_limits_pass_with_the_cpu_oversubscribed(tmp_path):
+def test_the_tightest_time_limits_pass_with_the_cpu_oversubscribed(tmp_path, request):
     # TEST_TIMES_JSON: these seconds are no timing of the files, kept out of build/test-times.json
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
            "TEST_TIMES_JSON": str(tmp_path / "test-times.json")}
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *TIGHTEST]
-    # this test runs minutes on a loaded machine by design: pytest's stack dump after 300 s, scaled
-    faulthandler.dump_traceback_later(guard(300), file=sys.__stderr__)
+    # its own load slows it: pytest's stack dump (faulthandler_timeout) waits for that too
+    dump_stacks_after(request.config, guard(300) * 2)
     with busy_cpu(LOAD_S, per_core=2) as load:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=guard(600))
