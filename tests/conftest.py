@@ -15,13 +15,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MINIZERO_TIMEOUT_SCALE", "load")
 
 
-@pytest.fixture
-def free_port():
-    """A rendezvous port free now, never 29500 (every other job's default; tests/machine.py)."""
-    from tests.machine import free_port
-    return free_port()
-
-
 @pytest.fixture(scope="session")
 def impl(request):
     return request.config.getoption("--impl")
