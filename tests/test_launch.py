@@ -79,3 +79,15 @@ def test_rank_killed_mid_step_ends_job_with_clear_error(monkeypatch):
     assert "rank 0 in all_reduce" in msg and "rank 2 in all_reduce" in msg
     time.sleep(0.5)
     assert launch.job_pids(job_ids[-1].hex[:12]) == []
+
+
+def test_the_timeout_scale_is_the_variable_or_the_load_per_core_within_1_to_20(monkeypatch):
+    """MINIZERO_TIMEOUT_SCALE multiplies every launch's timeout: a number as given; load, the
+    1-minute load average per core, never below 1 (an idle machine keeps the timeout as written)
+    nor above 20 (a hang still ends)."""
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    for value, load, want in (("3", 50.0, 3.0), ("load", 9.0, 4.5), ("load", 0.3, 1.0),
+                              ("load", 100.0, 20.0)):
+        monkeypatch.setenv("MINIZERO_TIMEOUT_SCALE", value)
+        monkeypatch.setattr(launch.os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
+        assert launch.timeout_scale() == want, (value, load)
