@@ -48,8 +48,9 @@ browser:
 
 # tests/test_site.py builds the site from the lessons tests/test_lessons.py just executed and opens it in
 # headless Chromium (skipped, with the reason, where no Chromium is installed).
+# -p tests.progress: a line per test file (its tests, seconds, the load average, the time left)
 test: setup $(SITE_STAMP) browser
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -p tests.progress --durations=15
 
 # the fast part of the suite for everyday work: no test that starts ranks or processes (about 15 s)
 check: setup

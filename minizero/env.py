@@ -60,6 +60,25 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _scale(text: str):
+    """A timeout factor: a number >= 1, or "load" (measured at each use: load_scale())."""
+    if text == "load":
+        return text
+    value = float(text)
+    if not math.isfinite(value) or value < 1:
+        raise ValueError(text)
+    return value
+
+
+MAX_LOAD_SCALE = 20.0  # a real hang still ends: a 60 s timeout waits at most 20 minutes
+
+
+def load_scale() -> float:
+    """How many times slower than idle a job runs now: the 1-minute load average per core, in
+    [1, 20]."""
+    return min(MAX_LOAD_SCALE, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+
+
 def _directory(text: str) -> str:
     if not os.path.isdir(text) or not os.access(text, os.W_OK | os.X_OK):
         raise ValueError(text)
@@ -100,6 +119,11 @@ VARIABLES: dict[str, Variable] = {
     "MINIZERO_GRADESCOPE_LIMIT_S": Variable(
         _seconds(zero_ok=False), 540.0, "seconds, a number > 0",
         "the Gradescope autograder stops grading after this long and writes results.json (default 540)"),
+    "MINIZERO_TIMEOUT_SCALE": Variable(
+        _scale, 1.0, "a number >= 1, or load",
+        "every launch.run job's timeout (lessons, lab checks) is multiplied by it; load: by the "
+        "1-minute load average per core at each launch, 1 to 20 (a shared machine; the test suite "
+        "sets load)"),
     "MINIZERO_MULTINODE": Variable(
         _flag, False, "0 or 1",
         "1: under mpirun, rank 0 announces its hostname's address for torch.distributed, not 127.0.0.1"),

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,7 @@ class LaunchTimeout(LaunchError):
     def __init__(self, timeout, where, output=""):
         desc = "; ".join(f"rank {r} {w}" for r, w in sorted(where.items()))
         super().__init__(f"timed out after {timeout:g}s: {desc}", output)
-        self.where = where
+        self.where, self.timeout = where, timeout
 
 
 def find_mpirun() -> str:
@@ -65,6 +66,24 @@ def find_mpirun() -> str:
             return cand
     raise LaunchError("mpirun not found. Run `make setup` (it installs the `mpich` wheel, which puts "
                       "mpirun in .venv/bin/), or `pip install mpi4py mpich`, then use .venv/bin/python.")
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port nothing listens on now (on every interface by default), as the OS hands one out
+    (what `torchrun --standalone` does): a fixed default such as 29500 is shared by every job on the
+    machine, and two jobs that meet at one store mix their ranks. Free when asked; whoever binds it
+    next wins."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def timeout_scale() -> float:
+    """MINIZERO_TIMEOUT_SCALE's factor now: a job's timeout guards against a hang on an idle
+    machine, and a busy one must not turn it into a failure."""
+    from minizero import env as mz_env
+    scale = mz_env.get("MINIZERO_TIMEOUT_SCALE")
+    return mz_env.load_scale() if scale == "load" else scale
 
 
 def max_ranks() -> int:
@@ -88,6 +107,7 @@ def run(target: str, nprocs: int = 2, args: dict | None = None, timeout: float =
                           f"(set MINIZERO_MAX_RANKS to raise the cap if you have the cores)")
     if ":" not in target:
         raise ValueError(f"target {target!r} must look like 'module:function' or 'file.py:function'")
+    timeout *= timeout_scale()
     path, _, _ = target.rpartition(":")
     if path.endswith(".py"):
         if not os.path.exists(path):

@@ -9,6 +9,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.chdir(ROOT)  # launch targets like "tests/comm_workers.py:fn" are relative to the repo root
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every launch.run of the session and of the processes it starts (the grader, the lessons' kernels)
+# waits its timeout times the load per core: the timeouts in tests, lessons and lab checks are
+# deadlock guards for an idle machine, and a loaded one must not turn them into verdicts.
+os.environ.setdefault("MINIZERO_TIMEOUT_SCALE", "load")
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +28,16 @@ def graded(request, impl, tmp_path_factory):
     shared = SharedGrading(request.session, impl, tmp_path_factory)
     yield shared
     _TIMES["grade_s"]["shared batch"] = shared.seconds
+
+
+def pytest_runtest_setup(item):
+    """pytest's faulthandler_timeout (pyproject.toml) dumps every thread's stack when a test runs
+    longer: a hang's trace on an idle machine, noise on a busy one (a module's launch past 300 s at
+    load 20). Re-armed here, inside pytest's own arming, with the limit scaled to the machine now."""
+    limit = float(item.config.getini("faulthandler_timeout") or 0)
+    if limit > 0:
+        from tests.machine import dump_stacks_after, guard
+        dump_stacks_after(item.config, guard(limit))
 
 
 _STARTS_PROCESSES = ("launch.", "subprocess", "nbclient", "mpirun", "torchrun", "run_check(")
@@ -48,7 +62,8 @@ def pytest_collection_modifyitems(config, items):
 
 # The time every user waits, from this run (build/test-times.json): each test's seconds (setup + call +
 # teardown), each file's, each grading run's, and the load average at the start and the end, so a table of
-# waiting times says whether the machine was idle when it was measured.
+# waiting times says whether the machine was idle when it was measured. A file this run did not run
+# keeps its seconds from the run that last did: tests/progress.py estimates the time left from them.
 _TIMES = {"grade_s": {}, "test_s": {}}
 
 
@@ -69,6 +84,14 @@ def pytest_sessionfinish(session):
     report = {"wall_s": round(time.time() - _TIMES["start"], 1), "load_at_start": _TIMES["load_at_start"],
               "load_at_end": os.getloadavg(), "tests": len(_TIMES["test_s"]), "file_s": files,
               "grade_s": _TIMES["grade_s"], "test_s": _TIMES["test_s"]}
-    os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
-    with open(os.path.join(ROOT, "build", "test-times.json"), "w") as f:
+    # TEST_TIMES_JSON: elsewhere, for a run inside a test (test_busy_machine.py: no real timing)
+    path = os.environ.get("TEST_TIMES_JSON") or os.path.join(ROOT, "build", "test-times.json")
+    try:
+        with open(path) as f:
+            files = {**json.load(f)["file_s"], **files}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no earlier run: this run's files only
+    report["file_s"] = files
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(report, f, indent=1)

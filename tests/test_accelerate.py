@@ -15,6 +15,7 @@ from minizero.accelerate import config as acc_config
 from minizero.accelerate import launch as acc_launch
 from minizero.accelerate.data import shard_batches
 from minizero.runtime.config import ConfigError, load_config
+from tests.machine import guard, retry_on_port_collision
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "outside", "accelerate_style_train.py")
@@ -39,15 +40,18 @@ def runs(tmp_path_factory):
     out = {}
     cmd = [sys.executable, "-m", "minizero.accelerate.launch", "--config_file", ARTICLE_YAML, SCRIPT,
            "--peer", "minizero", "--variants", ",".join(VARIANTS), "--out", str(tmp / "minizero.json")]
-    done = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True,
+                          timeout=guard(600))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out["minizero"] = json.loads((tmp / "minizero.json").read_text())
     out["minizero_log"] = done.stdout + done.stderr
     if HAVE_ACCELERATE:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29647",
-               SCRIPT, "--peer", "accelerate", "--out", str(tmp / "accelerate.json")]
-        done = subprocess.run(cmd, cwd=tmp, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
-                              timeout=600)
+        cmd = [SCRIPT, "--peer", "accelerate", "--out", str(tmp / "accelerate.json")]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        done = retry_on_port_collision(lambda port: subprocess.run(
+            [*torchrun, "--master-port", str(port), *cmd], cwd=tmp,
+            env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
+            timeout=guard(600)))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         out["accelerate"] = json.loads((tmp / "accelerate.json").read_text())["ddp"]
     return out

@@ -47,10 +47,14 @@ BAD_VARIABLES = [  # (variable, value, words of what is allowed)
     ("MINIZERO_HEARTBEAT_DIR", "/no/such/dir", "an existing directory"),
     ("MINIZERO_MAX_RANKS", "0", "a whole number >= 1"),
     ("MINIZERO_MULTINODE", "true", "0 or 1"),
+    ("MINIZERO_TIMEOUT_SCALE", "0.5", "a number >= 1, or load"),
+    ("MINIZERO_TIMEOUT_SCALE", "busy", "a number >= 1, or load"),
 ]
 GOOD_VARIABLES = [("MINIZERO_WATCHDOG_S", "0", 0.0), ("MINIZERO_WATCHDOG_S", "2.5", 2.5),
                   ("MINIZERO_INIT_TIMEOUT_S", "6", 6.0), ("MINIZERO_BACKEND", "torch", "torch"),
-                  ("MINIZERO_DEBUG", "1", True), ("MINIZERO_MAX_RANKS", "16", 16), ("MINIZERO_MULTINODE", "0", False)]
+                  ("MINIZERO_DEBUG", "1", True), ("MINIZERO_MAX_RANKS", "16", 16),
+                  ("MINIZERO_MULTINODE", "0", False), ("MINIZERO_TIMEOUT_SCALE", "3", 3.0),
+                  ("MINIZERO_TIMEOUT_SCALE", "load", "load")]
 
 
 @pytest.mark.parametrize("name,value,allowed", BAD_VARIABLES)
@@ -63,6 +67,7 @@ def test_a_bad_variable_is_named_with_what_is_allowed(name, value, allowed, monk
 
 @pytest.mark.parametrize("name,value,parsed", GOOD_VARIABLES)
 def test_a_good_variable_is_read_as_its_value(name, value, parsed, monkeypatch):
+    monkeypatch.delenv("MINIZERO_TIMEOUT_SCALE", raising=False)  # the session's (tests/conftest.py)
     monkeypatch.setenv(name, value)
     assert env.get(name) == parsed and env.check() == {name: parsed}
 

@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from tests.machine import guard, retry_on_port_collision
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "tests/deepspeed_examples/peer_train.py"
 INSTALL = "deepspeed is not installed: pip install -e '.[peers]' (deepspeed==0.19.8; no C++ op is built)"
@@ -38,12 +40,16 @@ CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GA
 
 
 def _launch(argv, out_dir, extra_env):
+    """argv(port): the launcher's command, its rendezvous on that port (a free one, retried when
+    taken)."""
     (out_dir / "ds.json").write_text(json.dumps(CONFIG))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra_env)
-    proc = subprocess.run([*argv, SCRIPT, "--deepspeed", "--deepspeed_config", str(out_dir / "ds.json"),
-                           "--out_dir", str(out_dir), "--steps", str(STEPS), "--variants", ",".join(LAUNCHED)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    script = [SCRIPT, "--deepspeed", "--deepspeed_config", str(out_dir / "ds.json"), "--out_dir",
+              str(out_dir), "--steps", str(STEPS), "--variants", ",".join(LAUNCHED)]
+    proc = retry_on_port_collision(lambda port: subprocess.run(
+        [*argv(port), *script], capture_output=True, text=True, timeout=guard(600), cwd=ROOT,
+        env=env))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(lines[0][len("RESULT "):]), proc.stderr
@@ -51,7 +57,8 @@ def _launch(argv, out_dir, extra_env):
 
 @pytest.fixture(scope="module")
 def minizero_run(tmp_path_factory):
-    return _launch([sys.executable, "-m", "minizero.launcher", "--num_gpus", "2"],
+    return _launch(lambda port: [sys.executable, "-m", "minizero.launcher", "--num_gpus", "2",
+                                 "--master_port", str(port)],
                    tmp_path_factory.mktemp("peer_minizero"), {"PEER_LIBRARY": "minizero"})
 
 
@@ -61,7 +68,9 @@ def deepspeed_run(tmp_path_factory):
         pytest.skip(INSTALL)
     command = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
     accelerator = {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
-    out, _ = _launch([command, "--num_gpus", "2", "tests/deepspeed_examples/no_op_builds.py"],
+    # DeepSpeed's --master_port defaults to 29500, every other job's: a free one instead
+    out, _ = _launch(lambda port: [command, "--num_gpus", "2", "--master_port", str(port),
+                                   "tests/deepspeed_examples/no_op_builds.py"],
                      tmp_path_factory.mktemp("peer_deepspeed"), {"PEER_LIBRARY": "deepspeed", **accelerator})
     return out
 

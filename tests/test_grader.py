@@ -156,9 +156,10 @@ def test_stub_generation_multiline_hint():
                         "    x += 1"]
 
 
-def test_every_failure_becomes_that_checks_failing_entry(tmp_path):
+def test_every_failure_becomes_that_checks_failing_entry(tmp_path, monkeypatch):
     """A timeout, a rank dying in native code, a file that does not import and an error in the
     check's own code each become a failing entry with the reason and its likely cause."""
+    monkeypatch.setenv("MINIZERO_TIMEOUT_SCALE", "1")  # the 3 s timeout below is what is checked
     from minizero import launch
     from minizero.autograde import Check, run_check
     lab = LABS[1]

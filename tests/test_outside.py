@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from minizero import launch
+from tests.machine import free_port, guard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -34,8 +35,10 @@ def _max_diff(a: dict, b: dict) -> float:
 def results(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["TMPDIR"] = str(tmp_path_factory.mktemp("torchrun"))  # torchrun's torchelastic_* log folder, not /tmp's
-    proc = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "tests/outside/nanogpt_train.py", ",".join(MODES)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+    # torchrun's default port, 29500, is every other job's
+    proc = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()),
+                           "tests/outside/nanogpt_train.py", ",".join(MODES)],
+                          capture_output=True, text=True, timeout=guard(300), cwd=ROOT,
                           env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -5,11 +5,12 @@ within the rendezvous timeout, reports a failed worker in one line with its exit
 Real torchrun agents on this machine, each test under a timeout; skipped where torch has no torchrun.
 """
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests.machine import free_port, guard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
@@ -23,14 +24,6 @@ def _env(tmp_path, **extra):
     return {**env, **extra}
 
 
-def _port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def _agent(tmp_path, *args, **env):
     cmd = [sys.executable, "-m", "minizero", "torchrun", *args, "tests/fault_script.py"]
     return subprocess.Popen([*cmd, env.pop("mode", "ok")], cwd=ROOT, env=_env(tmp_path, **env), text=True,
@@ -39,11 +32,11 @@ def _agent(tmp_path, *args, **env):
 
 @pytest.mark.parametrize("backend", ["c10d", "static"])
 def test_two_nodes_with_one_agent_say_what_they_wait_for_and_end_in_one_line(backend, tmp_path):
-    port = _port()
+    port = free_port()
     where = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"] if backend == "c10d"
              else ["--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port)])
     proc = _agent(tmp_path, "--nnodes", "2", "--nproc_per_node", "1", *where, MINIZERO_INIT_TIMEOUT_S="4")
-    text = proc.communicate(timeout=150)[0]  # start-up, then the 4 s rendezvous timeout
+    text = proc.communicate(timeout=guard(150))[0]  # start-up, then the 4 s rendezvous timeout
     assert proc.returncode == 2, text[-3000:]
     lines = [line for line in text.splitlines() if line.strip()]
     assert lines[0].startswith("minizero torchrun: this agent waits up to 4 s ") and \
@@ -54,10 +47,12 @@ def test_two_nodes_with_one_agent_say_what_they_wait_for_and_end_in_one_line(bac
 
 
 def test_two_agents_meet_and_run_the_script(tmp_path):
-    port = _port()
+    port = free_port()
+    wait = f"{guard(120):.0f}"
     agents = [_agent(tmp_path, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", f"127.0.0.1:{port}", MINIZERO_INIT_TIMEOUT_S="120") for _ in range(2)]
-    texts = [a.communicate(timeout=240)[0] for a in agents]
+                     "--rdzv-endpoint", f"127.0.0.1:{port}", MINIZERO_INIT_TIMEOUT_S=wait)
+              for _ in range(2)]
+    texts = [a.communicate(timeout=guard(240))[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], texts
     assert sorted(line for t in texts for line in t.splitlines() if "was never stopped" in line) == \
         ["fault_script: rank 0 was never stopped", "fault_script: rank 1 was never stopped"], texts
@@ -66,8 +61,9 @@ def test_two_agents_meet_and_run_the_script(tmp_path):
 
 def test_a_failed_worker_is_one_line_with_its_exit_code(tmp_path):
     """Every rank fails alike (exit 2): minizero's message once, then one line, not torchrun's ChildFailedError."""
-    proc = _agent(tmp_path, "--nproc_per_node", "2", mode="fail_all")
-    text = proc.communicate(timeout=240)[0]
+    port = str(free_port())
+    proc = _agent(tmp_path, "--nproc_per_node", "2", "--master-port", port, mode="fail_all")
+    text = proc.communicate(timeout=guard(240))[0]
     assert proc.returncode == 2, text[-3000:]
     assert text.count("the input is bad") == 1 and "ChildFailedError" not in text and "Traceback" not in text, text
     assert "minizero torchrun: rank " in text and "exited with code 2" in text, text

@@ -39,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--deepspeed_config_file", default=None)
     p.add_argument("--use_fsdp", action="store_true")
     p.add_argument("--fsdp_sharding_strategy", default=None)
-    p.add_argument("--main_process_port", type=int, default=29500)
+    p.add_argument("--main_process_port", type=int, default=None,
+                   help="the rendezvous port (default: a free one, said on stderr)")
     p.add_argument("-m", "--module", action="store_true", help="the script is a module (python -m)")
     p.add_argument("training_script")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
@@ -101,7 +102,18 @@ def main(argv=None) -> int:
         sys.stderr.write(f"{p.prog}: {nprocs} ranks: this machine allows at most {mz_env.get('MINIZERO_MAX_RANKS')} "
                          "(MINIZERO_MAX_RANKS raises the cap)\n")
         return 2
-    child = {**os.environ, **extra}
+    if args.main_process_port is not None and not 0 < args.main_process_port < 65536:
+        sys.stderr.write(f"{p.prog}: --main_process_port {args.main_process_port}: give a port "
+                         "number 1..65535\n")
+        return 2
+    # a fixed 29500 is every other job's too: two jobs meeting at one store mix their ranks
+    port = args.main_process_port
+    if port is None:
+        from minizero.launch import free_port
+        port = free_port()
+        sys.stderr.write(f"{p.prog}: rendezvous port {port} (free, chosen here; "
+                         "--main_process_port sets one)\n")
+    child = {**os.environ, **extra, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     child.pop("ACCELERATE_CONFIG_FILE", None)  # the ranks read the variables, as under `accelerate launch`
     child.setdefault("OMP_NUM_THREADS", "1")
     script = ["-m", args.training_script] if args.module else [args.training_script]
@@ -109,7 +121,7 @@ def main(argv=None) -> int:
         cmd = [find_mpirun(), "-n", str(nprocs), sys.executable, *script, *args.training_script_args]
     except LaunchError:
         cmd = [sys.executable, "-m", "minizero", "torchrun", "--nproc-per-node", str(nprocs), "--master-port",
-               str(args.main_process_port), *script, *args.training_script_args]
+               str(port), *script, *args.training_script_args]
     try:
         return subprocess.call(cmd, env=child)
     except KeyboardInterrupt:

@@ -40,7 +40,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num_nodes", type=int, default=-1, help="1 (several nodes: start mpirun/torchrun per node)")
     p.add_argument("--num_gpus", "--num_accelerators", dest="num_gpus", type=int, default=-1,
                    help="ranks on this machine (default: every GPU torch sees, or 1 without one)")
-    p.add_argument("--master_port", type=int, default=29500, help="torch.distributed's rendezvous port")
+    p.add_argument("--master_port", type=int, default=None,
+                   help="torch.distributed's rendezvous port (default: a free one, said on stderr)")
     p.add_argument("--master_addr", default="", help="torch.distributed's rendezvous address (default 127.0.0.1)")
     p.add_argument("--launcher", default="", help="mpirun (default when found) or torchrun underneath; DeepSpeed's "
                    "MPI names (openmpi, mpich, impi, mvapich) mean mpirun")
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
                 "pdsh and slurm start several nodes, which this command does not)")
     if not args.module and not args.no_python and not os.path.isfile(args.user_script):
         p.error(f"user_script {args.user_script}: no such file")
-    if not 0 < args.master_port < 65536:
+    if args.master_port is not None and not 0 < args.master_port < 65536:
         p.error(f"--master_port {args.master_port}: give a port number 1..65535")
     import torch
     from minizero import env as mz_env
@@ -178,13 +179,21 @@ def main(argv=None) -> int:
     if nranks > mz_env.get("MINIZERO_MAX_RANKS"):
         p.error(f"{nranks} ranks: this machine allows at most {mz_env.get('MINIZERO_MAX_RANKS')} "
                 "(MINIZERO_MAX_RANKS raises the cap when you have the cores)")
+    # DeepSpeed's fixed 29500 is every other job's too: two jobs meeting at one store mix ranks
+    chosen = args.master_port is None
+    if chosen:
+        from minizero.launch import free_port
+        args.master_port = free_port()
     child = dict(os.environ, MASTER_ADDR=args.master_addr or "127.0.0.1", MASTER_PORT=str(args.master_port))
     child.setdefault("OMP_NUM_THREADS", "1")
     if devices is not None:
         child["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     cmd = command(args, nranks, launcher)
     sys.stderr.write(f"minizero.launcher: {nranks} rank{'s' * (nranks > 1)} of {args.user_script} under {launcher}"
-                     + (f" on GPUs {child['CUDA_VISIBLE_DEVICES']}" if devices is not None else " on CPU") + "\n")
+                     + (f" on GPUs {child['CUDA_VISIBLE_DEVICES']}" if devices is not None
+                        else " on CPU")
+                     + f", rendezvous port {args.master_port}"
+                     + (" (free, chosen here; --master_port sets one)" if chosen else "") + "\n")
     try:
         return subprocess.call(cmd, env=child)
     except KeyboardInterrupt:
