@@ -292,6 +292,8 @@ def test_offload_states_checks_its_arguments_as_deepspeed_and_moves_nothing_on_c
     from minizero.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
     assert [e.value for e in OffloadStateTypeEnum] == [
         "optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer"]
+    from minizero import comm as comm_mod
+    ours = not comm_mod.is_initialized()  # then shut it at the end: later tests start without one
     engine = deepspeed.initialize(model=nn.Linear(2, 2), config={
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 0.1}}})[0]
@@ -312,6 +314,8 @@ def test_offload_states_checks_its_arguments_as_deepspeed_and_moves_nothing_on_c
             engine.offload_states(device=OffloadDeviceEnum.nvme)
     finally:
         engine.destroy()
+        if ours:
+            comm_mod.shutdown()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -322,6 +326,8 @@ def test_frozen_parameters_in_the_optimizer_are_held_but_not_trained(stage):
     net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
     net[0].requires_grad_(False)
     frozen = net[0].weight.detach().clone()
+    from minizero import comm as comm_mod
+    ours = not comm_mod.is_initialized()
     engine = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=0.01), config={
         "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}})[0]
     try:
@@ -334,6 +340,8 @@ def test_frozen_parameters_in_the_optimizer_are_held_but_not_trained(stage):
         assert torch.equal(net[0].weight.detach(), frozen)
     finally:
         engine.destroy()
+        if ours:
+            comm_mod.shutdown()
 
 
 def test_comm_refuses_what_it_does_not_implement():
