@@ -3,23 +3,26 @@
     from minizero.pipe import PipelineModule, LayerSpec        # DeepSpeed: from deepspeed.pipe import ...
     net = PipelineModule(layers=[LayerSpec(Embed, V, d), *[LayerSpec(Block, d) for _ in range(4)],
                                  LayerSpec(Head, d, V)],
-                         num_stages=2, loss_fn=nn.CrossEntropyLoss(), hidden_shape=(T, d))
-    engine, _, _, _ = minizero.initialize(model=net, config={..., "pipeline": {"stages": 2}})
+                         num_stages=2, loss_fn=nn.CrossEntropyLoss())
+    engine, _, _, _ = minizero.initialize(model=net, config={...})
     loss = engine.train_batch(data_iter)                       # data_iter yields (inputs, labels)
 
-How the layer list maps onto minizero's PipelineModel (pipeline/stage.py): the first layer is the embed
-(stage 0 runs it before its blocks), the last the head (the last stage runs it after its blocks), and the
-layers between are the blocks, cut into num_stages runs of equal count ('uniform'; DeepSpeed's default
-'parameters' is accepted and means the same for equal blocks). minizero's stages allocate what they receive
-from one sample's hidden shape, so the layers between the first and the last must keep one shape, given as
-`hidden_shape` (a minizero keyword; DeepSpeed sends shapes at run time). num_stages is the engine's stage
-count, as in DeepSpeed (the config needs no pipeline section; a pipeline.stages that differs is an error).
+How the layer list maps onto minizero's PipelineModel (pipeline/stage.py): the layers are cut into
+num_stages runs as DeepSpeed cuts them (partition_method 'parameters': the trainable parameter
+counts balanced by DeepSpeed's solver; 'uniform': equal layer counts); the first layer is the embed,
+the last the head, the layers between the blocks, and stage s holds the blocks of its run. What
+crosses between stages may change shape from layer to layer: without `hidden_shape` (a minizero
+keyword, one sample's shape when it is the same everywhere) the stages learn shape and dtype at the
+first step, from one metadata message per pipe, as DeepSpeed's PipelineEngine does. num_stages is
+the engine's stage count, as in DeepSpeed (the config needs no pipeline section; a pipeline.stages
+that differs is an error).
 The engine then has DeepSpeed's PipelineEngine names: train_batch(data_iter=None) (None: initialize's
 training_data, in order, repeating), eval_batch(data_iter), num_stages, stage_id, micro_batches,
 is_first_stage(), is_last_stage(), set_dataiterator() (runtime/pipeline_engine.py).
 A callable that is not a module (DeepSpeed allows `lambda x: x.view(...)`) runs as a layer without parameters.
-Refused with a clear error: TiedLayerSpec, topology, seed_layers, activation_checkpoint_interval > 0 (use the
-config's "activation_checkpointing" section), partition_method other than 'parameters' / 'uniform'.
+Refused with a clear error: TiedLayerSpec, topology, seed_layers, dynamic_shape,
+activation_checkpoint_interval > 0 (use the config's "activation_checkpointing" section),
+partition_method other than 'parameters' / 'uniform'.
 Outside a pipeline (pipeline.stages 1), the module's forward runs every layer in order.
 """
 from __future__ import annotations
@@ -91,6 +94,9 @@ class PipelineModule(nn.Module):
         self._layers = layers  # the stage order; loss_fn (often a module) is not one of them
         self.num_stages = num_stages
         self.loss_fn = loss_fn
+        self.partition_method = partition_method
+        # optional: one sample's shape between the layers; None (DeepSpeed's way) learns it at the
+        # first step
         self.hidden_shape = None if hidden_shape is None else tuple(hidden_shape)
 
     def forward(self, x):
@@ -102,12 +108,61 @@ class PipelineModule(nn.Module):
         """This model as minizero.pipeline cuts it (module docstring); the engine calls it."""
         from minizero.pipeline import PipelineModel
         from minizero.runtime.config import ConfigError
-        if self.hidden_shape is None:
-            raise ConfigError("PipelineModule: give hidden_shape=, one sample's shape between the layers after "
-                              "the first and before the last (e.g. (T, d)): minizero's stages allocate what they "
-                              "receive from it")
         if self.loss_fn is None:
             raise ConfigError("PipelineModule: give loss_fn= (loss_fn(outputs, labels)): the last stage computes "
                               "the loss")
         layers = self._layers
-        return PipelineModel(layers[0], layers[1:-1], layers[-1], self.loss_fn, self.hidden_shape)
+        # stage s holds layers [parts[s], parts[s+1]); layer 0 is the embed and layer i the block i
+        # - 1
+        parts = self.stage_parts()
+        blocks = len(layers) - 2
+        stage_blocks = [range(min(max(lo - 1, 0), blocks), min(max(hi - 1, 0), blocks))
+                        for lo, hi in zip(parts[:-1], parts[1:])]
+        return PipelineModel(layers[0], layers[1:-1], layers[-1], self.loss_fn, self.hidden_shape,
+                             stage_blocks)
+
+    def stage_parts(self) -> list[int]:
+        """DeepSpeed's cut of the layer list (PipelineModule._partition_layers): 'uniform', equal
+        layer counts; 'parameters', the trainable parameter counts balanced by its linear-partition
+        solver."""
+        if str(self.partition_method).lower() == "uniform":
+            return _partition_uniform(len(self._layers), self.num_stages)
+        counts = [sum(p.numel() for p in layer.parameters() if p.requires_grad)
+                  for layer in self._layers]
+        return _partition_balanced(counts, self.num_stages)
+
+
+def _partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """deepspeed.runtime.utils.partition_uniform: equal parts, the first `residual` one longer."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    size, residual = divmod(num_items, num_parts)
+    return [p * size + min(p, residual) for p in range(num_parts + 1)]
+
+
+def _partition_balanced(weights: list[int], num_parts: int) -> list[int]:
+    """deepspeed.runtime.utils.partition_balanced, the same solver with the same ties: contiguous
+    parts whose largest and smallest sums differ least (dynamic programming over (items, parts))."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return _partition_uniform(n, m)
+    inf = float("inf")
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    big = [[inf] * (m + 1) for _ in range(n + 1)]
+    small = [[inf] * (m + 1) for _ in range(n + 1)]
+    cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    big[0][0] = cost[0][0] = 0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                hi, lo = max(big[k][j - 1], part), min(small[k][j - 1], part)
+                if cost[i][j] >= hi - lo:  # >=: the last k wins a tie, as in DeepSpeed
+                    cost[i][j], big[i][j], small[i][j], position[i][j] = hi - lo, hi, lo, k
+    parts = [n]
+    for j in reversed(range(1, m + 1)):
+        parts.append(position[parts[-1]][j])
+    return parts[::-1]

@@ -35,7 +35,8 @@ SURFACE = ["initialize", "add_config_arguments", "init_distributed", "accelerato
            "utils.log_dist", "runtime.utils.set_random_seed", "runtime.utils.see_memory_usage", "moe.layer.MoE",
            "moe.utils.split_params_into_different_moe_groups_for_optimizer", "moe.utils.is_moe_param",
            "ops.adam.DeepSpeedCPUAdam", "ops.adam.FusedAdam", "checkpointing.checkpoint", "checkpointing.configure",
-           "zero.Init", "zero.GatheredParameters"]
+           "zero.Init", "zero.GatheredParameters", "runtime.zero.offload_config.OffloadDeviceEnum",
+           "runtime.zero.offload_config.OffloadStateTypeEnum"]
 
 
 def resolve(root, path):
@@ -262,15 +263,85 @@ def test_pipeline_module_maps_onto_minizeros_pipeline():
     x = torch.randn(5, 4)
     expected = parts.head(torch.relu(parts.blocks[0](parts.embed(x))))
     assert torch.equal(net(x), expected)
-    no_shape = deepspeed.pipe.PipelineModule(layers=[nn.Linear(2, 2)] * 3, num_stages=1, loss_fn=nn.MSELoss())
-    with pytest.raises(ConfigError, match="hidden_shape"):
-        no_shape.pipeline_parts()
+    # no hidden_shape: the stages learn it at the first step; the layers are cut as DeepSpeed cuts
+    # them, 'parameters' balancing the trainable counts [30, 42, 0, 14]: stage 0 the first layer,
+    # stage 1 the rest
+    assert net.stage_parts() == [0, 1, 4] and parts.stage_blocks == [range(0, 0), range(0, 2)]
+    uniform = deepspeed.pipe.PipelineModule(layers=layers, num_stages=2, loss_fn=nn.MSELoss(),
+                                            partition_method="uniform")
+    assert uniform.stage_parts() == [0, 2, 4] and uniform.pipeline_parts().hidden_shape is None
+    assert uniform.pipeline_parts().stage_blocks == [range(0, 1), range(1, 2)]
+    try:
+        from deepspeed.runtime.utils import partition_balanced
+    except ImportError:
+        partition_balanced = None
+    if partition_balanced is not None:  # the same solver and ties as DeepSpeed's, lopsided counts
+        for weights, stages in (([30, 42, 0, 14], 2), ([5, 1, 1, 1, 1, 5], 3),
+                                ([0, 9, 0, 0, 9, 1, 1], 2)):
+            assert deepspeed.pipe._partition_balanced(weights, stages) == [
+                int(p) for p in partition_balanced(weights, stages)], weights
     with pytest.raises(NotImplementedError, match="TiedLayerSpec"):
         deepspeed.pipe.TiedLayerSpec("embed", nn.Linear, 2, 2)
     with pytest.raises(ValueError, match="partition_method 'type:transformer'"):
         deepspeed.pipe.PipelineModule(layers=layers, num_stages=2, partition_method="type:transformer")
     with pytest.raises(RuntimeError, match="torch.nn.Module types"):
         deepspeed.pipe.LayerSpec(len)
+
+
+def test_offload_states_checks_its_arguments_as_deepspeed_and_moves_nothing_on_cpu():
+    from minizero.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+    assert [e.value for e in OffloadStateTypeEnum] == [
+        "optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer"]
+    from minizero import comm as comm_mod
+    ours = not comm_mod.is_initialized()  # then shut it at the end: later tests start without one
+    engine = deepspeed.initialize(model=nn.Linear(2, 2), config={
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.1}}})[0]
+    try:
+        engine.backward(engine(torch.ones(1, 2)).sum())
+        engine.step()
+        before = {k: v.clone() for k, v in engine.optimizer.state_dict()["state"][0].items()}
+        engine.offload_states(include=[OffloadStateTypeEnum.optim_states],
+                              device=OffloadDeviceEnum.cpu)
+        engine.reload_states()
+        after = engine.optimizer.state_dict()["state"][0]
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # Adam's moments as they were
+        with pytest.raises(ValueError, match="include holds 'grads'; allowed: "
+                                             "OffloadStateTypeEnum's optim_states, hp_params"):
+            engine.offload_states(include=["grads"])
+        with pytest.raises(ValueError, match="device 'nvme' is not supported"):
+            engine.offload_states(device=OffloadDeviceEnum.nvme)
+    finally:
+        engine.destroy()
+        if ours:
+            comm_mod.shutdown()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_frozen_parameters_in_the_optimizer_are_held_but_not_trained(stage):
+    # the model's frozen layer in optimizer= is accepted and skipped: the ledger holds every parameter but
+    # gradients and Adam's moments for the 260 trainable elements only (fp32, one rank)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    net[0].requires_grad_(False)
+    frozen = net[0].weight.detach().clone()
+    from minizero import comm as comm_mod
+    ours = not comm_mod.is_initialized()
+    engine = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=0.01), config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}})[0]
+    try:
+        engine.backward(nn.functional.cross_entropy(engine(torch.randn(2, 16)), torch.tensor([0, 1])))
+        engine.step()
+        held = {k: v["device"] for k, v in engine.memory().detail.items()}
+        assert held["parameters"] == 4 * (16 * 64 + 64 + 64 * 4 + 4)
+        assert held["gradients"] == (0 if stage == 3 else 4 * 260)  # stage 3 frees them after the step
+        assert 2 * 4 * 260 <= held["optimizer_state"] <= 2 * 4 * 260 + 8  # + Adam's step counters
+        assert torch.equal(net[0].weight.detach(), frozen)
+    finally:
+        engine.destroy()
+        if ours:
+            comm_mod.shutdown()
 
 
 def test_comm_refuses_what_it_does_not_implement():

@@ -333,6 +333,35 @@ def init(backend: str | None = None, debug: bool | None = None) -> Communicator:
     return _WORLD
 
 
+def init_torch_beside(world: Communicator):
+    """Start torch.distributed beside `world` if it does not run yet, with the same rank and size,
+    as DeepSpeed's init_distributed always does: its programs call torch.distributed themselves
+    (rank checks, barriers, metric all-reduces). `world`'s own collectives keep their backend (mpi
+    under mpirun on CPU) and their byte counts. Several ranks on one GPU share it through the mpi
+    backend, which NCCL refuses: there torch gets gloo."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    init_torch_distributed(torch.device("cpu") if world.backend == "mpi" else world.device)
+    failed = []
+    chained = sys.excepthook
+
+    def hook(*exc):  # a rank dying of an exception must not wait at shutdown's barrier
+        failed.append(True)
+        chained(*exc)
+
+    def leave():
+        # mpi4py finalizes MPI after every atexit handler: gloo's pairs close first, after the
+        # barrier of shutdown() on a normal exit, so that no rank tears them down under a peer still
+        # using them
+        if failed and dist.is_initialized():
+            dist.destroy_process_group()
+        shutdown()
+
+    sys.excepthook = hook
+    atexit.register(leave)
+
+
 def is_initialized() -> bool:
     """Whether the global communicator exists (without creating it)."""
     return _WORLD is not None

@@ -17,7 +17,7 @@ import enum
 
 import torch
 
-from minizero.comm.communicator import get, init, is_initialized
+from minizero.comm.communicator import get, init, init_torch_beside, is_initialized
 from minizero.comm.launcher import local_rank
 
 
@@ -52,10 +52,13 @@ def _group(group):
 
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500, verbose=True, timeout=None,
                      init_method=None, dist_init_required=None, config=None, rank=-1, world_size=-1):
-    """deepspeed.init_distributed: starts minizero's global communicator from the launcher's environment
-    (mpirun, torchrun or minizero.launcher; plain python is a world of one). The backend is minizero's
-    choice (mpi under mpirun on CPU, gloo under torchrun, NCCL on CUDA); dist_backend 'nccl' / 'gloo' asks
-    for torch.distributed, 'mpi' for mpi4py. rank / world_size given by hand are refused: a launcher sets them."""
+    """deepspeed.init_distributed: starts minizero's global communicator from the launcher's
+    environment (mpirun, torchrun or minizero.launcher; plain python is a world of one). The backend
+    is minizero's choice (mpi under mpirun on CPU, gloo under torchrun, NCCL on CUDA); dist_backend
+    'nccl' / 'gloo' asks for torch.distributed, 'mpi' for mpi4py. torch.distributed is started too,
+    with the same rank and world, as DeepSpeed always does (its programs call it directly);
+    minizero's collectives keep their own backend. rank / world_size given by hand are refused: a
+    launcher sets them."""
     if rank != -1 or world_size != -1:
         raise ValueError("deepspeed.init_distributed: rank= and world_size= are not supported: start the script "
                          "with a launcher (python -m minizero.launcher, mpirun or torchrun), which sets them")
@@ -63,9 +66,9 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
     if backend == "?":
         raise ValueError(f"deepspeed.init_distributed: dist_backend {dist_backend!r} is not one minizero has: use "
                          "None (minizero's choice), 'nccl', 'gloo' or 'mpi'")
-    if is_initialized():  # DeepSpeed's second call is a no-op too
-        return get()
-    return init(backend)
+    world = get() if is_initialized() else init(backend)  # DeepSpeed's second call is a no-op too
+    init_torch_beside(world)
+    return world
 
 
 def get_rank(group=None) -> int:

@@ -165,7 +165,7 @@ class PipelineRuntime:
         self._post_recv(Action(kind, k, c))
         buf, work = self._posted.pop((kind, k, c))
         work.wait(sleep_s=self.poll_s)
-        return buf
+        return work.buffer if buf is None else buf  # None: a learned shape's, made once it came
 
     def _forward(self, k, c):
         stage = self.stage
@@ -180,7 +180,7 @@ class PipelineRuntime:
             if stage.is_last(c):
                 out = stage.loss_fn(out, self._targets[k]) / self.num_microbatches
                 self._losses.append(out.detach())
-            elif tuple(out.shape) != stage.activation_shape:
+            elif stage.activation_shape is not None and tuple(out.shape) != stage.activation_shape:
                 raise PipelineError(f"chunk {c} (virtual stage {stage.chunks[c].index}) returned shape "
                                     f"{tuple(out.shape)}, but the pipe carries {stage.activation_shape}: "
                                     "give PipelineStage the activation_shape of one micro-batch")

@@ -39,6 +39,27 @@ class PipelineError(ValueError):
     """A model or batch that does not fit the pipeline: the message says which sizes."""
 
 
+META_SIZE = 16  # int64s in a learned shape's metadata message: dtype id, ndim, up to 14 sizes
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]  # a pipe's dtypes, by id
+
+
+class _Learned:
+    """A receive posted before its buffer's shape is known: `post()` (receive the metadata if
+    needed, allocate, receive) runs when it is waited for; the buffer is then `self.buffer`."""
+
+    def __init__(self, post: Callable):
+        self.post = post
+        self.buffer = None
+
+    def wait(self, sleep_s=None):
+        self.buffer, work = self.post()
+        if isinstance(work, _Learned):
+            work.wait(sleep_s)
+            self.buffer = work.buffer
+        else:
+            work.wait(sleep_s=sleep_s)
+
+
 class PipelineModel(NamedTuple):
     """A model as a pipeline sees it. `loss_fn(outputs, targets)` -> the micro-batch's mean loss."""
     embed: nn.Module
@@ -46,6 +67,8 @@ class PipelineModel(NamedTuple):
     head: nn.Module
     loss_fn: Callable
     hidden_shape: tuple | None = None  # one sample's hidden state between blocks, e.g. (T, n_embd)
+    # (None: learned at the first step)
+    stage_blocks: Sequence[range] | None = None  # each stage's blocks (DeepSpeed's cut); None: even
 
 
 class StageChunk(nn.Module):
@@ -94,11 +117,13 @@ class PipelineStage(nn.Module):
     `stage.chunks[c]` is virtual stage c·p + mesh.pp_rank. Every rank must build `model` the
     same way (same seed): each keeps only its own chunks."""
 
-    def __init__(self, model: PipelineModel, mesh: Mesh, activation_shape: Sequence[int], num_chunks: int = 1,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, model: PipelineModel, mesh: Mesh, activation_shape: Sequence[int] | None,
+                 num_chunks: int = 1, dtype: torch.dtype = torch.float32):
         super().__init__()
         p, rank = mesh.pp_size, mesh.pp_rank
-        ranges = partition(len(model.blocks), p, num_chunks)
+        given = getattr(model, "stage_blocks", None)
+        ranges = (list(given) if given is not None and num_chunks == 1 and len(given) == p
+                  else partition(len(model.blocks), p, num_chunks))
         self.mesh = mesh                            # the grid; this stage talks over mesh.pp only
         self.comm = mesh.pp                         # the pipeline group: sends, receives, the tied group
         self.num_stages = p                         # ranks in the pipeline
@@ -106,8 +131,12 @@ class PipelineStage(nn.Module):
         self.num_virtual_stages = p * num_chunks    # S: the model is cut into this many pieces
         self.rank = rank                            # this rank's place in the pipeline (mesh.pp_rank)
         self.loss_fn = model.loss_fn                # used by the chunk that holds the head
-        self.activation_shape = tuple(activation_shape)  # one micro-batch's hidden state: what a pipe carries
+        # one micro-batch's hidden state: what a pipe carries; None: learned at the first step
+        # (below)
+        self.activation_shape = None if activation_shape is None else tuple(activation_shape)
         self.dtype = dtype                          # of what a pipe carries (the receive buffers)
+        self.in_meta = {}                           # learned: chunk -> (shape, dtype) it receives
+        self.out_meta = {}                          # learned: chunk -> (shape, dtype) it sends on
         self.device = mesh.world.device             # where the receive buffers live
         # the neighbours along the pipe, as ranks of mesh.pp (wrapping only matters when v > 1)
         self.next_rank = mesh.pp_next if mesh.pp_next is not None else 0
@@ -177,20 +206,71 @@ class PipelineStage(nn.Module):
     def is_last(self, chunk: int) -> bool:
         return chunk * self.num_stages + self.rank == self.num_virtual_stages - 1
 
-    def recv_activation(self, microbatch: int, chunk: int) -> tuple[torch.Tensor, object]:
-        """Post the receive of chunk `chunk`'s input from the previous virtual stage: (buffer, work)."""
-        buf = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
-        return buf, self.comm.irecv(buf, self.prev_rank, tag=self.tag(microbatch, chunk, False))
+    # Learned shapes (activation_shape None), as DeepSpeed's PipelineEngine does
+    # (runtime/pipe/engine.py: _send_tensor_meta before its first send of outputs, _recv_tensor_meta
+    # on its first receive): the first send through each pipe is preceded by one metadata message,
+    # [dtype id, ndim, *shape] in META_SIZE int64s (DeepSpeed: 256 int32s, and a tuple's tensors one
+    # after another), with the same tag as the activation it describes, so it arrives first
+    # (messages between two ranks with one tag keep their order). The receiver allocates from it; a
+    # gradient has its output's shape, which the sender knows already. Shapes are then fixed, as
+    # DeepSpeed's without dynamic_shape: a later micro-batch of another shape is an error.
+    def recv_activation(self, microbatch: int, chunk: int) -> tuple[torch.Tensor | None, object]:
+        """Post the receive of chunk `chunk`'s input from the previous virtual stage: (buffer,
+        work). Before the shape is known: (None, work) and work.buffer, allocated once its metadata
+        came, after work.wait()."""
+        tag = self.tag(microbatch, chunk, False)
+        meta = ((self.activation_shape, self.dtype) if self.activation_shape is not None
+                else self.in_meta.get(chunk))
+        if meta is None:
+            return None, _Learned(lambda: self._post_learned_recv(chunk, tag))
+        buf = torch.empty(meta[0], dtype=meta[1], device=self.device)
+        return buf, self.comm.irecv(buf, self.prev_rank, tag=tag)
+
+    def _post_learned_recv(self, chunk, tag):
+        if chunk not in self.in_meta:
+            meta = torch.zeros(META_SIZE, dtype=torch.int64, device=self.device)
+            self.comm.irecv(meta, self.prev_rank, tag=tag).wait()
+            dtype, ndim = _DTYPES[int(meta[0])], int(meta[1])
+            self.in_meta[chunk] = (tuple(int(n) for n in meta[2:2 + ndim]), dtype)
+        shape, dtype = self.in_meta[chunk]
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        return buf, self.comm.irecv(buf, self.prev_rank, tag=tag)
 
     def send_activation(self, out: torch.Tensor, microbatch: int, chunk: int):
         """Send chunk `chunk`'s output to the next virtual stage (async: returns the work)."""
         receiver_chunk = chunk + (self.rank == self.num_stages - 1)
-        return self.comm.isend(out, self.next_rank, tag=self.tag(microbatch, receiver_chunk, False))
+        tag = self.tag(microbatch, receiver_chunk, False)
+        if self.activation_shape is None:
+            stage = chunk * self.num_stages + self.rank
+            tensor = isinstance(out, torch.Tensor)
+            if not tensor or out.dtype not in _DTYPES or out.dim() > META_SIZE - 2:
+                what = out.dtype if tensor else type(out).__name__
+                raise PipelineError(f"virtual stage {stage} returned {what}: a pipe carries one "
+                                    f"floating-point tensor of at most {META_SIZE - 2} dimensions")
+            learned = (tuple(out.shape), out.dtype)
+            if chunk not in self.out_meta:
+                self.out_meta[chunk] = learned
+                meta = torch.zeros(META_SIZE, dtype=torch.int64, device=out.device)
+                meta[:2 + out.dim()] = torch.tensor([_DTYPES.index(out.dtype), out.dim(),
+                                                     *out.shape])
+                self.comm.isend(meta, self.next_rank, tag=tag).wait()
+            elif self.out_meta[chunk] != learned:
+                raise PipelineError(f"virtual stage {stage} returned {learned} at micro-batch "
+                                    f"{microbatch}, but {self.out_meta[chunk]} at the first: "
+                                    "the shapes between stages are learned once (DeepSpeed's "
+                                    "dynamic_shape is not implemented); keep every micro-batch "
+                                    "the same shape")
+        return self.comm.isend(out, self.next_rank, tag=tag)
 
-    def recv_gradient(self, microbatch: int, chunk: int) -> tuple[torch.Tensor, object]:
+    def recv_gradient(self, microbatch: int, chunk: int) -> tuple[torch.Tensor | None, object]:
         """Post the receive of the gradient of chunk `chunk`'s output from the next virtual stage."""
-        buf = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
-        return buf, self.comm.irecv(buf, self.next_rank, tag=self.tag(microbatch, chunk, True))
+        tag = self.tag(microbatch, chunk, True)
+        meta = ((self.activation_shape, self.dtype) if self.activation_shape is not None
+                else self.out_meta.get(chunk))
+        if meta is None:  # the output is not sent yet: allocate when waited for (F has run by then)
+            return None, _Learned(lambda: self.recv_gradient(microbatch, chunk))
+        buf = torch.empty(meta[0], dtype=meta[1], device=self.device)
+        return buf, self.comm.irecv(buf, self.next_rank, tag=tag)
 
     def send_gradient(self, grad: torch.Tensor, microbatch: int, chunk: int):
         """Send the gradient of chunk `chunk`'s input back to the previous virtual stage."""
@@ -199,8 +279,11 @@ class PipelineStage(nn.Module):
 
     @property
     def activation_nbytes(self) -> int:
-        """A: the bytes of one micro-batch's message through a pipe (activation or its gradient)."""
-        return torch.Size(self.activation_shape).numel() * torch.empty(0, dtype=self.dtype).element_size()
+        """A: the bytes of one micro-batch's message through a pipe (activation or its gradient);
+        with learned shapes, what this rank sends on (0 before the first step)."""
+        shape, dtype = ((self.activation_shape, self.dtype) if self.activation_shape is not None
+                        else next(iter(self.out_meta.values()), ((0,), self.dtype)))
+        return torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
 
     def p2p_bytes_per_step(self, num_microbatches: int) -> int:
         """What this rank should send per step through the pipes (module docstring)."""

@@ -8,12 +8,13 @@
     checkpoint.py   sharded "universal" checkpoints that reshard across world sizes and stages
     schedulers.py   DeepSpeed's LR schedulers (WarmupLR, ...)
     utils.py        set_random_seed, see_memory_usage (deepspeed.runtime.utils's)
+    zero/           deepspeed.runtime.zero.offload_config's enums (OffloadDeviceEnum, ...)
 """
 
 
 def __getattr__(name):
     # `deepspeed.runtime.utils.set_random_seed` reached as an attribute (import minizero as deepspeed)
-    if name == "utils":
+    if name in ("utils", "zero"):  # and deepspeed.runtime.zero.offload_config's enums
         import importlib
-        return importlib.import_module("minizero.runtime.utils")
+        return importlib.import_module(f"minizero.runtime.{name}")
     raise AttributeError(f"module 'minizero.runtime' has no attribute {name!r}")

@@ -186,8 +186,13 @@ AT_DEFAULT_ONLY = {
                                            "does not emulate: its masters are fp32"),
     "bf16.check_grad_overflow": (False, "bf16 training does not check for overflow here"),
 }
-DISABLED_SECTIONS = {"torch_autocast": (("enabled", "dtype", "lower_precision_safe_modules"),
-                                        "use the fp16 or bf16 sections")}
+DISABLED_SECTIONS = {"torch_autocast": (
+    ("enabled", "dtype", "lower_precision_safe_modules"),
+    "keep it disabled and run the forward under torch.autocast yourself (with "
+    "torch.autocast(device_type, dtype=torch.bfloat16): loss = criterion(engine(x), y)): fp32 "
+    "weights and the forward's ops in bf16, as DeepSpeed's section runs the forward (it also "
+    "reduces the gradients of lower_precision_safe_modules in that dtype, not emulated here); or "
+    "the bf16 section for bf16 weights with fp32 masters")}
 # A number DeepSpeed reads without a type check, where JSON's Infinity means "never" (steps_per_print).
 INFINITY_ALLOWED = {"steps_per_print"}
 # DeepSpeed's deprecated keys, mapped as DeepSpeed maps them (config_utils._process_deprecated_field), with its

@@ -72,11 +72,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise
 
 
+def _in_launch_worker() -> bool:
+    """This process is minizero.launch's worker (the suite's and the lessons' jobs), not the user's
+    script."""
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(main, "name", None) == "minizero.launch"
+
+
 def _users_own_job() -> bool:
     """Several ranks run the user's script (not minizero.launch's worker, which reports a rank's error itself)."""
     from minizero import comm as comm_mod
-    main = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return comm_mod.launched_world_size() > 1 and getattr(main, "name", None) != "minizero.launch"
+    return comm_mod.launched_world_size() > 1 and not _in_launch_worker()
 
 
 def _end_job(message: str):
@@ -130,6 +136,11 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
                           client_scheduler=lr_scheduler is not None)
     if lr_scheduler is not None:
         engine.lr_scheduler = lr_scheduler(engine.optimizer)
+    if comm is None and mesh is None and not _in_launch_worker():
+        # DeepSpeed's initialize runs init_distributed: a program may call torch.distributed after
+        # it
+        from minizero.comm.communicator import get, init_torch_beside
+        init_torch_beside(get())
     _watch()
     loader = None if training_data is None else _loader(engine, training_data, collate_fn)
     if loader is not None and hasattr(engine, "set_dataloader"):  # a pipeline: train_batch() reads it, as in
@@ -150,13 +161,18 @@ def _watch():
 
 
 def _check_optimizer_covers(model, optimizer):
-    """optimizer= was built on model= (its groups are the engine's): said in its own words, not model_parameters'."""
+    """optimizer= was built on model= (its groups are the engine's): said in its own words, not
+    model_parameters'. Frozen parameters of the model (requires_grad=False) may be in the groups, as
+    torch, DeepSpeed and Accelerate allow: they never get a gradient, so they are skipped
+    (param_groups drops them) as torch's step skips them."""
+    owned = {id(p) for p in model.parameters()}
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     grouped = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    if grouped != trainable:
+    foreign, missing = len(grouped - owned), len(trainable - grouped)
+    if foreign or missing:
         raise ConfigError(f"optimizer= was not built on model='s parameters: its param groups hold "
-                          f"{len(grouped - trainable)} tensors that are not trainable parameters of the model and miss "
-                          f"{len(trainable - grouped)} that are. Build it on this model, e.g. "
+                          f"{foreign} tensors that are not parameters of the model and miss "
+                          f"{missing} trainable ones. Build it on this model, e.g. "
                           "torch.optim.AdamW(model.parameters(), lr=...) (every trainable parameter in one group)")
 
 

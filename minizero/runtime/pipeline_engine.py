@@ -83,7 +83,8 @@ class PipelineEngine(BaseEngine):
         self.checkpointed_blocks = chain.apply_activation_checkpointing(torch.nn.ModuleList(parts.blocks), plan)
         self.dp_comm = self.mesh.dp       # the data-parallel ranks of this stage
         self.dp_rank, self.dp_size = self.dp_comm.rank, self.dp_comm.size  # which rows of the batch are this rank's
-        self._hold("pipeline", PipelineStage(parts, self.mesh, (plan.micro_batch_size, *parts.hidden_shape),
+        self._hold("pipeline", PipelineStage(parts, self.mesh, None if parts.hidden_shape is None
+                                             else (plan.micro_batch_size, *parts.hidden_shape),
                                              num_chunks=plan.pipeline.chunks))  # this rank's part of module
         self.pipeline.to(self.device)
         self.module = model               # the plain model, as the user built it (split over tp in 3D)

@@ -318,10 +318,9 @@ def _check_pipeline_model(model, cfg: dict):
         blocks = list(model.h)
     else:
         parts = pipeline_parts(model)
-        if parts.hidden_shape is None:
-            raise ConfigError("the PipelineModel has no hidden_shape: give one sample's hidden state shape, "
-                              "e.g. (T, n_embd), so stages can allocate what they receive")
         blocks = parts.blocks
+        if getattr(parts, "stage_blocks", None) is not None:
+            return  # cut already, as DeepSpeed's PipelineModule cuts its layers (pipe.py)
     try:
         partition(len(blocks), pipe["stages"], pipe["chunks"])  # more stages than blocks, uneven chunks
     except (PipelineError, ValueError) as e:

@@ -197,6 +197,36 @@ class BaseEngine(torch.nn.Module):
     def zero_optimization_stage(self) -> int:
         return self.plan.stage
 
+    def offload_states(self, include=None, device="cpu", pin_memory=True, non_blocking=False):
+        """DeepSpeed's: move the optimizer's states (include: OffloadStateTypeEnum members; None:
+        all) to host memory between phases of a job, and reload_states() back. Where the engine runs
+        on the CPU they are in host memory already: the call checks its arguments as DeepSpeed does
+        and moves nothing. On an accelerator it is not implemented: keep them on the host for the
+        whole run instead, with the config's zero_optimization.offload_optimizer {"device": "cpu"}
+        (and offload_param at stage 3)."""
+        from minizero.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+        allowed = [e.value for e in OffloadStateTypeEnum]
+        for state in include or ():
+            if getattr(state, "value", state) not in allowed:
+                raise ValueError(f"offload_states: include holds {state!r}; allowed: "
+                                 f"OffloadStateTypeEnum's {', '.join(allowed)}")
+        device = getattr(device, "value", device)
+        if device not in ("cpu", "none"):
+            raise ValueError(f"offload_states: device {device!r} is not supported (DeepSpeed too "
+                             "moves the states to OffloadDeviceEnum.cpu only)")
+        if self.device.type != "cpu" and device == OffloadDeviceEnum.cpu.value:
+            raise NotImplementedError(
+                "engine.offload_states() on an accelerator is not implemented by minizero: set "
+                "zero_optimization.offload_optimizer {\"device\": \"cpu\"} in the config to keep "
+                "the optimizer states in host memory for the whole run")
+
+    def reload_states(self, non_blocking=False):
+        """DeepSpeed's: the states back where training uses them (see offload_states: nothing moved
+        on CPU)."""
+        if self.device.type != "cpu":
+            raise NotImplementedError("engine.reload_states() on an accelerator is not "
+                                      "implemented by minizero: see offload_states")
+
     def zero_offload_optimizer(self):
         return self.plan.config["zero_optimization"]["offload_optimizer"] if self.plan.offload is not None else None
 

@@ -22,8 +22,10 @@ import torch.nn as nn
 
 if os.environ.get("PEER_LIBRARY", "minizero") == "deepspeed":
     import deepspeed
+    from deepspeed.pipe import PipelineModule
 else:
     import minizero as deepspeed
+    from minizero.pipe import PipelineModule
 
 
 def add_argument():
@@ -57,6 +59,13 @@ def batches(n_batches, micro_batch, seed=0):
 def variant_config(base: dict, variant: str, steps: int) -> dict:
     stage, precision, *schedule = variant.split(":")
     cfg = json.loads(json.dumps(base))
+    if schedule == ["frozen"]:  # the script's own torch optimizer replaces the section
+        del cfg["optimizer"]
+    if schedule == ["pipe"]:
+        # DeepSpeed's pipeline clips by the first stage's gradient norm alone (runtime/utils.py
+        # clip_grad_norm_ counts parameters only on model-parallel rank 0, and its pipeline grid
+        # makes each stage a model-parallel rank); minizero's by the norm over every stage
+        cfg["gradient_clipping"] = 0.0
     if schedule == ["WarmupDecayLR"]:  # the base's warm-up, linear, then down to 0 at the last step
         cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {**cfg["scheduler"]["params"], "warmup_type": "linear",
                                                                 "total_num_steps": steps}}
@@ -71,6 +80,12 @@ def variant_config(base: dict, variant: str, steps: int) -> dict:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         cfg["zero_force_ds_cpu_optimizer"] = False
     return cfg
+
+
+def gathered_dicts(value: dict, world: int) -> list:
+    out = [None] * world
+    deepspeed.comm.all_gather_object(out, value)
+    return out
 
 
 def gathered(value: float, world: int) -> list[float]:
@@ -88,8 +103,17 @@ def train_variant(args, base: dict, variant: str, rank: int, world: int) -> dict
     deepspeed.runtime.utils.set_random_seed(1234)
     net = Net()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
+    client = {}
+    if variant.endswith(":frozen"):
+        # a model that freezes part of itself and gives its optimizer every parameter, as torch
+        # allows: the frozen ones never get a gradient, so torch's step skips them
+        net.fc1.requires_grad_(False)
+        client = {"optimizer": torch.optim.AdamW(net.parameters(), lr=0.01, betas=(0.9, 0.999),
+                                                 eps=1e-8, weight_decay=0.01)}
+        parameters = None
     started = time.perf_counter()
-    model_engine, optimizer, _, lr_scheduler = deepspeed.initialize(args=args, model=net, model_parameters=parameters)
+    model_engine, optimizer, _, lr_scheduler = deepspeed.initialize(
+        args=args, model=net, model_parameters=parameters, **client)
     init_s = time.perf_counter() - started
     local_device = deepspeed.accelerator.get_accelerator().device_name(model_engine.local_rank)
     target_dtype = torch.bfloat16 if model_engine.bfloat16_enabled() else None
@@ -109,6 +133,7 @@ def train_variant(args, base: dict, variant: str, rank: int, world: int) -> dict
         model_engine.step()
         return loss.item()
 
+    frozen_at_start = [p.detach().clone() for p in net.parameters() if not p.requires_grad]
     losses, lrs, norms = [], [], []
     for i in range(args.steps * gas):
         losses.append(gathered(micro_step(i), world))
@@ -122,7 +147,9 @@ def train_variant(args, base: dict, variant: str, rank: int, world: int) -> dict
     after_save = [micro_step(args.steps * gas + j) for j in range(gas)]
     load_path, client_state = model_engine.load_checkpoint(ckpt)
     after_load = [micro_step(args.steps * gas + j) for j in range(gas)]
+    frozen = [p for p in net.parameters() if not p.requires_grad]
     return {"losses": losses, "lrs": lrs, "grad_norms": norms, "init_s": init_s,
+            "frozen_unchanged": all(torch.equal(p, q) for p, q in zip(frozen, frozen_at_start)),
             "stage": model_engine.zero_optimization_stage(), "bf16": model_engine.bfloat16_enabled(),
             "fp16": model_engine.fp16_enabled(), "offload": bool(model_engine.zero_offload_optimizer()),
             "global_steps": model_engine.global_steps, "train_batch_size": model_engine.train_batch_size(),
@@ -157,15 +184,59 @@ def train_two_engines(args, base: dict, variant: str, rank: int, world: int) -> 
     return {"losses": losses, "lrs": lrs, "global_steps": [e.global_steps for e in engines]}
 
 
+def train_pipe(args, base: dict, variant: str, rank: int, world: int) -> dict:
+    """A PipelineModule of 2 stages whose shape changes from layer to layer, given no shape: the
+    engine learns what crosses between the stages (micro x 4 x 8 here) at the first step.
+    train_batch's mean loss per step."""
+    path = os.path.join(args.out_dir, f"{variant.replace(':', '_')}.rank{rank}.json")
+    with open(path, "w") as f:
+        json.dump(variant_config(base, variant, args.steps), f)
+    args.deepspeed_config = path
+    deepspeed.runtime.utils.set_random_seed(1234)
+    layers = [nn.Linear(16, 32), nn.ReLU(), lambda x: x.view(x.shape[0], 4, 8), nn.Linear(8, 8),
+              nn.Tanh(), lambda x: x.flatten(1), nn.Linear(32, 4)]
+    net = PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2,
+                         partition_method="uniform")
+    engine, _, _, _ = deepspeed.initialize(
+        args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad])
+    gas, micro = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
+    xs, ys = batches(args.steps * gas, micro, seed=2)
+    losses = []
+    for step in range(args.steps):
+        data = iter([(xs[step * gas + j], ys[step * gas + j]) for j in range(gas)])
+        losses.append(float(engine.train_batch(data_iter=data)))
+    return {"losses": losses, "stage_id": engine.stage_id, "num_stages": engine.num_stages}
+
+
+def torch_distributed_after_init() -> dict:
+    """What a DeepSpeed program may do once init_distributed returned: call torch.distributed
+    itself."""
+    import torch.distributed as dist
+    world = getattr(deepspeed.comm, "get", lambda: None)()  # minizero's communicator
+    before = world and world.stats.sent()
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    dist.barrier()
+    between = world and world.stats.sent()
+    deepspeed.comm.all_reduce(torch.ones(4))  # 16 bytes through the library's own collectives
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
+            "backend": dist.get_backend(),
+            "minizero_backend": world and world.backend,
+            "minizero_sent": world and [between - before, world.stats.sent() - between]}
+
+
 def main():
     args = add_argument()
     deepspeed.init_distributed()
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    probe = torch_distributed_after_init()
     with open(args.deepspeed_config) as f:
         base = json.load(f)
-    out = {"world": world, "library": deepspeed.__name__, "variants": {}}
+    out = {"world": world, "library": deepspeed.__name__, "variants": {},
+           "torch_distributed": gathered_dicts(probe, world)}
     for variant in args.variants.split(","):
-        train = train_two_engines if variant.endswith(":two_engines") else train_variant
+        train = (train_two_engines if variant.endswith(":two_engines") else
+                 train_pipe if variant.endswith(":pipe") else train_variant)
         out["variants"][variant] = train(args, base, variant, rank, world)
         deepspeed.comm.barrier()
     if rank == 0:
