@@ -315,6 +315,10 @@ class Accelerator:
             return t / self.num_processes if reduction == "mean" else t
         return _recurse(tensor, one)
 
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        raise ConfigError("accelerator.skip_first_batches is not covered by minizero.accelerate: resume at an "
+                          "epoch's start (save_state at the end of an epoch)")
+
     def pad_across_processes(self, tensor, dim=0, pad_index=0, pad_first=False):
         raise ConfigError("accelerator.pad_across_processes is not covered by minizero.accelerate: give every "
                           "rank tensors of one shape (gather_for_metrics then drops the repeats)")

@@ -34,19 +34,24 @@ _LOADER_KWARGS = {"num_workers": 0, "collate_fn": None, "pin_memory": False, "ti
 
 def shard_batches(batches: list, num_processes: int, process_index: int, batch_size, drop_last: bool) -> list:
     """BatchSamplerShard._iter_with_no_split, as a list: this rank's batches of one epoch."""
-    mine, group = [], []
+    return list(iter_shard(batches, num_processes, process_index, batch_size, drop_last))
+
+
+def iter_shard(batches, num_processes: int, process_index: int, batch_size, drop_last: bool):
+    """This rank's batches, each yielded as soon as its group of num_processes batches is read: a loop that
+    stops early has drawn from the sampler (its generator) exactly as far as Accelerate's."""
+    initial, group = [], []
     for idx, batch in enumerate(batches):
+        if idx < num_processes:
+            initial += batch  # the epoch's first samples, to complete a short tail
         group.append(batch)
         if idx % num_processes == num_processes - 1 and (batch_size is None or len(batch) == batch_size):
-            mine.append(group[process_index])
+            yield group[process_index]
             group = []  # a group ending in a short batch (the last one) stays: the tail below
-    if drop_last or not batches:
-        return mine
+    if drop_last or not group:
+        return
     tail = [b for b in group if batch_size is None or len(b) == batch_size]  # full batches of a last group
     short = [b for b in group if batch_size is not None and len(b) != batch_size]
-    if not group:
-        return mine
-    initial = [i for b in batches[:num_processes] for i in b]
     while len(initial) < num_processes * batch_size:
         initial += initial
     # the last group: its full batches, the short one completed, then batches of the first samples
@@ -59,11 +64,11 @@ def shard_batches(batches: list, num_processes: int, process_index: int, batch_s
     while len(completed) % num_processes:
         completed.append(initial[cycle:cycle + batch_size])
         cycle += batch_size
-    return mine + [completed[process_index]]
+    yield completed[process_index]
 
 
 class BatchSamplerShard(BatchSampler):
-    """This rank's batches of another batch sampler (shard_batches over one epoch of it)."""
+    """This rank's batches of another batch sampler (iter_shard over one epoch of it)."""
 
     def __init__(self, batch_sampler, num_processes: int, process_index: int):
         self.batch_sampler = batch_sampler
@@ -77,9 +82,8 @@ class BatchSamplerShard(BatchSampler):
         return n // self.num_processes if self.drop_last else -(-n // self.num_processes)
 
     def __iter__(self):
-        batches = [list(b) for b in self.batch_sampler]
-        yield from shard_batches(batches, self.num_processes, self.process_index, self.batch_size,
-                                 self.drop_last)
+        yield from iter_shard((list(b) for b in self.batch_sampler), self.num_processes, self.process_index,
+                              self.batch_size, self.drop_last)
 
 
 class SeedableRandomSampler(RandomSampler):
