@@ -261,10 +261,13 @@ def test_a_shuffled_loader_draws_accelerates_order_in_a_world_of_one(world_of_on
 
 
 def test_an_uncovered_dataloader_setting_names_it_and_what_is_allowed():
-    from minizero.accelerate import DataLoaderConfiguration
+    from minizero.accelerate import Accelerator, DataLoaderConfiguration
     with pytest.raises(ConfigError, match=r"DataLoaderConfiguration\(even_batches=False\) is not covered by "
                                           r"minizero.accelerate: allowed True"):
         DataLoaderConfiguration(even_batches=False)
+    with pytest.raises(ConfigError, match=r"rng_types=\['torch'\]\) is not covered by minizero.accelerate: "
+                                          r"allowed None or \['generator'\]"):
+        Accelerator(rng_types=["torch"])
 
 
 def test_bf16_is_autocast_under_ddp_and_16_bit_weights_under_deepspeed(world_of_one):

@@ -82,6 +82,13 @@ class Accelerator:
         return DistributedType(self.settings.distributed_type)
 
     @property
+    def state(self):
+        # an AttributeError still, so that hasattr(accelerator, "state") stays False
+        raise AttributeError("accelerator.state (Accelerate's AcceleratorState) is not covered by "
+                             "minizero.accelerate: read accelerator.distributed_type, mixed_precision, "
+                             "num_processes, process_index or device")
+
+    @property
     def mixed_precision(self) -> str:
         return self.settings.mixed_precision
 
