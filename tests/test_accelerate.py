@@ -270,6 +270,20 @@ def test_an_uncovered_dataloader_setting_names_it_and_what_is_allowed():
         Accelerator(rng_types=["torch"])
 
 
+def test_gradient_accumulation_steps_can_be_set_before_prepare(world_of_one):
+    """automatic_gradient_accumulation.py sets it, then prepares: accumulate() syncs every k micro-batches."""
+    from minizero.accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    accelerator.gradient_accumulation_steps = 3
+    syncs = []
+    for _ in range(6):
+        with accelerator.accumulate():
+            syncs.append(accelerator.sync_gradients)
+    assert syncs == [False, False, True] * 2 and accelerator.gradient_accumulation_steps == 3
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps = 0 is not allowed: use a whole number"):
+        accelerator.gradient_accumulation_steps = 0
+
+
 def test_bf16_is_autocast_under_ddp_and_16_bit_weights_under_deepspeed(world_of_one):
     """Accelerate's two meanings of mixed_precision="bf16", in a world of one (distributed_type NO)."""
     from minizero.accelerate import Accelerator, DeepSpeedPlugin

@@ -96,6 +96,16 @@ class Accelerator:
     def gradient_accumulation_steps(self) -> int:
         return self.settings.gradient_accumulation_steps
 
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int):
+        """For what is prepared next (Accelerate's automatic_gradient_accumulation.py sets it, then calls
+        free_memory and prepares again): an engine built before keeps the value it was built with."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ConfigError(f"accelerator.gradient_accumulation_steps = {steps!r} is not allowed: use a whole "
+                              "number >= 1")
+        self.settings.gradient_accumulation_steps = steps
+        self.gradient_state.num_steps = steps
+
     @property
     def device(self) -> torch.device:
         return torch.device(self.comm.device)
