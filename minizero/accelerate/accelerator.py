@@ -53,8 +53,9 @@ class Accelerator:
             raise ConfigError("Accelerator(split_batches=True) is not covered by minizero.accelerate: each rank "
                               "takes whole batches of the loader (Accelerate's default)")
         if rng_types not in (None, ["generator"], ("generator",)):
-            raise ConfigError(f"Accelerator(rng_types={rng_types!r}) is not covered by minizero.accelerate: "
-                              "allowed None or ['generator'] (the sampler's generator, synchronised)")
+            raise ConfigError(f"Accelerator(rng_types={rng_types!r}) is not covered by "
+                              "minizero.accelerate: allowed None or ['generator'] (the sampler's "
+                              "generator, synchronised)")
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
         self.log_with = log_with  # trackers are not run: init_trackers and log do nothing
         if isinstance(mixed_precision, str):
@@ -85,8 +86,8 @@ class Accelerator:
     def state(self):
         # an AttributeError still, so that hasattr(accelerator, "state") stays False
         raise AttributeError("accelerator.state (Accelerate's AcceleratorState) is not covered by "
-                             "minizero.accelerate: read accelerator.distributed_type, mixed_precision, "
-                             "num_processes, process_index or device")
+                             "minizero.accelerate: read accelerator.distributed_type, "
+                             "mixed_precision, num_processes, process_index or device")
 
     @property
     def mixed_precision(self) -> str:
@@ -98,11 +99,11 @@ class Accelerator:
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, steps: int):
-        """For what is prepared next (Accelerate's automatic_gradient_accumulation.py sets it, then calls
-        free_memory and prepares again): an engine built before keeps the value it was built with."""
+        """For what is prepared next (Accelerate's automatic_gradient_accumulation.py sets it, then
+        calls free_memory and prepares again): an engine built before keeps its value."""
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ConfigError(f"accelerator.gradient_accumulation_steps = {steps!r} is not allowed: use a whole "
-                              "number >= 1")
+            raise ConfigError(f"accelerator.gradient_accumulation_steps = {steps!r} is not "
+                              "allowed: use a whole number >= 1")
         self.settings.gradient_accumulation_steps = steps
         self.gradient_state.num_steps = steps
 
@@ -162,16 +163,16 @@ class Accelerator:
             self.wait_for_everyone()
 
     def save(self, obj, f, safe_serialization: bool = False):
-        """torch.save on the main process only, as Accelerate's save (safetensors is not covered)."""
+        """torch.save on the main process only, as Accelerate's save (not safetensors)."""
         if safe_serialization:
-            raise ConfigError("accelerator.save(safe_serialization=True) is not covered by minizero.accelerate: "
-                              "allowed False (torch.save)")
+            raise ConfigError("accelerator.save(safe_serialization=True) is not covered by "
+                              "minizero.accelerate: allowed False (torch.save)")
         if self.is_main_process:
             torch.save(obj, f)
 
     # ------------------------------------------------------------------ trackers: not run
     def init_trackers(self, project_name: str, config=None, init_kwargs=None):
-        """Trackers (log_with) are not run by minizero.accelerate: nothing is logged (docs/accelerate.md)."""
+        """Trackers (log_with) are not run by minizero.accelerate: nothing is logged."""
 
     def log(self, values: dict, step=None, log_kwargs=None):
         """Not run, as init_trackers."""
@@ -185,8 +186,9 @@ class Accelerator:
         self._trigger = True
 
     def check_trigger(self) -> bool:
-        """True on every rank when any rank called set_trigger since the last check (then cleared)."""
-        flag = torch.tensor([1.0 if getattr(self, "_trigger", False) else 0.0], device=self.comm.device)
+        """True on every rank when a rank called set_trigger since the last check (then cleared)."""
+        raised = 1.0 if getattr(self, "_trigger", False) else 0.0
+        flag = torch.tensor([raised], device=self.comm.device)
         self.comm.all_reduce(flag, op="sum")
         self._trigger = False
         return bool(flag.item() >= 1)
@@ -211,7 +213,8 @@ class Accelerator:
                               "engine rebuilds the optimizer over its shards)")
         dl_cfg = self.dataloader_config
         mapped = {id(d): DataLoaderShard(d, self.comm, self.device, self.gradient_state,
-                                         dl_cfg.use_seedable_sampler, dl_cfg.data_seed) for d in loaders}
+                                         dl_cfg.use_seedable_sampler, dl_cfg.data_seed)
+                  for d in loaders}
         if models:
             batch_sizes = [d.batch_size for d in loaders if d.batch_size is not None]
             micro = min(batch_sizes) if batch_sizes else None
@@ -308,8 +311,8 @@ class Accelerator:
         return out
 
     def gather_for_metrics(self, input_data, use_gather_object: bool = False):
-        """gather() (gather_object for anything but tensors), less the samples the last batch of the loader
-        being iterated repeated so that every rank had a full one."""
+        """gather() (gather_object for anything but tensors), less the samples the last batch of the
+        loader being iterated repeated so that every rank had a full one."""
         use_gather_object = use_gather_object or not _all_tensors(input_data)
         if use_gather_object:
             gathered = [x for part in self.comm.allgather_object(input_data) for x in part]
@@ -333,8 +336,8 @@ class Accelerator:
         return _recurse(tensor, one)
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
-        raise ConfigError("accelerator.skip_first_batches is not covered by minizero.accelerate: resume at an "
-                          "epoch's start (save_state at the end of an epoch)")
+        raise ConfigError("accelerator.skip_first_batches is not covered by minizero.accelerate: "
+                          "resume at an epoch's start (save_state at the end of an epoch)")
 
     def pad_across_processes(self, tensor, dim=0, pad_index=0, pad_first=False):
         raise ConfigError("accelerator.pad_across_processes is not covered by minizero.accelerate: give every "
@@ -356,7 +359,8 @@ class Accelerator:
         for k, opt in enumerate(self._engines):
             client = {"schedulers": [s.scheduler.state_dict() for s in opt.schedulers], "step": self.step}
             opt.engine.save_checkpoint(output_dir, tag=f"model_{k}" if k else "model", client_state=client)
-        rng = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        rng = {"random": random.getstate(), "numpy": np.random.get_state(),
+               "torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         torch.save(rng, os.path.join(output_dir, f"random_states_{self.process_index}.pkl"))
         self.wait_for_everyone()
@@ -492,6 +496,25 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         pass  # the engine zeroes after its step (Accelerate's DeepSpeed wrapper does the same)
+
+    def train(self):
+        """A schedule-free optimizer's mode (Accelerate forwards it; other optimizers have none)."""
+        self._mode("train")
+
+    def eval(self):
+        self._mode("eval")
+
+    def _mode(self, name: str):
+        steps = self.engine.optimizer
+        if callable(getattr(steps, name, None)):
+            getattr(steps, name)()  # the optimizer over the model's own parameters (DDP, fp32)
+            return
+        inner = getattr(steps, "optim", None) or getattr(steps, "optimizer", None)
+        if callable(getattr(inner, name, None)):
+            # it would swap the values of fp32 masters or shards, not those the model computes with
+            raise ConfigError(f"optimizer.{name}() of a schedule-free optimizer is covered by "
+                              "minizero.accelerate at DDP in fp32 only (ZeRO stage 0, "
+                              "mixed_precision no)")
 
     def state_dict(self):
         return self.engine.optimizer.state_dict()

@@ -226,8 +226,8 @@ class FullyShardedDataParallelPlugin:
     cpu_offload: bool | None = None
     fsdp_version: int = 1
     extra: dict = field(default_factory=dict)
-    # Accelerate's wrapping, prefetch and state-dict settings: accepted, as from the YAML, and without effect
-    # (minizero's ZeRO-3 shards by its own units; save_state writes the engine's checkpoint)
+    # Accelerate's wrapping, prefetch and state-dict settings: accepted, as from the YAML, and
+    # without effect (minizero's ZeRO-3 shards by its own units; save_state writes the engine's)
     state_dict_type: object = None
     state_dict_config: object = None
     optim_state_dict_config: object = None

@@ -1,6 +1,6 @@
-"""accelerator.prepare(dataloader): each rank gets its share of the batches, as Accelerate shards them
-(accelerate/data_loader.py: prepare_data_loader, BatchSamplerShard without split_batches, even_batches=True,
-SeedableRandomSampler, DataLoaderShard).
+"""accelerator.prepare(dataloader): each rank gets its share of the batches, as Accelerate shards
+them (accelerate/data_loader.py: prepare_data_loader, BatchSamplerShard without split_batches,
+even_batches=True, SeedableRandomSampler, DataLoaderShard).
 
     batches of the original loader:   b0 b1 b2 b3 b4(short)
     rank 0 of 2:                      b0    b2    b4 + the first indices again (even_batches)
@@ -11,13 +11,14 @@ same script sees the same samples per step at any rank count. A short tail is co
 first samples so every rank runs the same number of steps; gather_for_metrics drops those repeats again
 (the loader's `remainder`).
 
-The prepared loader is a torch DataLoader over the same dataset, collate_fn, workers and generator, built
-and iterated as Accelerate's, so it draws from torch's global generator exactly when Accelerate's does (one
-seed per epoch for the workers, one per epoch for an unseeded RandomSampler, one at prepare() for the
-sampler's generator with several ranks). Then the same seed gives the same order, and the same dropout masks
-and augmentations after it, as Accelerate: a shuffle with several ranks draws from one generator whose state
-rank 0 broadcasts at each epoch's start (Accelerate's rng_types=["generator"]); use_seedable_sampler reseeds
-it with data_seed (default torch.initial_seed()) + epoch.
+The prepared loader is a torch DataLoader over the same dataset, collate_fn, workers and generator,
+built and iterated as Accelerate's, so it draws from torch's global generator exactly when
+Accelerate's does (one seed per epoch for the workers, one per epoch for an unseeded RandomSampler,
+one at prepare() for the sampler's generator with several ranks). Then the same seed gives the same
+order, and the same dropout masks and augmentations after it, as Accelerate: a shuffle with several
+ranks draws from one generator whose state rank 0 broadcasts at each epoch's start (Accelerate's
+rng_types=["generator"]); use_seedable_sampler reseeds it with data_seed (default
+torch.initial_seed()) + epoch.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def shard_batches(batches: list, num_processes: int, process_index: int, batch_s
 
 
 def iter_shard(batches, num_processes: int, process_index: int, batch_size, drop_last: bool):
-    """This rank's batches, each yielded as soon as its group of num_processes batches is read: a loop that
-    stops early has drawn from the sampler (its generator) exactly as far as Accelerate's."""
+    """This rank's batches, each yielded as soon as its group of num_processes batches is read: a
+    loop that stops early has drawn from the sampler (its generator) as far as Accelerate's has."""
     initial, group = [], []
     for idx, batch in enumerate(batches):
         if idx < num_processes:
@@ -82,8 +83,8 @@ class BatchSamplerShard(BatchSampler):
         return n // self.num_processes if self.drop_last else -(-n // self.num_processes)
 
     def __iter__(self):
-        yield from iter_shard((list(b) for b in self.batch_sampler), self.num_processes, self.process_index,
-                              self.batch_size, self.drop_last)
+        yield from iter_shard((list(b) for b in self.batch_sampler), self.num_processes,
+                              self.process_index, self.batch_size, self.drop_last)
 
 
 class SeedableRandomSampler(RandomSampler):
@@ -106,8 +107,8 @@ class SeedableRandomSampler(RandomSampler):
 
 
 class GradientState:
-    """What accumulate() and gather_for_metrics read: whether this micro-batch syncs, and where the innermost
-    prepared loader being iterated is (its end, the real samples of its last global batch)."""
+    """What accumulate() and gather_for_metrics read: whether this micro-batch syncs, and where the
+    innermost prepared loader being iterated is (its end, the real samples of its last batch)."""
 
     def __init__(self, num_steps: int):
         self.num_steps = num_steps
@@ -130,24 +131,26 @@ class GradientState:
 class DataLoaderShard(DataLoader):
     """A prepared DataLoader: this rank's batches, moved to the device, the state accumulate() reads."""
 
-    def __init__(self, loader: DataLoader, comm, device, state: GradientState, use_seedable_sampler=False,
-                 data_seed=None):
+    def __init__(self, loader: DataLoader, comm, device, state: GradientState,
+                 use_seedable_sampler=False, data_seed=None):
         if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
-            raise NotImplementedError("accelerator.prepare(dataloader) of an iterable dataset or a loader "
-                                      "with batch_size=None is not covered by minizero.accelerate: give the "
-                                      "DataLoader a map-style dataset and a batch_size")
+            raise NotImplementedError("accelerator.prepare(dataloader) of an iterable dataset or a "
+                                      "loader with batch_size=None is not covered by "
+                                      "minizero.accelerate: give the DataLoader a map-style "
+                                      "dataset and a batch_size")
         batch_sampler = loader.batch_sampler
         sampler = loader.sampler
         if isinstance(sampler, RandomSampler) and use_seedable_sampler:
             sampler = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
-                                            num_samples=sampler._num_samples, generator=sampler.generator,
-                                            data_seed=data_seed)
+                                            num_samples=sampler._num_samples,
+                                            generator=sampler.generator, data_seed=data_seed)
         self.synchronized_generator = None
         if comm.size > 1:
             if not use_seedable_sampler and hasattr(sampler, "generator"):
-                if sampler.generator is None:  # seeded from the global generator (rank 0's wins below)
+                if sampler.generator is None:  # seeded from the global one (rank 0's wins below)
                     sampler.generator = torch.Generator()
-                    sampler.generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+                    seed = torch.empty((), dtype=torch.int64).random_().item()
+                    sampler.generator.manual_seed(int(seed))
                 self.synchronized_generator = sampler.generator
             batch_sampler = BatchSamplerShard(batch_sampler, comm.size, comm.rank)
         kwargs = {k: getattr(loader, k, v) for k, v in _LOADER_KWARGS.items()}
@@ -171,7 +174,7 @@ class DataLoaderShard(DataLoader):
         self.synchronized_generator.set_state(state.cpu())
 
     def set_epoch(self, epoch: int):
-        """Accelerate's DataLoaderShard.set_epoch: the batch sampler, its sampler, or the dataset."""
+        """Accelerate's DataLoaderShard.set_epoch: the batch sampler, its sampler or the dataset."""
         self.iteration = epoch
         bs = self.batch_sampler
         if hasattr(bs, "set_epoch"):
@@ -212,7 +215,7 @@ class DataLoaderShard(DataLoader):
 
 
 def _to(batch, device):
-    """Accelerate's send_to_device: tensors, objects with .to (a tokenizer's BatchEncoding), containers."""
+    """Accelerate's send_to_device: tensors, objects with .to (a BatchEncoding), containers."""
     if torch.is_tensor(batch) or hasattr(batch, "to"):
         return batch.to(device)
     if isinstance(batch, Mapping):

@@ -1,7 +1,7 @@
-"""accelerate.utils as Accelerate's examples import it: `from accelerate.utils import set_seed` becomes
-`from minizero.accelerate.utils import set_seed` (docs/accelerate.md).
+"""accelerate.utils as Accelerate's examples import it: `from accelerate.utils import set_seed`
+becomes `from minizero.accelerate.utils import set_seed` (docs/accelerate.md).
 
-    DistributedType           what accelerator.distributed_type compares with (a str enum, as Accelerate's)
+    DistributedType           accelerator.distributed_type's type (Accelerate's str enum)
     DataLoaderConfiguration   Accelerator(dataloader_config=...): the seedable sampler and its seed
     set_seed                  random, numpy and torch seeded as Accelerate seeds them
     find_executable_batch_size   retry with 0.9 x the batch size after an out-of-memory error
@@ -24,8 +24,8 @@ from minizero.runtime.config import ConfigError
 
 
 class DistributedType(str, enum.Enum):
-    """Accelerate's names; minizero runs NO, MULTI_CPU, MULTI_GPU, DEEPSPEED and FSDP (the rest exist so
-    that a script's comparisons, e.g. `== DistributedType.XLA`, evaluate to False)."""
+    """Accelerate's names; minizero runs NO, MULTI_CPU, MULTI_GPU, DEEPSPEED and FSDP (the rest
+    exist so that a script's comparisons, e.g. `== DistributedType.XLA`, evaluate to False)."""
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
@@ -64,12 +64,12 @@ class DataLoaderConfiguration:
                    "use_stateful_dataloader": (False, "save_state keeps no loader position")}
         for name, (value, instead) in covered.items():
             if getattr(self, name) not in (value, False if value is None else value):
-                raise ConfigError(f"DataLoaderConfiguration({name}={getattr(self, name)!r}) is not covered "
-                                  f"by minizero.accelerate: allowed {value!r} ({instead})")
+                raise ConfigError(f"DataLoaderConfiguration({name}={getattr(self, name)!r}) is not "
+                                  f"covered by minizero.accelerate: allowed {value!r} ({instead})")
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False):
-    """Accelerate's set_seed: random, numpy, torch (CPU and every GPU); device_specific adds the rank."""
+    """Accelerate's set_seed: random, numpy, torch (every device); device_specific adds the rank."""
     if device_specific:
         from minizero import comm as comm_mod
         seed += comm_mod.get().rank if comm_mod.is_initialized() else 0
@@ -90,11 +90,13 @@ def should_reduce_batch_size(exception: Exception) -> bool:
         any(m in str(exception.args[0]) for m in _OOM_MESSAGES)
 
 
-def find_executable_batch_size(function=None, starting_batch_size: int = 128, reduce_batch_size_fn=None):
-    """Accelerate's decorator: calls function(batch_size, ...) and, after an out-of-memory error, again with
-    int(0.9 x batch_size) (or reduce_batch_size_fn()) until it fits or the batch size reaches 0."""
+def find_executable_batch_size(function=None, starting_batch_size: int = 128,
+                               reduce_batch_size_fn=None):
+    """Accelerate's decorator: calls function(batch_size, ...) and, after an out-of-memory error,
+    again with int(0.9 x batch_size) (or reduce_batch_size_fn()) until it fits or reaches 0."""
     if function is None:
-        return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
+        return functools.partial(find_executable_batch_size,
+                                 starting_batch_size=starting_batch_size,
                                  reduce_batch_size_fn=reduce_batch_size_fn)
     batch_size = starting_batch_size
 
@@ -105,11 +107,13 @@ def find_executable_batch_size(function=None, starting_batch_size: int = 128, re
     def decorator(*args, **kwargs):
         params = list(inspect.signature(function).parameters)
         if len(params) < len(args) + 1:
-            raise TypeError(f"{function.__name__}: find_executable_batch_size passes the batch size as the "
-                            f"first argument; call {function.__name__}({', '.join(params[1:])}) without it")
+            raise TypeError(f"{function.__name__}: find_executable_batch_size passes the batch "
+                            f"size as the first argument; call {function.__name__}"
+                            f"({', '.join(params[1:])}) without it")
         while True:
             if batch_size <= 0:
-                raise RuntimeError("find_executable_batch_size: no batch size fits in memory (reached 0)")
+                raise RuntimeError("find_executable_batch_size: no batch size fits in memory "
+                                   "(reached 0)")
             try:
                 return function(batch_size, *args, **kwargs)
             except Exception as e:

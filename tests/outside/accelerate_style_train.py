@@ -1,15 +1,15 @@
 """A training script in Accelerate's examples' style (examples/nlp_example.py's loop: set_seed,
-main_process_first, prepare, accumulate, backward, clip under sync_gradients, optimizer/scheduler steps,
-gather_for_metrics over an uneven last batch, trackers, save_state/load_state), with dropout, so that the
-losses also depend on how often the prepared loaders draw from torch's global generator.
+main_process_first, prepare, accumulate, backward, clip under sync_gradients, optimizer/scheduler
+steps, gather_for_metrics over an uneven last batch, trackers, save_state/load_state), with dropout,
+so that the losses also depend on how often the prepared loaders draw from torch's global generator.
 
     ACCELERATE_USE_CPU=true torchrun --nproc-per-node 2 accelerate_style_train.py --peer accelerate --out a.json
     python -m minizero.accelerate.launch --config_file article.yaml accelerate_style_train.py --peer minizero ...
 
 With --peer minizero the first run takes its settings from the launcher's variables (the article's config),
 then the variables are cleared and the script runs again per --variants (ddp, zero1, zero2, zero3, fsdp):
-the imports (`from accelerate ...` / `from minizero.accelerate ...`) are the only lines that differ from the
-Accelerate run. Rank 0 writes every run's losses to --out.
+the imports (`from accelerate ...` / `from minizero.accelerate ...`) are the only lines that differ
+from the Accelerate run. Rank 0 writes every run's losses to --out.
 """
 import argparse
 import json
@@ -23,8 +23,8 @@ CLIP = 0.5
 class Classifier(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1),
-                                        torch.nn.Linear(32, 3))
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                        torch.nn.Dropout(0.1), torch.nn.Linear(32, 3))
 
     def forward(self, x, labels=None):
         logits = self.body(x)
@@ -48,7 +48,7 @@ class Pairs(torch.utils.data.Dataset):
 def training_function(lib, accelerator_kwargs, scheduled=True, save_dir=None):
     accelerator = lib.Accelerator(**accelerator_kwargs)
     lib.set_seed(42)
-    # the main process writes a file first, the others find it there (Accelerate's main_process_first)
+    # the main process writes a file first, the others find it (Accelerate's main_process_first)
     marker = os.path.abspath("main_process_first")
     with accelerator.main_process_first():
         if accelerator.is_main_process:
@@ -117,8 +117,8 @@ def training_function(lib, accelerator_kwargs, scheduled=True, save_dir=None):
         del losses[start:]
     types = lib.DistributedType
     info = {"num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
-            "is_a_distributed_type": accelerator.distributed_type in (types.MULTI_CPU, types.DEEPSPEED,
-                                                                      types.FSDP, types.NO),
+            "is_a_distributed_type": accelerator.distributed_type in (
+                types.MULTI_CPU, types.DEEPSPEED, types.FSDP, types.NO),
             "mixed_precision": str(accelerator.mixed_precision),
             "steps_per_epoch": len(train_dl)}
     engine = getattr(model, "engine", None)
@@ -162,7 +162,8 @@ def main():
                 kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=int(variant[-1]), gradient_clipping=CLIP)
             elif variant == "fsdp":
                 kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(sharding_strategy="FULL_SHARD")
-            runs[variant] = training_function(lib, kwargs, save_dir=save if variant == "ddp" else None)
+            runs[variant] = training_function(lib, kwargs,
+                                              save_dir=save if variant == "ddp" else None)
     if runs["ddp" if "ddp" in runs else next(iter(runs))]["main"]:
         with open(args.out, "w") as f:
             json.dump(runs, f)
