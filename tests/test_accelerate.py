@@ -1,7 +1,8 @@
 """minizero.accelerate against Hugging Face Accelerate: one script in Accelerate's examples' style
 (tests/outside/accelerate_style_train.py) run by real Accelerate (DDP on CPU, torchrun, 2 ranks) and by
 minizero's launcher with the article's `accelerate config` answers, then at DDP, ZeRO-1/2/3 and FSDP in the
-same launch. Two launches for the module; the rest runs in-process."""
+same launch. Two launches for the module; the rest runs in-process (a world of one beside
+Accelerate's)."""
 import importlib.util
 import json
 import os
@@ -66,6 +67,13 @@ def test_each_strategy_trains_as_accelerate_ddp(runs, variant):
     assert max(abs(a - b) for a, b in zip(ours["losses"], truth["losses"])) < 1e-6
     assert ours["lrs"][:12] == pytest.approx(truth["lrs"][:12], abs=1e-12)
     assert ours["seen"] == truth["seen"] == [21, 21]  # gather_for_metrics dropped the repeated samples
+    # the object path of gather_for_metrics too: each eval sample once, in the loader's order
+    assert ours["eval_ids"] == truth["eval_ids"] == [list(range(21))] * 2
+    assert ours["order"] == truth["order"]  # the shuffled loader's samples, each step, both ranks
+    samples = [i for step in ours["order"] for i in step]
+    assert len(samples) == 48 and set(samples) == set(range(44))  # 4 repeats complete the last step
+    assert ours["saw_main_first"] == truth["saw_main_first"] == [1, 1]
+    assert ours["info"]["is_a_distributed_type"] and truth["info"]["is_a_distributed_type"]
     assert ours["accuracy"] == truth["accuracy"]
     assert ours["info"]["steps_per_epoch"] == truth["info"]["steps_per_epoch"] == 6
 
@@ -96,7 +104,8 @@ def test_the_articles_config_trains_through_minizero(runs):
     """DeepSpeed, ZeRO-2, bf16, accumulation 1, and Accelerate's "auto" clipping (1.0, although the article
     answered no clipping); the micro-batch is the DataLoader's."""
     article = runs["minizero"]["article"]
-    assert article["info"] == {"num_processes": 2, "distributed_type": "DEEPSPEED", "mixed_precision": "bf16",
+    assert article["info"] == {"num_processes": 2, "distributed_type": "DEEPSPEED",
+                               "mixed_precision": "bf16", "is_a_distributed_type": True,
                                "steps_per_epoch": 6, "stage": 2, "bf16": True, "clip": 1.0, "micro_batch": 4}
     losses = article["losses"]
     assert sum(losses[6:]) / 6 < 0.8 * sum(losses[:6]) / 6, losses
@@ -112,6 +121,23 @@ def test_the_shards_are_accelerates_batch_sampler_shards(n, drop_last):
     for rank in range(3):
         truth = list(BatchSamplerShard(sampler, num_processes=3, process_index=rank))
         assert shard_batches([list(b) for b in sampler], 3, rank, 4, drop_last) == truth
+
+
+@NEEDS_ACCELERATE
+def test_a_loop_that_stops_early_has_drawn_the_shuffle_as_far_as_accelerates():
+    """A loop that breaks after the first batch (early stopping) leaves the sampler's generator
+    where Accelerate's does, so the next epoch's order is Accelerate's too."""
+    from accelerate.data_loader import BatchSamplerShard as Theirs
+
+    from minizero.accelerate.data import BatchSamplerShard
+    seen = []
+    for cls in (Theirs, BatchSamplerShard):
+        generator = torch.Generator().manual_seed(0)
+        shuffle = torch.utils.data.RandomSampler(range(10), generator=generator)
+        sampler = torch.utils.data.BatchSampler(shuffle, batch_size=2, drop_last=False)
+        first = next(iter(cls(sampler, num_processes=2, process_index=1)))
+        seen.append((first, generator.get_state()))
+    assert seen[0][0] == seen[1][0] and torch.equal(seen[0][1], seen[1][1])
 
 
 def test_the_articles_yaml_becomes_accelerate_launchs_variables():
@@ -191,6 +217,103 @@ def world_of_one(monkeypatch):
     assert not comm_mod.is_initialized()
     yield
     comm_mod.shutdown()
+
+
+@NEEDS_ACCELERATE
+def test_the_names_examples_import_are_accelerates():
+    """DistributedType's values are Accelerate's, and set_seed leaves random, numpy and torch where
+    Accelerate's does."""
+    import random
+
+    import numpy as np
+    from accelerate import DistributedType as Theirs
+    from accelerate.utils import set_seed as their_set_seed
+
+    from minizero.accelerate import DistributedType
+    from minizero.accelerate.utils import set_seed
+    assert {t.value for t in DistributedType} <= {t.value for t in Theirs}
+    assert DistributedType.MULTI_CPU == Theirs.MULTI_CPU == "MULTI_CPU"
+    assert str(DistributedType.FSDP) == "FSDP"
+    draws = []
+    for seed in (set_seed, their_set_seed):
+        seed(7)
+        draws.append((random.random(), np.random.rand(), torch.rand(1).item()))
+    assert draws[0] == draws[1]
+
+
+@NEEDS_ACCELERATE
+def test_a_shuffled_loader_draws_accelerates_order_in_a_world_of_one(world_of_one):
+    """One process (no sharding): the same batches as Accelerate 1.15 for the same seed over two
+    epochs, and torch's global generator where Accelerate leaves it after each (dropout draws from
+    it next); with and without DataLoaderConfiguration(use_seedable_sampler=True)."""
+    import accelerate
+    from accelerate.state import AcceleratorState
+
+    import minizero.accelerate as ours
+
+    def run(lib, seedable):
+        lib.utils.set_seed(42)
+        accelerator = lib.Accelerator(cpu=True, dataloader_config=lib.DataLoaderConfiguration(
+            use_seedable_sampler=seedable))
+        loader = torch.utils.data.DataLoader(torch.arange(10), batch_size=4, shuffle=True)
+        loader = accelerator.prepare(loader)
+        return [([b.tolist() for b in loader], torch.rand(1).item()) for _ in range(2)]
+
+    try:
+        for seedable in (False, True):
+            truth = run(accelerate, seedable)
+            assert run(ours, seedable) == truth
+            assert truth[0][0] != truth[1][0]  # a new order each epoch
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_an_uncovered_dataloader_setting_names_it_and_what_is_allowed():
+    from minizero.accelerate import Accelerator, DataLoaderConfiguration
+    with pytest.raises(ConfigError, match=r"DataLoaderConfiguration\(even_batches=False\) is not "
+                                          r"covered by minizero.accelerate: allowed True"):
+        DataLoaderConfiguration(even_batches=False)
+    with pytest.raises(ConfigError, match=r"rng_types=\['torch'\]\) is not covered by "
+                                          r"minizero.accelerate: allowed None or \['generator'\]"):
+        Accelerator(rng_types=["torch"])
+
+
+def test_gradient_accumulation_steps_can_be_set_before_prepare(world_of_one):
+    """automatic_gradient_accumulation.py sets it, then prepares: accumulate() syncs every k
+    micro-batches."""
+    from minizero.accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    accelerator.gradient_accumulation_steps = 3
+    syncs = []
+    for _ in range(6):
+        with accelerator.accumulate():
+            syncs.append(accelerator.sync_gradients)
+    assert syncs == [False, False, True] * 2 and accelerator.gradient_accumulation_steps == 3
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps = 0 is not allowed: use a "
+                                          r"whole number"):
+        accelerator.gradient_accumulation_steps = 0
+
+
+def test_a_schedule_free_optimizers_mode_reaches_the_optimizer_that_steps(world_of_one):
+    """schedule_free.py calls optimizer.train() / eval() on the prepared optimizer (DDP, fp32)."""
+    from minizero.accelerate import Accelerator
+    calls = []
+
+    class ScheduleFree(torch.optim.SGD):
+        def train(self):
+            calls.append(("train", self))
+
+        def eval(self):
+            calls.append(("eval", self))
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    data = torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2)
+    model, optimizer, _ = accelerator.prepare(model, ScheduleFree(model.parameters(), lr=0.1), data)
+    optimizer.train()
+    optimizer.eval()
+    assert [c[0] for c in calls] == ["train", "eval"]
+    assert all(c[1] is model.engine.optimizer for c in calls)  # the engine's, which steps
 
 
 def test_bf16_is_autocast_under_ddp_and_16_bit_weights_under_deepspeed(world_of_one):

@@ -4,9 +4,11 @@
     config.py       Accelerate's config YAML, its ACCELERATE_* variables and plugins, DeepSpeed's "auto" filled
     data.py         the DataLoader shards Accelerate gives each rank (same batches, same order)
     launch.py       python -m minizero.accelerate.launch --config_file cfg.yaml script.py: `accelerate launch`
+    utils.py        accelerate.utils as the examples import it: set_seed, DistributedType, ...
 """
 from minizero.accelerate.accelerator import AcceleratedOptimizer, AcceleratedScheduler, Accelerator
 from minizero.accelerate.config import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from minizero.accelerate.utils import DataLoaderConfiguration, DistributedType
 
-__all__ = ["Accelerator", "AcceleratedOptimizer", "AcceleratedScheduler", "DeepSpeedPlugin",
-           "FullyShardedDataParallelPlugin"]
+__all__ = ["Accelerator", "AcceleratedOptimizer", "AcceleratedScheduler", "DataLoaderConfiguration",
+           "DeepSpeedPlugin", "DistributedType", "FullyShardedDataParallelPlugin"]

@@ -27,19 +27,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+
+import numpy as np
 
 import torch
 
 from minizero import comm as comm_mod
 from minizero.accelerate import config as acc_config
 from minizero.accelerate.data import DataLoaderShard, GradientState
+from minizero.accelerate.utils import DataLoaderConfiguration, DistributedType
 from minizero.runtime.config import ConfigError
 
 
 class Accelerator:
     def __init__(self, device_placement: bool = True, split_batches: bool = False, mixed_precision=None,
                  gradient_accumulation_steps: int = 1, cpu: bool = False, deepspeed_plugin=None, fsdp_plugin=None,
-                 step_scheduler_with_optimizer: bool = True, log_with=None, project_dir=None, **unsupported):
+                 step_scheduler_with_optimizer: bool = True, log_with=None, project_dir=None,
+                 dataloader_config=None, rng_types=None, **unsupported):
         if unsupported:
             name = sorted(unsupported)[0]
             raise ConfigError(f"Accelerator({name}=...) is not covered by minizero.accelerate: see "
@@ -47,9 +52,12 @@ class Accelerator:
         if split_batches:
             raise ConfigError("Accelerator(split_batches=True) is not covered by minizero.accelerate: each rank "
                               "takes whole batches of the loader (Accelerate's default)")
-        if log_with is not None:
-            raise ConfigError("Accelerator(log_with=...): trackers are not covered by minizero.accelerate; "
-                              "log with accelerator.print on the main process")
+        if rng_types not in (None, ["generator"], ("generator",)):
+            raise ConfigError(f"Accelerator(rng_types={rng_types!r}) is not covered by "
+                              "minizero.accelerate: allowed None or ['generator'] (the sampler's "
+                              "generator, synchronised)")
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        self.log_with = log_with  # trackers are not run: init_trackers and log do nothing
         if isinstance(mixed_precision, str):
             mixed_precision = mixed_precision.lower()
         self.comm = comm_mod.get() if comm_mod.is_initialized() else None
@@ -71,8 +79,15 @@ class Accelerator:
 
     # ------------------------------------------------------------------ who and where
     @property
-    def distributed_type(self) -> str:
-        return self.settings.distributed_type
+    def distributed_type(self) -> DistributedType:
+        return DistributedType(self.settings.distributed_type)
+
+    @property
+    def state(self):
+        # an AttributeError still, so that hasattr(accelerator, "state") stays False
+        raise AttributeError("accelerator.state (Accelerate's AcceleratorState) is not covered by "
+                             "minizero.accelerate: read accelerator.distributed_type, "
+                             "mixed_precision, num_processes, process_index or device")
 
     @property
     def mixed_precision(self) -> str:
@@ -81,6 +96,16 @@ class Accelerator:
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.settings.gradient_accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int):
+        """For what is prepared next (Accelerate's automatic_gradient_accumulation.py sets it, then
+        calls free_memory and prepares again): an engine built before keeps its value."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ConfigError(f"accelerator.gradient_accumulation_steps = {steps!r} is not "
+                              "allowed: use a whole number >= 1")
+        self.settings.gradient_accumulation_steps = steps
+        self.gradient_state.num_steps = steps
 
     @property
     def device(self) -> torch.device:
@@ -121,9 +146,52 @@ class Accelerator:
     def wait_for_everyone(self):
         self.comm.barrier()
 
+    @contextlib.contextmanager
+    def main_process_first(self):
+        """The main process runs the block first (e.g. a dataset's map, cached), then the others."""
+        yield from self._first(self.is_main_process)
+
+    @contextlib.contextmanager
+    def local_main_process_first(self):
+        yield from self._first(self.is_local_main_process)
+
+    def _first(self, leader: bool):
+        if not leader:
+            self.wait_for_everyone()
+        yield
+        if leader:
+            self.wait_for_everyone()
+
+    def save(self, obj, f, safe_serialization: bool = False):
+        """torch.save on the main process only, as Accelerate's save (not safetensors)."""
+        if safe_serialization:
+            raise ConfigError("accelerator.save(safe_serialization=True) is not covered by "
+                              "minizero.accelerate: allowed False (torch.save)")
+        if self.is_main_process:
+            torch.save(obj, f)
+
+    # ------------------------------------------------------------------ trackers: not run
+    def init_trackers(self, project_name: str, config=None, init_kwargs=None):
+        """Trackers (log_with) are not run by minizero.accelerate: nothing is logged."""
+
+    def log(self, values: dict, step=None, log_kwargs=None):
+        """Not run, as init_trackers."""
+
     def end_training(self):
         """Accelerate's: the trackers end (none here) and every rank meets once more."""
         self.wait_for_everyone()
+
+    # ------------------------------------------------------------------ a flag any rank can raise
+    def set_trigger(self):
+        self._trigger = True
+
+    def check_trigger(self) -> bool:
+        """True on every rank when a rank called set_trigger since the last check (then cleared)."""
+        raised = 1.0 if getattr(self, "_trigger", False) else 0.0
+        flag = torch.tensor([raised], device=self.comm.device)
+        self.comm.all_reduce(flag, op="sum")
+        self._trigger = False
+        return bool(flag.item() >= 1)
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args, device_placement=None):
@@ -143,7 +211,10 @@ class Accelerator:
         if optimizers and not models:
             raise ConfigError("accelerator.prepare(optimizer) without its model: pass both in the same call (the "
                               "engine rebuilds the optimizer over its shards)")
-        mapped = {id(d): DataLoaderShard(d, self.comm, self.device, self.gradient_state) for d in loaders}
+        dl_cfg = self.dataloader_config
+        mapped = {id(d): DataLoaderShard(d, self.comm, self.device, self.gradient_state,
+                                         dl_cfg.use_seedable_sampler, dl_cfg.data_seed)
+                  for d in loaders}
         if models:
             batch_sizes = [d.batch_size for d in loaders if d.batch_size is not None]
             micro = min(batch_sizes) if batch_sizes else None
@@ -240,16 +311,19 @@ class Accelerator:
         return out
 
     def gather_for_metrics(self, input_data, use_gather_object: bool = False):
-        """gather(), less the samples the last batch repeated so every rank had a full one."""
-        if use_gather_object or not _all_tensors(input_data):
+        """gather() (gather_object for anything but tensors), less the samples the last batch of the
+        loader being iterated repeated so that every rank had a full one."""
+        use_gather_object = use_gather_object or not _all_tensors(input_data)
+        if use_gather_object:
             gathered = [x for part in self.comm.allgather_object(input_data) for x in part]
         else:
             gathered = self.gather(input_data)
         state = self.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            return _recurse(gathered, lambda t: t[:state.remainder]) if not isinstance(gathered, list) or \
-                _all_tensors(gathered) else gathered[:state.remainder]
-        return gathered
+        if not state.end_of_dataloader or state.remainder <= 0:
+            return gathered
+        if use_gather_object:
+            return gathered[:state.remainder]
+        return _recurse(gathered, lambda t: t[:state.remainder])
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
         if reduction not in ("sum", "mean"):
@@ -260,6 +334,10 @@ class Accelerator:
             self.comm.all_reduce(t, op="sum")
             return t / self.num_processes if reduction == "mean" else t
         return _recurse(tensor, one)
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        raise ConfigError("accelerator.skip_first_batches is not covered by minizero.accelerate: "
+                          "resume at an epoch's start (save_state at the end of an epoch)")
 
     def pad_across_processes(self, tensor, dim=0, pad_index=0, pad_first=False):
         raise ConfigError("accelerator.pad_across_processes is not covered by minizero.accelerate: give every "
@@ -281,8 +359,9 @@ class Accelerator:
         for k, opt in enumerate(self._engines):
             client = {"schedulers": [s.scheduler.state_dict() for s in opt.schedulers], "step": self.step}
             opt.engine.save_checkpoint(output_dir, tag=f"model_{k}" if k else "model", client_state=client)
-        rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available()
-               else None}
+        rng = {"random": random.getstate(), "numpy": np.random.get_state(),
+               "torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         torch.save(rng, os.path.join(output_dir, f"random_states_{self.process_index}.pkl"))
         self.wait_for_everyone()
         return output_dir
@@ -299,6 +378,8 @@ class Accelerator:
         if os.path.isfile(path):
             rng = torch.load(path, weights_only=False)
             torch.set_rng_state(rng["torch"])
+            random.setstate(rng["random"])
+            np.random.set_state(rng["numpy"])
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
@@ -415,6 +496,25 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         pass  # the engine zeroes after its step (Accelerate's DeepSpeed wrapper does the same)
+
+    def train(self):
+        """A schedule-free optimizer's mode (Accelerate forwards it; other optimizers have none)."""
+        self._mode("train")
+
+    def eval(self):
+        self._mode("eval")
+
+    def _mode(self, name: str):
+        steps = self.engine.optimizer
+        if callable(getattr(steps, name, None)):
+            getattr(steps, name)()  # the optimizer over the model's own parameters (DDP, fp32)
+            return
+        inner = getattr(steps, "optim", None) or getattr(steps, "optimizer", None)
+        if callable(getattr(inner, name, None)):
+            # it would swap the values of fp32 masters or shards, not those the model computes with
+            raise ConfigError(f"optimizer.{name}() of a schedule-free optimizer is covered by "
+                              "minizero.accelerate at DDP in fp32 only (ZeRO stage 0, "
+                              "mixed_precision no)")
 
     def state_dict(self):
         return self.engine.optimizer.state_dict()

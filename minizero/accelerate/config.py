@@ -226,11 +226,24 @@ class FullyShardedDataParallelPlugin:
     cpu_offload: bool | None = None
     fsdp_version: int = 1
     extra: dict = field(default_factory=dict)
+    # Accelerate's wrapping, prefetch and state-dict settings: accepted, as from the YAML, and
+    # without effect (minizero's ZeRO-3 shards by its own units; save_state writes the engine's)
+    state_dict_type: object = None
+    state_dict_config: object = None
+    optim_state_dict_config: object = None
+    auto_wrap_policy: object = None
+    backward_prefetch: object = None
+    forward_prefetch: object = None
+    use_orig_params: object = None
+    sync_module_states: object = None
+    cpu_ram_efficient_loading: object = None
+    limit_all_gathers: object = None
+    activation_checkpointing: object = None
 
     def __post_init__(self):
         read = _env_reader()
-        if self.sharding_strategy is None:
-            self.sharding_strategy = read("FSDP_SHARDING_STRATEGY")
+        if self.sharding_strategy is None:  # Accelerate's default: FULL_SHARD
+            self.sharding_strategy = read("FSDP_SHARDING_STRATEGY") or "FULL_SHARD"
         name = getattr(self.sharding_strategy, "name", self.sharding_strategy)  # torch's enum or its name
         if name == "HYBRID_SHARD":
             raise ConfigError("FSDP sharding_strategy HYBRID_SHARD is not covered by minizero.accelerate: use "

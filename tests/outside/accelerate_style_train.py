@@ -1,12 +1,15 @@
-"""A training script in Accelerate's examples' style (examples/nlp_example.py's loop: prepare, accumulate,
-backward, clip under sync_gradients, optimizer/scheduler steps, gather_for_metrics, save_state/load_state).
+"""A training script in Accelerate's examples' style (examples/nlp_example.py's loop: set_seed,
+main_process_first, prepare, accumulate, backward, clip under sync_gradients, optimizer/scheduler
+steps, gather_for_metrics over an uneven last batch, trackers, save_state/load_state), with dropout,
+so that the losses also depend on how often the prepared loaders draw from torch's global generator.
 
     ACCELERATE_USE_CPU=true torchrun --nproc-per-node 2 accelerate_style_train.py --peer accelerate --out a.json
     python -m minizero.accelerate.launch --config_file article.yaml accelerate_style_train.py --peer minizero ...
 
 With --peer minizero the first run takes its settings from the launcher's variables (the article's config),
 then the variables are cleared and the script runs again per --variants (ddp, zero1, zero2, zero3, fsdp):
-the import is the only line that differs from the Accelerate run. Rank 0 writes every run's losses to --out.
+the imports (`from accelerate ...` / `from minizero.accelerate ...`) are the only lines that differ
+from the Accelerate run. Rank 0 writes every run's losses to --out.
 """
 import argparse
 import json
@@ -20,7 +23,8 @@ CLIP = 0.5
 class Classifier(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                        torch.nn.Dropout(0.1), torch.nn.Linear(32, 3))
 
     def forward(self, x, labels=None):
         logits = self.body(x)
@@ -38,12 +42,22 @@ class Pairs(torch.utils.data.Dataset):
         return len(self.x)
 
     def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.y[i]}
+        return {"x": self.x[i], "labels": self.y[i], "idx": torch.tensor(i)}
 
 
-def training_function(Accelerator, accelerator_kwargs, scheduled=True, save_dir=None):
-    torch.manual_seed(42)
-    accelerator = Accelerator(**accelerator_kwargs)
+def training_function(lib, accelerator_kwargs, scheduled=True, save_dir=None):
+    accelerator = lib.Accelerator(**accelerator_kwargs)
+    lib.set_seed(42)
+    # the main process writes a file first, the others find it (Accelerate's main_process_first)
+    marker = os.path.abspath("main_process_first")
+    with accelerator.main_process_first():
+        if accelerator.is_main_process:
+            open(marker, "w").close()
+        saw_main_first = os.path.exists(marker)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        os.remove(marker)
+    accelerator.init_trackers("accelerate_style_train", {"lr": 3e-2})
     model = Classifier()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
     train_dl = torch.utils.data.DataLoader(Pairs(44, 0), batch_size=4, shuffle=True)
@@ -54,11 +68,12 @@ def training_function(Accelerator, accelerator_kwargs, scheduled=True, save_dir=
                                                                              scheduler)
     else:
         model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
-    losses, lrs, accuracy, seen = [], [], [], []
+    losses, lrs, accuracy, seen, order, eval_ids = [], [], [], [], [], []
 
     def train_epoch():
         model.train()
         for batch in train_dl:
+            order.append(batch.pop("idx").tolist())
             with accelerator.accumulate(model):
                 outputs = model(**batch)
                 loss = outputs["loss"]
@@ -71,12 +86,16 @@ def training_function(Accelerator, accelerator_kwargs, scheduled=True, save_dir=
                 optimizer.zero_grad()
             losses.append(accelerator.gather(loss.detach()).mean().item())
             lrs.append(optimizer.param_groups[0]["lr"])
+            accelerator.log({"loss": losses[-1]}, step=len(losses))
 
     for _ in range(2):
         train_epoch()
         model.eval()
         correct, count = 0, 0
+        ids = []
         for batch in eval_dl:
+            # not tensors: gathered as objects, the repeated samples dropped all the same
+            ids += accelerator.gather_for_metrics(batch.pop("idx").tolist())
             with torch.no_grad():
                 logits = model(**batch)["logits"]
             predictions, references = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
@@ -84,6 +103,7 @@ def training_function(Accelerator, accelerator_kwargs, scheduled=True, save_dir=
             count += len(references)
         accuracy.append(correct / count)
         seen.append(count)
+        eval_ids.append(ids)
     resumed = []
     if save_dir is not None:  # a third epoch, then again from the saved state: the same losses
         accelerator.save_state(save_dir)
@@ -95,16 +115,23 @@ def training_function(Accelerator, accelerator_kwargs, scheduled=True, save_dir=
         train_epoch()
         resumed.append(losses[start:])
         del losses[start:]
-    accelerator.wait_for_everyone()
+    types = lib.DistributedType
     info = {"num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
+            "is_a_distributed_type": accelerator.distributed_type in (
+                types.MULTI_CPU, types.DEEPSPEED, types.FSDP, types.NO),
             "mixed_precision": str(accelerator.mixed_precision),
             "steps_per_epoch": len(train_dl)}
     engine = getattr(model, "engine", None)
     if engine is not None:
         info.update(stage=engine.zero_optimization_stage(), bf16=engine.bfloat16_enabled(),
                     clip=engine.gradient_clipping(), micro_batch=engine.train_micro_batch_size_per_gpu())
+    # the first epoch's samples, step by step: rank 0's batch, then rank 1's
+    order = accelerator.gather(torch.tensor(order[:6]).T.contiguous()).T.tolist()
+    saw_main_first = accelerator.gather(torch.tensor([int(saw_main_first)])).tolist()
+    accelerator.end_training()  # Accelerate's ends its process group: the last collective is above
     return {"losses": losses, "lrs": lrs, "accuracy": accuracy, "seen": seen, "resumed": resumed,
-            "main": accelerator.is_main_process, "info": info}
+            "main": accelerator.is_main_process, "info": info, "order": order, "eval_ids": eval_ids,
+            "saw_main_first": saw_main_first}
 
 
 def main():
@@ -115,13 +142,18 @@ def main():
     args = p.parse_args()
     runs = {}
     save = os.path.join(os.path.dirname(os.path.abspath(args.out)), f"state_{args.peer}")
+    lib = argparse.Namespace()
     if args.peer == "accelerate":
-        from accelerate import Accelerator
-        runs["ddp"] = training_function(Accelerator, {"gradient_accumulation_steps": 4},
-                                        save_dir=save)
+        from accelerate import Accelerator, DistributedType
+        from accelerate.utils import set_seed
+        lib.Accelerator, lib.DistributedType, lib.set_seed = Accelerator, DistributedType, set_seed
+        runs["ddp"] = training_function(lib, {"gradient_accumulation_steps": 4}, save_dir=save)
     else:
-        from minizero.accelerate import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
-        runs["article"] = training_function(Accelerator, {})  # the launcher's variables: the config file
+        from minizero.accelerate import Accelerator, DeepSpeedPlugin, DistributedType
+        from minizero.accelerate import FullyShardedDataParallelPlugin
+        from minizero.accelerate.utils import set_seed
+        lib.Accelerator, lib.DistributedType, lib.set_seed = Accelerator, DistributedType, set_seed
+        runs["article"] = training_function(lib, {})  # the launcher's variables: the config file
         for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
             del os.environ[name]
         for variant in args.variants.split(","):
@@ -130,7 +162,8 @@ def main():
                 kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=int(variant[-1]), gradient_clipping=CLIP)
             elif variant == "fsdp":
                 kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(sharding_strategy="FULL_SHARD")
-            runs[variant] = training_function(Accelerator, kwargs, save_dir=save if variant == "ddp" else None)
+            runs[variant] = training_function(lib, kwargs,
+                                              save_dir=save if variant == "ddp" else None)
     if runs["ddp" if "ddp" in runs else next(iter(runs))]["main"]:
         with open(args.out, "w") as f:
             json.dump(runs, f)
