@@ -88,6 +88,22 @@ def test_save_state_and_load_state_resume_as_accelerate(runs):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-6
 
 
+@NEEDS_ACCELERATE
+def test_local_sgd_under_the_profiler_trains_as_accelerates(runs):
+    """LocalSGD (every 2 steps) inside accelerator.profile(), both kwargs handlers passed: each
+    rank's losses are Accelerate's, the ranks' weights drift apart between averages and are equal
+    after the block; accelerator.state holds Accelerate's values."""
+    ours, truth = runs["minizero"]["local_sgd"], runs["accelerate"]["local_sgd"]
+    assert len(ours["losses"]) == len(truth["losses"]) == 6 and len(ours["losses"][0]) == 2
+    assert max(abs(a - b) for x, y in zip(ours["losses"], truth["losses"])
+               for a, b in zip(x, y)) < 1e-6
+    assert ours["spread"][0] == pytest.approx(truth["spread"][0], abs=1e-6)
+    assert ours["spread"][0] > 1e-3 and ours["spread"][1] == truth["spread"][1] == 0
+    assert ours["events"] and truth["events"]
+    assert ours["state"] == truth["state"] == ["MULTI_CPU", 2, 0, 0, "cpu", "no"]
+    assert ours["state_repr"].startswith("Distributed environment: MULTI_CPU\nNum processes: 2\n")
+
+
 def test_no_scheduler_warning_although_the_engine_steps_its_own_optimizer(runs):
     assert "lr_scheduler.step()" not in runs["minizero_log"] and "Traceback" not in runs["minizero_log"]
 
@@ -336,3 +352,56 @@ def test_bf16_is_autocast_under_ddp_and_16_bit_weights_under_deepspeed(world_of_
         kinds[name] = (accelerator.distributed_type, out.dtype, accelerator.unwrap_model(model).weight.dtype, moved > 0)
     assert kinds["ddp"] == ("NO", torch.bfloat16, torch.float32, True)
     assert kinds["deepspeed"] == ("DEEPSPEED", torch.bfloat16, torch.bfloat16, True)
+
+
+def test_a_schedulers_momentum_reaches_the_optimizer_that_steps(world_of_one):
+    """OneCycleLR cycles Adam's betas as well as its lr (cv_example.py): the engine's optimizer
+    takes every hyperparameter the scheduler set, so the second step is Accelerate's too."""
+    from minizero.accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)
+    data = torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2)
+    model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
+    for x in data:
+        accelerator.backward(model(x).pow(2).mean())
+        optimizer.step()
+        scheduler.step()
+    group = model.engine.optimizer.param_groups[0]
+    assert group["betas"] == scheduler.optimizer.param_groups[0]["betas"]
+    assert group["betas"][0] < 0.95 and group["lr"] > 0.004  # both moved off their start
+
+
+def test_ddp_kwargs_other_than_the_defaults_and_other_handlers_name_what_is_covered():
+    from minizero.accelerate import Accelerator
+    from minizero.accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+    assert DistributedDataParallelKwargs().comm_hook == DDPCommunicationHookType.NO
+    with pytest.raises(ConfigError, match=r"DistributedDataParallelKwargs\(comm_hook=<DDPCommun.*"
+                                          r"FP16.*\) is not covered by minizero.accelerate: only"):
+        DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)
+    with pytest.raises(ConfigError, match=r"kwargs_handlers=\[int\(...\)\]\) is not covered.*"
+                                          r"DistributedDataParallelKwargs and ProfileKwargs"):
+        Accelerator(kwargs_handlers=[3])
+
+
+def test_local_sgd_refuses_what_it_cannot_average(world_of_one):
+    from minizero.accelerate import Accelerator, DeepSpeedPlugin
+    from minizero.accelerate.local_sgd import LocalSGD
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+    with pytest.raises(ConfigError, match=r"LocalSGD under DEEPSPEED is not covered"):
+        LocalSGD(accelerator=accelerator, model=torch.nn.Linear(2, 2), local_sgd_steps=2)
+
+
+def test_get_logger_logs_on_the_main_process_once_the_accelerator_exists(world_of_one, caplog):
+    from minizero.accelerate import Accelerator
+    from minizero.accelerate.logging import get_logger
+    logger = get_logger("mz_acc_test", log_level="INFO")
+    with pytest.raises(RuntimeError, match=r"create the Accelerator before logging"):
+        logger.info("too early")
+    Accelerator(cpu=True)
+    with caplog.at_level("INFO", logger="mz_acc_test"):
+        logger.info("main %d", 1)
+        logger.info("every rank", main_process_only=False, in_order=True)
+        logger.debug("below the level")
+    assert [r.getMessage() for r in caplog.records] == ["main 1", "every rank"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,7 +37,8 @@ import torch
 from minizero import comm as comm_mod
 from minizero.accelerate import config as acc_config
 from minizero.accelerate.data import DataLoaderShard, GradientState
-from minizero.accelerate.utils import DataLoaderConfiguration, DistributedType
+from minizero.accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
+                                       DistributedType, ProfileKwargs)
 from minizero.runtime.config import ConfigError
 
 
@@ -44,7 +46,7 @@ class Accelerator:
     def __init__(self, device_placement: bool = True, split_batches: bool = False, mixed_precision=None,
                  gradient_accumulation_steps: int = 1, cpu: bool = False, deepspeed_plugin=None, fsdp_plugin=None,
                  step_scheduler_with_optimizer: bool = True, log_with=None, project_dir=None,
-                 dataloader_config=None, rng_types=None, **unsupported):
+                 dataloader_config=None, rng_types=None, kwargs_handlers=None, **unsupported):
         if unsupported:
             name = sorted(unsupported)[0]
             raise ConfigError(f"Accelerator({name}=...) is not covered by minizero.accelerate: see "
@@ -57,6 +59,16 @@ class Accelerator:
                               "minizero.accelerate: allowed None or ['generator'] (the sampler's "
                               "generator, synchronised)")
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        self.profile_handler = None
+        self.fp8_recipe_handler = None  # fp8 is not covered: run_me.py prints it when set
+        for handler in kwargs_handlers or ():
+            # DistributedDataParallelKwargs refused anything but defaults when it was built
+            if isinstance(handler, ProfileKwargs):
+                self.profile_handler = handler
+            elif not isinstance(handler, DistributedDataParallelKwargs):
+                raise ConfigError(f"Accelerator(kwargs_handlers=[{type(handler).__name__}(...)]) "
+                                  "is not covered by minizero.accelerate: it takes "
+                                  "DistributedDataParallelKwargs and ProfileKwargs")
         self.log_with = log_with  # trackers are not run: init_trackers and log do nothing
         if isinstance(mixed_precision, str):
             mixed_precision = mixed_precision.lower()
@@ -83,11 +95,9 @@ class Accelerator:
         return DistributedType(self.settings.distributed_type)
 
     @property
-    def state(self):
-        # an AttributeError still, so that hasattr(accelerator, "state") stays False
-        raise AttributeError("accelerator.state (Accelerate's AcceleratorState) is not covered by "
-                             "minizero.accelerate: read accelerator.distributed_type, "
-                             "mixed_precision, num_processes, process_index or device")
+    def state(self) -> "AcceleratorState":
+        return AcceleratorState(self.distributed_type, self.num_processes, self.process_index,
+                                self.local_process_index, self.device, self.mixed_precision)
 
     @property
     def mixed_precision(self) -> str:
@@ -298,6 +308,19 @@ class Accelerator:
         finally:
             self.gradient_state.sync_gradients = before
 
+    @contextlib.contextmanager
+    def profile(self, profile_handler=None):
+        """torch.profiler over the block (ProfileKwargs from kwargs_handlers, or the one passed);
+        with output_trace_dir, each rank writes its Chrome trace there as profile_<rank>.json."""
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with handler.build() as prof:
+            yield prof
+        if handler.output_trace_dir is not None:
+            os.makedirs(handler.output_trace_dir, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(handler.output_trace_dir,
+                                                  f"profile_{self.process_index}.json"))
+            self.wait_for_everyone()
+
     # ------------------------------------------------------------------ across ranks
     def gather(self, tensor):
         """Every rank's tensor concatenated along dim 0 in rank order (nested lists, tuples, dicts too)."""
@@ -388,6 +411,25 @@ class Accelerator:
             opt.engine.destroy()
         self._engines, self._models = [], []
         return [None] * len(objects)
+
+
+class AcceleratorState(NamedTuple):
+    """What accelerator.state holds in minizero: Accelerate's fields that a script reads or prints
+    (config_yaml_templates/run_me.py), a snapshot taken when it is read."""
+    distributed_type: DistributedType
+    num_processes: int
+    process_index: int
+    local_process_index: int
+    device: torch.device
+    mixed_precision: str
+
+    def __repr__(self):
+        return (f"Distributed environment: {self.distributed_type.value}\n"
+                f"Num processes: {self.num_processes}\n"
+                f"Process index: {self.process_index}\n"
+                f"Local process index: {self.local_process_index}\n"
+                f"Device: {self.device}\n\n"
+                f"Mixed precision type: {self.mixed_precision}\n")
 
 
 class PreparedModel(torch.nn.Module):
@@ -539,7 +581,11 @@ class AcceleratedScheduler:
             raise ConfigError(f"the scheduler's optimizer has {len(theirs)} param groups and the engine's "
                               f"{len(ours)}: minizero.accelerate cannot carry its learning rates over")
         for o, t in zip(ours, theirs):
-            o["lr"] = t["lr"]
+            # every hyperparameter the scheduler may set, not only lr: OneCycleLR cycles Adam's
+            # betas (SGD's momentum) too (cv_example.py: 0.011 off Accelerate's third loss)
+            for k, v in t.items():
+                if k != "params" and k in o:
+                    o[k] = v
 
     def step(self, *args, **kwargs):
         if not self.accelerator.step_scheduler_with_optimizer:

@@ -137,3 +137,74 @@ is_torch_xla_available = _unavailable
 
 def is_schedulefree_available() -> bool:
     return importlib.util.find_spec("schedulefree") is not None
+
+
+class DDPCommunicationHookType(str, enum.Enum):
+    """Accelerate's names for torch DDP's communication hooks; minizero's DDP runs NO only."""
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
+@dataclasses.dataclass
+class DistributedDataParallelKwargs:
+    """Accelerator(kwargs_handlers=[...]): torch DDP's arguments. minizero's DDP reduces fp32 buckets
+    without hooks, so each field must keep Accelerate's default (a ConfigError names the one that
+    does not: a compressed all-reduce would change the losses)."""
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            value = getattr(self, f.name)
+            if f.name in ("comm_hook", "comm_wrapper"):
+                value = DDPCommunicationHookType(value)  # a bad name: Accelerate's ValueError
+            if value != default:
+                raise ConfigError(f"DistributedDataParallelKwargs({f.name}={value!r}) is not "
+                                  f"covered by minizero.accelerate: only {default!r} (minizero's "
+                                  "DDP all-reduces fp32 gradient buckets, with no hooks)")
+
+
+@dataclasses.dataclass
+class ProfileKwargs:
+    """Accelerator(kwargs_handlers=[...]): the torch.profiler.profile that accelerator.profile()
+    runs; output_trace_dir gets each rank's Chrome trace, profile_<rank>.json."""
+    activities: list | None = None           # "cpu", "cuda" (Accelerate's names)
+    schedule_option: dict | None = None      # torch.profiler.schedule's arguments
+    on_trace_ready: object = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+    def build(self) -> torch.profiler.profile:
+        kinds = {"cpu": torch.profiler.ProfilerActivity.CPU,
+                 "cuda": torch.profiler.ProfilerActivity.CUDA}
+        activities = None
+        if self.activities is not None:
+            bad = [a for a in self.activities if a not in kinds]
+            if bad:
+                raise ConfigError(f"ProfileKwargs(activities=...): {bad[0]!r} is not covered by "
+                                  f"minizero.accelerate: use {sorted(kinds)}")
+            activities = [kinds[a] for a in self.activities]
+        schedule = None if self.schedule_option is None else \
+            torch.profiler.schedule(**self.schedule_option)
+        return torch.profiler.profile(activities=activities, schedule=schedule,
+                                      on_trace_ready=self.on_trace_ready,
+                                      record_shapes=self.record_shapes,
+                                      profile_memory=self.profile_memory,
+                                      with_stack=self.with_stack, with_flops=self.with_flops,
+                                      with_modules=self.with_modules)

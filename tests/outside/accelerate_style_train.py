@@ -134,6 +134,47 @@ def training_function(lib, accelerator_kwargs, scheduled=True, save_dir=None):
             "saw_main_first": saw_main_first}
 
 
+def local_sgd_function(lib):
+    """by_feature/local_sgd.py's loop, under accelerator.profile() with both kwargs handlers: each
+    rank steps on its own gradients, and the parameters are averaged every 2 steps and at the end.
+    Returns each rank's losses, how far the ranks' weights were apart after an odd step (> 0: not
+    synchronised) and after the block (0), the profiler's event count and accelerator.state."""
+    accelerator = lib.Accelerator(kwargs_handlers=[lib.DistributedDataParallelKwargs(),
+                                                   lib.ProfileKwargs(record_shapes=True)])
+    lib.set_seed(42)
+    model = Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    train_dl = torch.utils.data.DataLoader(Pairs(44, 0), batch_size=4, shuffle=True)
+    model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
+    losses, spread = [], []
+
+    def apart():  # the largest difference between rank 0's weights and rank 1's
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        both = accelerator.gather(flat[None])
+        return (both[0] - both[1]).abs().max().item()
+
+    with accelerator.profile() as prof:
+        with lib.LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=2) as local_sgd:
+            for step, batch in enumerate(train_dl):
+                batch.pop("idx")
+                with accelerator.accumulate(model):
+                    loss = model(**batch)["loss"]
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    local_sgd.step()
+                losses.append(accelerator.gather(loss.detach()[None]).tolist())
+                if step == 2:
+                    spread.append(apart())
+    spread.append(apart())
+    state = accelerator.state
+    return {"losses": losses, "spread": spread, "events": len(prof.key_averages()) > 0,
+            "state": [state.distributed_type.value, state.num_processes, state.process_index,
+                      state.local_process_index, torch.device(state.device).type,
+                      str(state.mixed_precision)],
+            "state_repr": repr(state)}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--peer", choices=("accelerate", "minizero"), required=True)
@@ -145,17 +186,25 @@ def main():
     lib = argparse.Namespace()
     if args.peer == "accelerate":
         from accelerate import Accelerator, DistributedType
-        from accelerate.utils import set_seed
+        from accelerate.local_sgd import LocalSGD
+        from accelerate.utils import DistributedDataParallelKwargs, ProfileKwargs, set_seed
         lib.Accelerator, lib.DistributedType, lib.set_seed = Accelerator, DistributedType, set_seed
+        lib.LocalSGD, lib.ProfileKwargs = LocalSGD, ProfileKwargs
+        lib.DistributedDataParallelKwargs = DistributedDataParallelKwargs
+        runs["local_sgd"] = local_sgd_function(lib)  # first: Accelerate's end_training ends the group
         runs["ddp"] = training_function(lib, {"gradient_accumulation_steps": 4}, save_dir=save)
     else:
         from minizero.accelerate import Accelerator, DeepSpeedPlugin, DistributedType
         from minizero.accelerate import FullyShardedDataParallelPlugin
-        from minizero.accelerate.utils import set_seed
+        from minizero.accelerate.local_sgd import LocalSGD
+        from minizero.accelerate.utils import DistributedDataParallelKwargs, ProfileKwargs, set_seed
         lib.Accelerator, lib.DistributedType, lib.set_seed = Accelerator, DistributedType, set_seed
+        lib.LocalSGD, lib.ProfileKwargs = LocalSGD, ProfileKwargs
+        lib.DistributedDataParallelKwargs = DistributedDataParallelKwargs
         runs["article"] = training_function(lib, {})  # the launcher's variables: the config file
         for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
             del os.environ[name]
+        runs["local_sgd"] = local_sgd_function(lib)  # DDP, as Accelerate's above
         for variant in args.variants.split(","):
             kwargs = {"gradient_accumulation_steps": 4}
             if variant.startswith("zero"):
