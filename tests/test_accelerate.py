@@ -405,3 +405,20 @@ def test_get_logger_logs_on_the_main_process_once_the_accelerator_exists(world_o
         logger.info("every rank", main_process_only=False, in_order=True)
         logger.debug("below the level")
     assert [r.getMessage() for r in caplog.records] == ["main 1", "every rank"]
+
+
+def test_the_state_names_the_deepspeed_plugin_and_dummy_optim_is_refused(world_of_one):
+    """deepspeed_with_config_support.py picks DummyOptim when state.deepspeed_plugin's config has
+    an "optimizer" section: without one it builds AdamW, which prepare() takes."""
+    from minizero.accelerate import Accelerator, DeepSpeedPlugin
+    from minizero.accelerate.utils import DummyOptim, DummyScheduler
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+    state = accelerator.state
+    assert state.deepspeed_plugin.deepspeed_config["zero_optimization"] == {"stage": 2}
+    assert "optimizer" not in state.deepspeed_plugin.deepspeed_config
+    assert (state.distributed_type, state.num_processes, state.fsdp_plugin) == ("DEEPSPEED", 1, None)
+    model = torch.nn.Linear(2, 2)
+    optimizer = DummyOptim(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"got a DummyOptim: the DeepSpeed config's optimizer / "
+                                          r"scheduler is not covered"):
+        accelerator.prepare(model, optimizer, DummyScheduler(optimizer, total_num_steps=4))

@@ -38,7 +38,7 @@ from minizero import comm as comm_mod
 from minizero.accelerate import config as acc_config
 from minizero.accelerate.data import DataLoaderShard, GradientState
 from minizero.accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
-                                       DistributedType, ProfileKwargs)
+                                       DistributedType, DummyOptim, DummyScheduler, ProfileKwargs)
 from minizero.runtime.config import ConfigError
 
 
@@ -97,7 +97,8 @@ class Accelerator:
     @property
     def state(self) -> "AcceleratorState":
         return AcceleratorState(self.distributed_type, self.num_processes, self.process_index,
-                                self.local_process_index, self.device, self.mixed_precision)
+                                self.local_process_index, self.device, self.mixed_precision,
+                                self.settings.deepspeed_plugin, self.settings.fsdp_plugin)
 
     @property
     def mixed_precision(self) -> str:
@@ -212,6 +213,11 @@ class Accelerator:
         schedulers = [a for a in args if isinstance(a, torch.optim.lr_scheduler.LRScheduler)]
         known = models + optimizers + loaders + schedulers
         other = [a for a in args if not any(a is k for k in known)]
+        dummy = [a for a in other if isinstance(a, (DummyOptim, DummyScheduler))]
+        if dummy:
+            raise ConfigError(f"accelerator.prepare() got a {type(dummy[0]).__name__}: the DeepSpeed "
+                              "config's optimizer / scheduler is not covered by minizero.accelerate; "
+                              "remove that section and pass a torch optimizer and LR scheduler")
         if other:
             raise ConfigError(f"accelerator.prepare() got a {type(other[0]).__name__}: minizero.accelerate "
                               "prepares torch modules, optimizers, DataLoaders and LR schedulers")
@@ -422,6 +428,8 @@ class AcceleratorState(NamedTuple):
     local_process_index: int
     device: torch.device
     mixed_precision: str
+    deepspeed_plugin: object = None   # the DeepSpeedPlugin under DEEPSPEED, else None
+    fsdp_plugin: object = None
 
     def __repr__(self):
         return (f"Distributed environment: {self.distributed_type.value}\n"

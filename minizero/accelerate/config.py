@@ -179,6 +179,15 @@ class DeepSpeedPlugin:
     zero3_init_flag: bool | None = None
     is_train_batch_min: bool = True
 
+    @property
+    def deepspeed_config(self) -> dict:
+        """The DeepSpeed config as far as the plugin knows it (scripts look for its "optimizer" and
+        "scheduler" sections); the engine's, with "auto" filled, is built at prepare()."""
+        if self.hf_ds_config is not None:
+            return self.hf_ds_config
+        return {"zero_optimization": {"stage": self.zero_stage},
+                "gradient_accumulation_steps": self.gradient_accumulation_steps}
+
     def __post_init__(self):
         read = _env_reader()
         if self.gradient_accumulation_steps is None:

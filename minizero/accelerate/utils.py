@@ -208,3 +208,22 @@ class ProfileKwargs:
                                       profile_memory=self.profile_memory,
                                       with_stack=self.with_stack, with_flops=self.with_flops,
                                       with_modules=self.with_modules)
+
+
+class DummyOptim:
+    """Accelerate's stand-in for the optimizer a DeepSpeed config file names: importable (scripts
+    pick it only when their config has an "optimizer" section), refused by prepare(), where
+    minizero's engine would have to build the config's optimizer (not covered)."""
+
+    def __init__(self, params, lr=0.001, weight_decay=0, **kwargs):
+        self.params, self.lr, self.weight_decay, self.kwargs = params, lr, weight_decay, kwargs
+
+
+class DummyScheduler:
+    """Accelerate's stand-in for the DeepSpeed config's "scheduler": refused by prepare() as well."""
+
+    def __init__(self, optimizer, total_num_steps=None, warmup_num_steps=0, lr_scheduler_callable=None,
+                 **kwargs):
+        self.optimizer, self.total_num_steps = optimizer, total_num_steps
+        self.warmup_num_steps, self.lr_scheduler_callable = warmup_num_steps, lr_scheduler_callable
+        self.kwargs = kwargs
