@@ -54,7 +54,8 @@ def runs(tmp_path_factory):
             env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
             timeout=guard(600)))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        out["accelerate"] = json.loads((tmp / "accelerate.json").read_text())["ddp"]
+        theirs = json.loads((tmp / "accelerate.json").read_text())
+        out["accelerate"], out["accelerate_local_sgd"] = theirs["ddp"], theirs["local_sgd"]
     return out
 
 
@@ -93,7 +94,7 @@ def test_local_sgd_under_the_profiler_trains_as_accelerates(runs):
     """LocalSGD (every 2 steps) inside accelerator.profile(), both kwargs handlers passed: each
     rank's losses are Accelerate's, the ranks' weights drift apart between averages and are equal
     after the block; accelerator.state holds Accelerate's values."""
-    ours, truth = runs["minizero"]["local_sgd"], runs["accelerate"]["local_sgd"]
+    ours, truth = runs["minizero"]["local_sgd"], runs["accelerate_local_sgd"]
     assert len(ours["losses"]) == len(truth["losses"]) == 6 and len(ours["losses"][0]) == 2
     assert max(abs(a - b) for x, y in zip(ours["losses"], truth["losses"])
                for a, b in zip(x, y)) < 1e-6
@@ -404,7 +405,7 @@ def test_get_logger_logs_on_the_main_process_once_the_accelerator_exists(world_o
         logger.info("main %d", 1)
         logger.info("every rank", main_process_only=False, in_order=True)
         logger.debug("below the level")
-    assert [r.getMessage() for r in caplog.records] == ["main 1", "every rank"]
+    assert [r.getMessage() for r in caplog.records] == ["[RANK 0] main 1", "[RANK 0] every rank"]
 
 
 def test_the_state_names_the_deepspeed_plugin_and_dummy_optim_is_refused(world_of_one):
@@ -416,7 +417,8 @@ def test_the_state_names_the_deepspeed_plugin_and_dummy_optim_is_refused(world_o
     state = accelerator.state
     assert state.deepspeed_plugin.deepspeed_config["zero_optimization"] == {"stage": 2}
     assert "optimizer" not in state.deepspeed_plugin.deepspeed_config
-    assert (state.distributed_type, state.num_processes, state.fsdp_plugin) == ("DEEPSPEED", 1, None)
+    assert (state.distributed_type, state.num_processes, state.fsdp_plugin) == \
+        ("DEEPSPEED", 1, None)
     model = torch.nn.Linear(2, 2)
     optimizer = DummyOptim(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match=r"got a DummyOptim: the DeepSpeed config's optimizer / "

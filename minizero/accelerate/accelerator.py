@@ -215,9 +215,10 @@ class Accelerator:
         other = [a for a in args if not any(a is k for k in known)]
         dummy = [a for a in other if isinstance(a, (DummyOptim, DummyScheduler))]
         if dummy:
-            raise ConfigError(f"accelerator.prepare() got a {type(dummy[0]).__name__}: the DeepSpeed "
-                              "config's optimizer / scheduler is not covered by minizero.accelerate; "
-                              "remove that section and pass a torch optimizer and LR scheduler")
+            raise ConfigError(f"accelerator.prepare() got a {type(dummy[0]).__name__}: the "
+                              "DeepSpeed config's optimizer / scheduler is not covered by "
+                              "minizero.accelerate; remove that section and pass a torch optimizer "
+                              "and LR scheduler")
         if other:
             raise ConfigError(f"accelerator.prepare() got a {type(other[0]).__name__}: minizero.accelerate "
                               "prepares torch modules, optimizers, DataLoaders and LR schedulers")

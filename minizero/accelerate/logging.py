@@ -1,8 +1,9 @@
 """accelerate.logging as the examples import it: `logger = get_logger(__name__)`, then
 logger.info(msg, main_process_only=False, in_order=False) once the Accelerator exists.
 
-main_process_only=True (the default) logs on rank 0 only; in_order=True logs on every rank, one
-rank after the other (a barrier between them). The level: log_level=, else ACCELERATE_LOG_LEVEL.
+Each message starts with "[RANK r] ". main_process_only=True (the default) logs on rank 0
+only; in_order=True logs on every rank, one rank after the other (a barrier between them).
+The level: log_level=, else ACCELERATE_LOG_LEVEL.
 """
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ class MultiProcessAdapter(logging.LoggerAdapter):
             raise RuntimeError("minizero.accelerate.logging: create the Accelerator before logging "
                                "through get_logger's logger")
         return comm_mod.get()
+
+    def process(self, msg, kwargs):
+        # Accelerate's records say which rank wrote them: "[RANK 1] ..."
+        return f"[RANK {self._comm().rank}] {msg}", kwargs
 
     def log(self, level, msg, *args, **kwargs):
         main_process_only = kwargs.pop("main_process_only", True)

@@ -150,9 +150,9 @@ class DDPCommunicationHookType(str, enum.Enum):
 
 @dataclasses.dataclass
 class DistributedDataParallelKwargs:
-    """Accelerator(kwargs_handlers=[...]): torch DDP's arguments. minizero's DDP reduces fp32 buckets
-    without hooks, so each field must keep Accelerate's default (a ConfigError names the one that
-    does not: a compressed all-reduce would change the losses)."""
+    """Accelerator(kwargs_handlers=[...]): torch DDP's arguments. minizero's DDP reduces fp32
+    buckets without hooks, so each field must keep Accelerate's default (a ConfigError names
+    the one that does not: a compressed all-reduce would change the losses)."""
     dim: int = 0
     broadcast_buffers: bool = True
     bucket_cap_mb: int = 25
@@ -220,10 +220,10 @@ class DummyOptim:
 
 
 class DummyScheduler:
-    """Accelerate's stand-in for the DeepSpeed config's "scheduler": refused by prepare() as well."""
+    """Accelerate's stand-in for the DeepSpeed config's "scheduler": refused by prepare() too."""
 
-    def __init__(self, optimizer, total_num_steps=None, warmup_num_steps=0, lr_scheduler_callable=None,
-                 **kwargs):
+    def __init__(self, optimizer, total_num_steps=None, warmup_num_steps=0,
+                 lr_scheduler_callable=None, **kwargs):
         self.optimizer, self.total_num_steps = optimizer, total_num_steps
         self.warmup_num_steps, self.lr_scheduler_callable = warmup_num_steps, lr_scheduler_callable
         self.kwargs = kwargs

@@ -191,7 +191,8 @@ def main():
         lib.Accelerator, lib.DistributedType, lib.set_seed = Accelerator, DistributedType, set_seed
         lib.LocalSGD, lib.ProfileKwargs = LocalSGD, ProfileKwargs
         lib.DistributedDataParallelKwargs = DistributedDataParallelKwargs
-        runs["local_sgd"] = local_sgd_function(lib)  # first: Accelerate's end_training ends the group
+        # first: Accelerate's end_training ends the process group
+        runs["local_sgd"] = local_sgd_function(lib)
         runs["ddp"] = training_function(lib, {"gradient_accumulation_steps": 4}, save_dir=save)
     else:
         from minizero.accelerate import Accelerator, DeepSpeedPlugin, DistributedType
