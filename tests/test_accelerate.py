@@ -378,8 +378,12 @@ def test_ddp_kwargs_other_than_the_defaults_and_other_handlers_name_what_is_cove
     from minizero.accelerate import Accelerator
     from minizero.accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
     assert DistributedDataParallelKwargs().comm_hook == DDPCommunicationHookType.NO
-    with pytest.raises(ConfigError, match=r"DistributedDataParallelKwargs\(comm_hook=<DDPCommun.*"
-                                          r"FP16.*\) is not covered by minizero.accelerate: only"):
+    # bucketing does not change what is reduced: accepted
+    assert DistributedDataParallelKwargs(find_unused_parameters=True).find_unused_parameters
+    with pytest.raises(ConfigError, match=r"\(broadcast_buffers=False\) is not covered"):
+        DistributedDataParallelKwargs(broadcast_buffers=False)
+    with pytest.raises(ConfigError, match=r"DistributedDataParallelKwargs\(comm_hook='fp16'\) is "
+                                          r"not covered by minizero.accelerate: only 'no'"):
         DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)
     with pytest.raises(ConfigError, match=r"kwargs_handlers=\[int\(...\)\]\) is not covered.*"
                                           r"DistributedDataParallelKwargs and ProfileKwargs"):

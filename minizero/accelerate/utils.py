@@ -151,8 +151,10 @@ class DDPCommunicationHookType(str, enum.Enum):
 @dataclasses.dataclass
 class DistributedDataParallelKwargs:
     """Accelerator(kwargs_handlers=[...]): torch DDP's arguments. minizero's DDP reduces fp32
-    buckets without hooks, so each field must keep Accelerate's default (a ConfigError names
-    the one that does not: a compressed all-reduce would change the losses)."""
+    buckets without hooks and broadcasts rank 0's buffers before each forward, so dim,
+    broadcast_buffers and the comm_* fields must keep Accelerate's defaults (a ConfigError names
+    the one that does not: a compressed all-reduce would change the losses); the bucketing ones
+    are accepted."""
     dim: int = 0
     broadcast_buffers: bool = True
     bucket_cap_mb: int = 25
@@ -164,15 +166,22 @@ class DistributedDataParallelKwargs:
     comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
     comm_state_option: dict = dataclasses.field(default_factory=dict)
 
+    # how torch DDP buckets and finds the gradients: no effect on the values it reduces
+    _ACCEPTED = ("bucket_cap_mb", "find_unused_parameters", "check_reduction",
+                 "gradient_as_bucket_view", "static_graph")
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
+            if f.name in self._ACCEPTED:
+                continue
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             value = getattr(self, f.name)
             if f.name in ("comm_hook", "comm_wrapper"):
                 value = DDPCommunicationHookType(value)  # a bad name: Accelerate's ValueError
             if value != default:
-                raise ConfigError(f"DistributedDataParallelKwargs({f.name}={value!r}) is not "
-                                  f"covered by minizero.accelerate: only {default!r} (minizero's "
+                shown, allowed = (getattr(v, "value", v) for v in (value, default))  # 'fp16'
+                raise ConfigError(f"DistributedDataParallelKwargs({f.name}={shown!r}) is not "
+                                  f"covered by minizero.accelerate: only {allowed!r} (minizero's "
                                   "DDP all-reduces fp32 gradient buckets, with no hooks)")
 
 
