@@ -578,3 +578,26 @@ def test_the_docs_refused_keys_table_is_the_configs():
     expected = refused_key_rows()
     assert _table("## Config keys refused, and why") == expected, "\n".join("| " + " | ".join(r) + " |"
                                                                              for r in expected)
+
+
+def test_an_engine_trains_after_another_was_destroyed():
+    # Accelerate's cross_validation.py prepares a new model per fold and frees the last
+    # (free_memory destroys its engine): the next engine's backward must not reach the old one
+    from minizero import comm as comm_mod
+    ours = not comm_mod.is_initialized()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engines = []
+    try:
+        for fold in range(2):
+            torch.manual_seed(fold)
+            net = nn.Linear(4, 2)
+            engine = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)[0]
+            engines.append(engine)
+            before = net.weight.detach().clone()
+            engine.backward(engine(torch.ones(2, 4)).sum())
+            engine.step()
+            assert not torch.equal(net.weight.detach(), before), f"fold {fold} did not train"
+            engine.destroy()
+    finally:
+        if ours:
+            comm_mod.shutdown()

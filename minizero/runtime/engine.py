@@ -139,7 +139,7 @@ class Engine(BaseEngine):
             loss = self.loss_scaler.scale(loss)
         with self.strategy.backward_context(self.is_gradient_accumulation_boundary()), ExitStack() as others:
             for other in list(_ENGINES):  # a GAN's generator loss through the discriminator's engine
-                if other is not self:
+                if other is not self and other.strategy is not None:  # (a destroyed one holds none)
                     others.enter_context(other.strategy.hold_gradients())
             loss.backward()
         self._bwd += time.perf_counter() - t0
