@@ -311,6 +311,21 @@ def test_gradient_accumulation_steps_can_be_set_before_prepare(world_of_one):
         accelerator.gradient_accumulation_steps = 0
 
 
+def test_the_prepared_models_no_sync_is_the_accelerators(world_of_one):
+    """gradient_accumulation_for_autoregressive_models.py calls model.no_sync() (torch DDP's method,
+    which Accelerate's prepared model has under DDP): its backwards accumulate without syncing."""
+    from minizero.accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 2)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    model, _, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    seen = []
+    with model.no_sync():
+        seen.append(accelerator.sync_gradients)
+    seen.append(accelerator.sync_gradients)
+    assert seen == [False, True]
+
+
 def test_a_schedule_free_optimizers_mode_reaches_the_optimizer_that_steps(world_of_one):
     """schedule_free.py calls optimizer.train() / eval() on the prepared optimizer (DDP, fp32)."""
     from minizero.accelerate import Accelerator

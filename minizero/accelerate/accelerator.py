@@ -467,6 +467,9 @@ class PreparedModel(torch.nn.Module):
     def clip_grad_norm_(self, max_norm, norm_type=2):  # FSDP's model.clip_grad_norm_
         return self._accelerator.clip_grad_norm_(None, max_norm, norm_type)
 
+    def no_sync(self):  # torch DDP's model.no_sync(), which Accelerate's prepared model is under DDP
+        return self._accelerator.no_sync(self)
+
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """The optimizer prepare() returns. The engine steps its own optimizer over its shards; this one's step()
