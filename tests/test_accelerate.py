@@ -317,7 +317,8 @@ def test_the_prepared_models_no_sync_is_the_accelerators(world_of_one):
     from minizero.accelerate import Accelerator
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(4, 2)
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)),
+                                       batch_size=4)
     model, _, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
     seen = []
     with model.no_sync():

@@ -467,7 +467,7 @@ class PreparedModel(torch.nn.Module):
     def clip_grad_norm_(self, max_norm, norm_type=2):  # FSDP's model.clip_grad_norm_
         return self._accelerator.clip_grad_norm_(None, max_norm, norm_type)
 
-    def no_sync(self):  # torch DDP's model.no_sync(), which Accelerate's prepared model is under DDP
+    def no_sync(self):  # torch DDP's model.no_sync(): Accelerate's prepared model is one under DDP
         return self._accelerator.no_sync(self)
 
 
