@@ -38,13 +38,14 @@ def test_zero2_inner_optimizer_steps_like_the_wrapper_and_schedulers_see_it(res)
             assert "no gradient yet: call loss.backward() first" in out[f"{how}/before_backward"]
 
 
-@pytest.mark.xfail(reason="regressed in this session's merges (not the clip change): "
-                          "trained_vs_ddp 3.5e-6 > 1e-6; not yet explained", strict=False)
 def test_fsdp_per_rank_seeds_optimizer_before_wrapping_empty_parts_and_clip(res):
     for rank, out in enumerate(r["fsdp"] for r in res):
         assert out["init_vs_rank0"] == 0.0, f"rank {rank} kept its own initialisation"
         assert out["groups_still_trained"], "an optimizer built before wrapping holds parameters FSDP dropped"
-        assert out["trained_vs_ddp"] <= 1e-6, out["trained_vs_ddp"]
+        # AdamW at lr 1e-2 turns a near-zero gradient's last-bit difference (FSDP reduces in other
+        # chunks than DDP's buckets) into up to ~1e-3 of lr: bitwise under ATEN_CPU_CAPABILITY=default,
+        # 3.5e-6 with AVX2. A wrong reduction or a skipped group moves parameters by about lr.
+        assert out["trained_vs_ddp"] <= 1e-5, out["trained_vs_ddp"]
         assert out["none_grads"] == [], f"rank {rank}: .grad None after backward for {out['none_grads']}"
         fsdp_norm, ddp_norm = out["norms"]
         assert abs(fsdp_norm - ddp_norm) <= 1e-6 * ddp_norm
