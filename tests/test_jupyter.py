@@ -13,7 +13,6 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,6 +102,7 @@ def test_jupyter_lab_opens_and_runs_a_lesson(lab):
                                                           "kernel": {"name": "python3"}})
     assert status == 201, body
     kernel = json.loads(body)["kernel"]["id"]
+    import nbformat  # here, not at the top: its jsonschema costs every collection seconds
     nb = nbformat.read(ROOT / LESSON, as_version=4)
     cells = [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     assert len(cells) > 3
