@@ -48,7 +48,9 @@ def compare(a, b):
 
 def run_engine(comm, cfg, steps=STEPS, double=False):
     """The DeepSpeed loop. double: one micro-batch of 2*MICRO rows = this rank's rows of two."""
+    comm.stats.reset()
     engine = build_engine(build_model("tiny-gpt", seed=0, **GPT), cfg, comm)
+    startup = comm.stats.as_dict()  # what building the engine sent: rank 0's model, once
     n, acc, micro = comm.size, engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
     losses, norms, sent = [], [], []
     for step in range(steps):
@@ -66,7 +68,7 @@ def run_engine(comm, cfg, steps=STEPS, double=False):
         losses.append(loss.item())
         norms.append(engine.get_global_grad_norm())
     by_op = {k: v["sent_bytes"] for k, v in engine.comm_stats().items()}  # the last step's
-    return engine, {"losses": losses, "norms": norms, "sent": sent, "by_op": by_op}
+    return engine, {"losses": losses, "norms": norms, "sent": sent, "by_op": by_op, "startup": startup}
 
 
 def by_hand(comm, stage, opt, clip=0.0, steps=STEPS):
@@ -151,6 +153,7 @@ def correctness(comm, configs=(), out_dir=None):
             if opt == "sgd":
                 out[f"{stage}/sent"] = facts["sent"][-1]
                 out[f"{stage}/sent_by_op"] = facts["by_op"]
+                out[f"{stage}/startup"] = facts["startup"]
                 out[f"{stage}/ledger"] = engine.memory().by_category
                 # accumulation: two micro-batches of MICRO rows == one of 2*MICRO rows (clipped alike)
                 twin, _ = run_engine(comm, config(stage, acc=1, micro=2 * MICRO, clip=c), double=True)

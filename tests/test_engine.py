@@ -105,6 +105,19 @@ def test_bytes_per_step_follow_deepspeeds_schedule():
     assert r["3/sent"] > r["0/sent"]
 
 
+@pytest.mark.parametrize("stage", range(4))
+def test_start_up_broadcasts_the_model_once(stage):
+    """Building the engine sends rank 0's model to the others once, as DeepSpeed's engine does
+    (_broadcast_model): one broadcast payload of every parameter and buffer, nothing else. ZeRO-3
+    broadcast it twice (the strategy, then FSDP's sync_module_states), which also hid FSDP's debug
+    check that every rank started equal."""
+    model = build_model("tiny-gpt", seed=0, **GPT)
+    model_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    startup = results()[0][f"{stage}/startup"]
+    assert list(startup) == ["broadcast"], startup
+    assert startup["broadcast"]["payload_bytes"] == model_bytes, (startup, model_bytes)
+
+
 def test_ledger_shrinks_stage_by_stage():
     L, r = layout(), results()[0]
     S, P, psi = L.shard_numel, L.padded_numel, L.numel

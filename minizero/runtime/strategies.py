@@ -360,8 +360,7 @@ class Zero3Strategy(Strategy):
     def __init__(self, model, comm, spec):
         super().__init__(model, comm, spec)
         from minizero.zero.fsdp_optimizer import FSDPOptimizer
-        if spec.zero_init is None:  # FSDP shards each rank's OWN copy; zero.Init replays the same seed everywhere
-            comm.broadcast_tensors([*model.parameters(), *model.buffers()])
+        # rank 0's model reaches every rank once, in FSDP (sync_module_states), after its debug check
         self.wrapped = self._wrap(model, comm, spec, dict(
             compute_dtype=spec.dtype if spec.mixed_precision else None, prefetch=spec.prefetch,
             persistence_threshold=spec.persistence_threshold, shard_layout=spec.shard_layout))
@@ -388,9 +387,6 @@ class Zero3Strategy(Strategy):
 
     def param_names(self, names):
         return {id(p): n for n, p in self.wrapped.named_parameters()}  # FSDP's local parts carry the original names
-
-    def _unit_tensors(self):
-        return [p for u in self.wrapped.units for p in (u.shard, u.whole) if p is not None]
 
     def reduced_grads(self) -> Grads:
         if self.offload is not None:  # already on the host, moved unit by unit during backward
