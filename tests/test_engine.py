@@ -16,6 +16,7 @@ and the model's shapes, never from the measured numbers.
 """
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -188,16 +189,31 @@ def test_seed_config_trains_unchanged_under_mpirun_4(tmp_path):
     stdout = _train_cli("--config", "configs/ds_config_seed001.json", "--steps", 2, "--out", out, "--no-progress", n=4)
     assert "ZeRO stage 3, float16, 4 ranks, 4 x 2 accumulation x 4 ranks = 32 per step" in stdout
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in log] == [1, 2] and all(x["loss"] > 0 for x in log)
+    assert [x["step"] for x in log] == [1, 2], log
+    cfg = json.loads(open("configs/ds_config_seed001.json").read())
+    vocab = build_model("tiny-gpt").config.vocab_size  # the train command's default model
+    # an untrained model is near uniform over the vocabulary: a wrong shard or scale moves it off ln(V)
+    assert all(abs(x["loss"] - math.log(vocab)) < 0.1 for x in log), (math.log(vocab), log)
+    # DeepSpeed's fp16 bookkeeping from the config: the first step runs at 2**initial_scale_power;
+    # WarmupLR starts at warmup_min_lr, and a skipped (overflowed) step leaves the scheduler where it was
+    assert log[0]["loss_scale"] == 2.0 ** cfg["fp16"]["initial_scale_power"], log[0]
+    assert log[0]["lr"] == cfg["scheduler"]["params"]["warmup_min_lr"], log[0]
+    if log[0]["skipped"]:
+        assert log[1]["lr"] == log[0]["lr"], log
     held = log[-1]["memory_by_location"]
     assert held["host"] > 0 and log[-1]["offload_bytes"]["to_host"] > 0  # the optimizer state went to the host
     assert "offload (rank 0, last step): held device" in stdout
 
 
 def test_example_configs_are_valid_at_any_world_size():
+    """Each example config resolves at 1-4 ranks, keeping DeepSpeed's batch identity
+    train_batch_size = micro x accumulation x ranks (the resolver fills what the file leaves out)."""
     for path in EXAMPLES:
         for n in (1, 2, 3, 4):
-            resolve(load_config(path, world_size=n), n)
+            cfg = load_config(path, world_size=n)
+            resolve(cfg, n)
+            assert cfg["train_batch_size"] == (cfg["train_micro_batch_size_per_gpu"]
+                                               * cfg["gradient_accumulation_steps"] * n), (path, n, cfg)
 
 
 def _train_cli(*args, n=N):

@@ -8,12 +8,30 @@ import inspect
 import pytest
 import torch
 
-from minizero.runtime import strategies
-from minizero.runtime.expert_strategy import ExpertDDPStrategy, ExpertZero1Strategy
+import minizero.runtime.chain as chain
+import minizero.runtime.expert_strategy  # noqa: F401  (its classes join Strategy's subclasses)
 from minizero.runtime.strategies import Strategy
 
-CONCRETE = [strategies.DDPStrategy, strategies.Zero1Strategy, strategies.Zero2Strategy, strategies.Zero3Strategy,
-            strategies.HybridShardStrategy, ExpertDDPStrategy, ExpertZero1Strategy]
+
+def subclasses(cls) -> list:
+    return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
+
+
+def built_by_select_strategy() -> set:
+    """Names of the classes select_strategy (runtime/chain.py) can build: every Name it mentions."""
+    tree = ast.parse(inspect.getsource(chain.select_strategy))
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id.endswith("Strategy")}
+
+
+# every strategy class the runtime has, found, not listed: a new one is checked the day it is written
+CONCRETE = sorted({c for c in subclasses(Strategy) if c.__module__.startswith("minizero.runtime")
+                   and c.__name__ in built_by_select_strategy()}, key=lambda c: c.__name__)
+
+
+def test_the_list_holds_every_strategy_select_strategy_builds():
+    names = {c.__name__ for c in CONCRETE}
+    assert built_by_select_strategy() - {"Strategy"} == names, built_by_select_strategy() - names
+    assert {"OneBitAdamStrategy", "HybridShardStrategy", "ExpertZero1Strategy", "Zero3Strategy"} <= names
 
 
 def declared() -> set:
