@@ -22,9 +22,11 @@ import sys
 from minizero.autograde import LABS, REPO, tree_digest
 from minizero.autograde import labgen
 
-# The course's own tooling: it reads solutions/ or the SOLUTION markers, which a handout has neither of.
+# The course's own tooling: it reads solutions/ or the SOLUTION markers, which a handout has neither of;
+# and the instructor's answer keys and rubrics (instructors/), with the test that checks them.
 STAFF_ONLY = ("solutions/", "labs/", "tests/mutants/", "tests/test_mutants.py", "tests/test_grader.py",
-              "tests/test_site.py", "tests/test_handout.py", "tests/test_gradescope.py", ".github/")
+              "tests/test_site.py", "tests/test_handout.py", "tests/test_gradescope.py", ".github/",
+              "instructors/", "tests/test_instructor_keys.py")
 # `make test` in a handout: cheap checks that hold before any lab is done (each needs no stubbed code): the
 # lessons are committed clean and show no solution, the configs, models and memory estimator work. The lab
 # checks are `make grade` / `pytest tests -m labN`; the rest of tests/ checks the package as labs are done.
