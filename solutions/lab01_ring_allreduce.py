@@ -37,7 +37,7 @@ def ring_all_reduce(comm, tensor: torch.Tensor) -> torch.Tensor:
     #   term per hop, so it must travel the ring without a break: what a rank passes on at a step is
     #   the chunk it has just added to (at the first step, one of its own). After n - 1 hops each
     #   rank holds exactly one chunk with all n terms; which one decides where phase 2 starts.
-    #   Every rank sends and receives at once: a blocking send on every rank would wait forever, so
+    #   Every rank sends and receives at once: a blocking send on every rank can wait forever, so
     #   the send is posted (isend) and waited for only after the receive. The chunk being sent must
     #   not change before its send has completed, and a receive must fit its buffer exactly
     #   (tensor_split's chunks may differ by one element): receive into a piece of `scratch`.
