@@ -158,6 +158,11 @@ class Strategy(ABC):
         if self.offload is not None:
             self.offload.finish()
 
+    def unsharded_largest(self) -> int | None:
+        """ZeRO-3 that shards nothing (every tensor under the persistence threshold): the largest
+        tensor's elements, for the user's note; None where something is sharded or nothing shards."""
+        return None
+
     def check_checkpointable(self):
         """Raise (the same on every rank, before any collective) if this strategy's state cannot be saved."""
 
@@ -387,6 +392,9 @@ class Zero3Strategy(Strategy):
 
     def param_names(self, names):
         return {id(p): n for n, p in self.wrapped.named_parameters()}  # FSDP's local parts carry the original names
+
+    def unsharded_largest(self) -> int | None:
+        return self.wrapped.largest_tensor_numel() if self.wrapped.sharded_numel() == 0 else None
 
     def reduced_grads(self) -> Grads:
         if self.offload is not None:  # already on the host, moved unit by unit during backward

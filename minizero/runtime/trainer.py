@@ -228,20 +228,19 @@ class BaseEngine(torch.nn.Module):
                                       "implemented by minizero: see offload_states")
 
     def zero_offload_optimizer(self):
-        return self.plan.config["zero_optimization"]["offload_optimizer"] if self.plan.offload is not None else None
+        return self.plan.offload_optimizer
 
     def zero_offload_param(self):
-        offloaded = self.plan.offload is not None and self.plan.offload.params != "none"
-        return self.plan.config["zero_optimization"]["offload_param"] if offloaded else None
+        return self.plan.offload_param
 
     def gradient_clipping(self) -> float:
         return self.plan.gradient_clipping
 
     def steps_per_print(self):
-        return self.plan.config["steps_per_print"]
+        return self.plan.steps_per_print
 
     def wall_clock_breakdown(self) -> bool:
-        return bool(self.plan.config["wall_clock_breakdown"])
+        return self.plan.wall_clock_breakdown
 
     def get_mom(self) -> list:
         """Per param group: SGD's momentum, Adam's betas (DeepSpeed's get_mom)."""

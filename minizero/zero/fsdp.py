@@ -597,6 +597,14 @@ class FSDP(nn.Module):
         a, n = unit.layout.offsets[j], unit.layout.numels[j]
         return unit.layout.to_compute(full)[a:a + n].view(unit.entries[j][0]).clone()
 
+    def sharded_numel(self) -> int:
+        """Elements all-gathered per forward (sharded + padding), over every unit: 0 when every
+        parameter is below the persistence threshold and stays whole on every rank."""
+        return sum(unit.gathered_numel for unit in self.units)
+
+    def largest_tensor_numel(self) -> int:
+        return max((n for unit in self.units for n in unit.sizes), default=0)
+
     def unit_grad(self, unit, part: str):
         """The flat fp32 gradient of unit's shard ("shard") or persistent part ("whole"), or None once
         no local parameter's .grad views it any more (zero_grad), even if someone else still holds it."""
