@@ -86,6 +86,7 @@ class Strategy(ABC):
 
     shards: bool = True
     has_replicated: bool = False
+    broadcasts_buffers: bool = False  # no wrapper does it: rank 0's buffers before a training forward
 
     def __init__(self, model: torch.nn.Module, comm, spec: StrategySpec):
         self.model = model
@@ -116,9 +117,25 @@ class Strategy(ABC):
     def segments(self, name_of: dict) -> list:
         """[Segment]: the fp32 tensors the optimizer steps, piece by piece (what a checkpoint writes)."""
 
+    # ------------------------------------------------------------------ shared by the strategies
+    @staticmethod
+    def trainable(model) -> list:
+        """The model's trainable parameters, each once (tied weights appear under two names)."""
+        return list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+
+    def plain_or_mixed_optimizer(self, params, comm):
+        """The user's optimizer class on the parameters (fp32), or over fp32 masters of 16-bit ones."""
+        from minizero.precision import MixedPrecisionOptimizer
+        spec, kw = self.spec, self.spec.optimizer_kwargs
+        if spec.mixed_precision:
+            return MixedPrecisionOptimizer(params, spec.optimizer_cls, None, 0.0, comm, **kw)
+        return spec.optimizer_cls(params, **kw)
+
     # ------------------------------------------------------------------ hooks with a default
     def forward_prelude(self):
-        """Before a training forward (ZeRO-1 has no wrapper to broadcast rank 0's buffers)."""
+        """Before a training forward: rank 0's buffers, as DDP does, where no wrapper sends them."""
+        if self.broadcasts_buffers and torch.is_grad_enabled():
+            self.comm.broadcast_tensors(list(self.model.buffers()))
 
     def backward_context(self, boundary: bool):
         """DDP accumulates locally until the boundary (no_sync); the others reduce every backward."""
@@ -180,18 +197,18 @@ class DDPStrategy(Strategy):
 
     def __init__(self, model, comm, spec):
         super().__init__(model, comm, spec)
-        from minizero.dp.ddp import DDP
-        from minizero.precision import MixedPrecisionOptimizer
-        # a pipeline of one data-parallel rank reduces nothing: no wrapper
-        self.ddp = None if spec.runtime_syncs and comm.size == 1 else \
-            DDP(model, comm, bucket_numel=spec.bucket_numel, overlap=spec.overlap)
+        self.ddp = self._wrapper(model, comm, spec)
         self.wrapped = self.ddp or model
-        self.params = self.ddp.params if self.ddp is not None else \
-            list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
-        params = spec.groups or self.params
-        kw = spec.optimizer_kwargs
-        self.optimizer = MixedPrecisionOptimizer(params, spec.optimizer_cls, None, 0.0, comm, **kw) \
-            if spec.mixed_precision else spec.optimizer_cls(params, **kw)
+        self.params = self.ddp.params if self.ddp is not None else self.trainable(model)
+        self.optimizer = self.plain_or_mixed_optimizer(spec.groups or self.params, comm)
+
+    def _wrapper(self, model, comm, spec):
+        """torch DDP's role (it broadcasts rank 0's model); a pipeline of one data-parallel rank
+        reduces nothing: no wrapper."""
+        from minizero.dp.ddp import DDP
+        if spec.runtime_syncs and comm.size == 1:
+            return None
+        return DDP(model, comm, bucket_numel=spec.bucket_numel, overlap=spec.overlap)
 
     def backward_context(self, boundary: bool):
         if self.ddp is None:
@@ -299,6 +316,8 @@ class FlatStrategy(Strategy):
 class Zero1Strategy(FlatStrategy):
     """Stage 1: optimizer state sharded (zero.ShardedOptimizer); the model is the user's, unwrapped."""
 
+    broadcasts_buffers = True
+
     def __init__(self, model, comm, spec):
         super().__init__(model, comm, spec)
         from minizero.zero.sharded_optimizer import ShardedOptimizer
@@ -308,10 +327,6 @@ class Zero1Strategy(FlatStrategy):
                                           **spec.optimizer_kwargs)
         self.offload = self.optimizer.tier
         self._shard_grad = None
-
-    def forward_prelude(self):
-        if torch.is_grad_enabled():  # no wrapper here: rank 0's buffers, as DDP does
-            self.comm.broadcast_tensors(list(self.model.buffers()))
 
     def _local_grad_shard(self):
         return self.optimizer.reduce_gradients()
@@ -478,19 +493,16 @@ class OneBitAdamStrategy(Strategy):
     they stay this rank's own and the optimizer all-reduces the momentum in 1 bit per element (one flat buffer:
     2 collectives a step). A clip then clips each rank's own gradients, as DeepSpeed's clip_fp32_gradients does."""
 
+    broadcasts_buffers = True
     shards = False
     has_replicated = True
 
     def __init__(self, model, comm, spec):
         super().__init__(model, comm, spec)
         comm.broadcast_tensors([*model.parameters(), *model.buffers()])  # one start on every rank, as DDP's
-        self.params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+        self.params = self.trainable(model)
         self.optimizer = spec.optimizer_cls(spec.groups or self.params, comm, per_tensor=False, grads_averaged=True,
                                             **spec.optimizer_kwargs)
-
-    def forward_prelude(self):
-        if torch.is_grad_enabled():  # no wrapper: rank 0's buffers, as DDP does
-            self.comm.broadcast_tensors(list(self.model.buffers()))
 
     def reduced_grads(self) -> Grads:
         grads = [p.grad for p in self.params if p.grad is not None]
