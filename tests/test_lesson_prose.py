@@ -54,6 +54,18 @@ LESSON01 = [
      ["one round of messages"]),
     ("small ops many ping-pong messages", {("pp_alpha",): 5e-6}, ["4.0-6.0 ping-pong messages", "not one round"],
      ["about one ping-pong message"]),
+    ("small ops 0.1-0.6 ping-pong messages",
+     {("small_times",): {"all_reduce": 9e-6, "reduce_scatter": 3e-6, "all_gather": 1.5e-6}},
+     ["0.1-0.6 ping-pong messages", "some less than one", "none more than two rounds"],
+     ["not one round", "one round of messages", "several rounds"]),
+    ("small ops 0.2-4 ping-pong messages",
+     {("small_times",): {"all_reduce": 60e-6, "reduce_scatter": 3e-6, "all_gather": 15e-6}},
+     ["0.2-4.0 ping-pong messages", "some less than one", "some several rounds' worth"],
+     ["not one round", "none more than two"]),
+    ("small ops 1-4 ping-pong messages",
+     {("small_times",): {"all_reduce": 60e-6, "reduce_scatter": 15e-6, "all_gather": 20e-6}},
+     ["1.0-4.0 ping-pong messages", "the cheapest about one round", "some several rounds' worth"],
+     ["some less than one", "not one round"]),
     ("model misses by a median 69%", {("fit_error", "all_reduce"): 0.69, ("all_reduce_error", KiB): -0.8},
      ["are not the cost", "off by more at 1 KiB", "69% on the all-reduce"], ["fair first estimate"]),
     ("model fits", {}, ["fair first estimate", "off by more at none"], ["are not the cost", "do not predict"]),
@@ -140,6 +152,15 @@ LESSON02_DP = [
      ["DDP was not faster here: each DDP rank computed 2.0× slower", "more than DataParallel's reduce"],
      ["DDP was faster"]),
     ("DDP slower, no reason", {("ddp_step2",): 0.05}, ["DDP was not faster here, and neither"], ["DDP was faster"]),
+    ("DDP rank computes as a lone replica", {},
+     ["1.1× one replica alone", "as ranks running in parallel"],
+     ["cannot explain", "compete for the cores. "]),
+    ("DDP rank computes 0.5x a lone replica", {("ddp_compute",): {2: 0.0075, 4: 0.030}},
+     ["0.5× one replica alone", "which running in parallel cannot explain", "noise"],
+     ["its ranks in parallel.", "as ranks running in parallel"]),
+    ("DDP rank computes 2x a lone replica", {("ddp_compute",): {2: 0.030, 4: 0.030}},
+     ["2.0× one replica alone", "slower than a lone replica, since the two ranks compete"],
+     ["cannot explain", "as ranks running in parallel"]),
 ]
 
 
@@ -353,6 +374,15 @@ def test_lesson06_scaling_conclusions(label, kw, want, avoid):
     _check(describe_scaling(**_scaling(**kw)), want, avoid, label)
 
 
+def test_lesson06_seed_table_sentence_agrees_with_lesson00():
+    """Lesson 00 reads the seed's 5 GB ZeRO-3 row as plausible with offload: lesson 06 must
+    not call it impossible."""
+    from minizero.experiments.zero3 import describe_scaling
+    _check(describe_scaling(**_scaling()),
+           ["at most 4", "offload its config turns on", "lesson 00"], ["cannot be right"],
+           "seed table")
+
+
 def test_lesson06_persistence_conclusions():
     from minizero.experiments.zero3 import describe_persistence
     p0 = {"whole": 0, "calls": 15, "sent": {"all_gather": 1261824, "reduce_scatter": 630912}, "ledger": {"a": 0.8e6}}
@@ -375,3 +405,22 @@ def test_lesson10_tp_against_dp():
            ["in any implementation", "more:"], "fewer bytes")
     _check(describe_tp_vs_dp(400_000, 180_480, 12, 12, 7), ["2.22× DP's bytes here (more"], ["more latencies"],
            "more bytes")
+
+
+BREAK_EVEN = [  # step_ratio, extra (s), saved (B), ZeRO-3 step (s)
+    ("3 ms slower, inside the 5% noise", (1.03, 0.003, 40e3, 0.1),
+     ["differ by less than 5% (+3.0 ms)", "gives no break-even", "8.00 MB/s or above"],
+     ["any bandwidth", "**"]),
+    ("3 ms faster, inside the noise", (0.97, -0.003, 40e3, 0.1), ["gives no break-even"],
+     ["any bandwidth"]),
+    ("20% faster", (0.8, -0.02, 40e3, 0.1), ["pay at any bandwidth"], ["gives no break-even"]),
+    ("20% slower", (1.2, 0.02, 40e3, 0.1), ["40.0 KB / 20.0 ms = **2.00 MB/s**"],
+     ["any bandwidth", "gives no break-even"]),
+]
+
+
+@pytest.mark.parametrize("label,figures,want,avoid", BREAK_EVEN, ids=[c[0] for c in BREAK_EVEN])
+def test_lesson08_break_even_conclusions(label, figures, want, avoid):
+    from minizero.experiments.zeropp import describe_break_even
+    ratio, extra, saved, step = figures
+    _check(describe_break_even(ratio, extra, saved, step, 40, 30), want, avoid, label)
