@@ -424,3 +424,73 @@ def test_lesson08_break_even_conclusions(label, figures, want, avoid):
     from minizero.experiments.zeropp import describe_break_even
     ratio, extra, saved, step = figures
     _check(describe_break_even(ratio, extra, saved, step, 40, 30), want, avoid, label)
+
+
+def _sparse_rows(sdpa_saved=4.0, n=2048):
+    MiB = 2**20
+    row = lambda kind, score, saved, density=1.0: {  # noqa: E731
+        "kind": kind, "n": n, "score_bytes": score * MiB, "saved_bytes": saved * MiB,
+        "density": density}
+    return [row("dense", 64, 71), row("causal", 32.25, 37), row("sdpa", 0, sdpa_saved),
+            row("fixed", 9, 13.2, 0.279), row("bigbird", 1.93, 6.0, 0.06)]
+
+
+@pytest.mark.parametrize("label,sdpa_saved,want,avoid", [
+    ("SDPA leaner than every layout", 4.0,
+     ["1.98× less", "**causality**",
+      "33.2× fewer score bytes than the naive dense, but 16.7× fewer",
+      "1/density = 16.7", "no more than the leanest layout (bigbird, 6.00 MiB)", "it saves FLOPs"],
+     ["still saves memory"]),
+    ("a layout leaner than SDPA", 8.0,
+     ["more than the leanest layout (bigbird", "still saves memory"],
+     ["no more than the leanest"]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_lesson15_memory_conclusions(label, sdpa_saved, want, avoid):
+    from minizero.experiments.sparse import describe_memory
+    _check(describe_memory(_sparse_rows(sdpa_saved), 2048), want, avoid, label)
+
+
+@pytest.mark.parametrize("label,longest,want,avoid", [
+    ("SDPA longest, bigbird 7x naive",
+     dict(dense=768, causal=1280, sdpa=7936, fixed=2048, bigbird=5376),
+     ["7.0× the naive dense", "4.2× the causal blocks", "1.7× of the first ratio is causality",
+      "0.68× SDPA", "fits no longer a sequence", "stays below 10× here", "batch 1",
+      "activation checkpointing", "mechanism, not the figure"],
+     ["Even against", "reaches 10× here"]),
+    ("bigbird past SDPA and 10x",
+     dict(dense=768, causal=1280, sdpa=7936, fixed=2048, bigbird=9000),
+     ["Even against a dense attention that keeps no scores", "reaches 10× here"],
+     ["fits no longer", "stays below 10×"]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_lesson15_longest_conclusions(label, longest, want, avoid):
+    from minizero.experiments.sparse import describe_longest
+    _check(describe_longest(longest, 16 * 2**20), want, avoid, label)
+
+
+def _times(fixed2048=0.434, bigbird1024=0.043, sdpa2048=0.302):
+    return {1024: {"dense": 0.381, "sdpa": 0.108, "causal": 0.520, "fixed": 0.111,
+                   "bigbird": bigbird1024},
+            2048: {"dense": 1.733, "sdpa": sdpa2048, "fixed": fixed2048, "bigbird": 0.070}}
+
+
+@pytest.mark.parametrize("label,times,want,avoid", [
+    ("as measured", _times(),
+     ["whole model's training iteration", "Fixed layout",
+      "fixed 4.0× faster than the naive dense, 0.7× the speed of SDPA",
+      "bigbird 24.8× faster than the naive dense, 4.3× faster than SDPA",
+      "bigbird is 12.1× faster, for 1/density = 8.7: more than 1/density", "gave 3.4-4.0×",
+      "(below 6×;", "bounds a model's from above"],
+     ["(6× or more"]),
+    ("fixed reaches 6x against the naive dense", _times(fixed2048=0.2), ["(6× or more, but"],
+     ["below 6×"]),
+    ("bigbird as its density allows", _times(bigbird1024=0.06),
+     ["= 8.7: about what sparsity allows"],
+     ["= 8.7: more than", "= 8.7: less than"]),
+    ("bigbird below its density", _times(bigbird1024=0.3), ["= 8.7: less than 1/density"],
+     ["= 8.7: about", "= 8.7: more"]),
+    ("fixed faster than SDPA", _times(sdpa2048=0.9),
+     ["fixed 4.0× faster than the naive dense, 2.1× faster than SDPA"], ["the speed of SDPA"]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_lesson15_speed_conclusions(label, times, want, avoid):
+    from minizero.experiments.sparse import describe_speed
+    _check(describe_speed(times, {"fixed": 0.308, "bigbird": 0.115}), want, avoid, label)
