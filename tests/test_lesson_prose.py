@@ -494,3 +494,79 @@ def _times(fixed2048=0.434, bigbird1024=0.043, sdpa2048=0.302):
 def test_lesson15_speed_conclusions(label, times, want, avoid):
     from minizero.experiments.sparse import describe_speed
     _check(describe_speed(times, {"fixed": 0.308, "bigbird": 0.115}), want, avoid, label)
+
+
+def _curve(start=4.0, end=1.1, steps=150, lag=0.0, freeze=30):
+    """A falling loss; lag is added after the freeze and decays over 60 steps."""
+    out = []
+    for k in range(steps):
+        x = end + (start - end) * 0.97 ** k
+        if k >= freeze:
+            x += lag * max(0.0, 1 - (k - freeze) / 60)
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("label,lag,tail_shift,want,avoid", [
+    ("trails then catches up", 0.6, 0.0,
+     ["+0.40 at 20 steps after the freeze", "+0.10 at 50 steps", "catches up by the end",
+      "judged on the last steps only"], ["still trails", "throughout"]),
+    ("never trails", 0.0, 0.0, ["within the spread of Adam throughout"],
+     ["catches up", "still trails"]),
+    ("still behind at the end", 0.6, 0.2, ["still trails Adam at the end"],
+     ["catches up", "throughout"]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_lesson14_gap_conclusions(label, lag, tail_shift, want, avoid):
+    from minizero.experiments.onebit import describe_gap
+    adam = _curve()
+    onebit = [x + (tail_shift if k >= 140 else 0) for k, x in enumerate(_curve(lag=lag))]
+    _check(describe_gap(adam, onebit, 30, 0.06), want, avoid, label)
+
+
+def _v(after20, before20=0.2):
+    d = lambda m: {"median": m, "p90": 3 * m}  # noqa: E731
+    # keys as str: what the launch's JSON hands back
+    return {"freeze_step": 30, "l1": [1.0] * 150, "after": {"20": d(after20), "50": d(2 * after20)},
+            "before": {"20": d(before20), "50": d(before20)}, "to_end": d(3 * after20)}
+
+
+@pytest.mark.parametrize("label,after,before,want,avoid", [
+    ("v still moving", 0.126, 0.202,
+     ["by a median 12.6% (90th percentile 38%) after 20 steps", "it had moved 20.2%",
+      "**not** stable", "moving more before the freeze than after"],
+     ["stable enough", "no less after"]),
+    ("v stable", 0.03, 0.2, ["stable enough to freeze here", "within 3%"], ["**not** stable"]),
+    ("v moves more after", 0.3, 0.1, ["**not** stable", "no less after the freeze than before"],
+     ["moving more before"]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_lesson14_v_conclusions(label, after, before, want, avoid):
+    from minizero.experiments.onebit import describe_v
+    _check(describe_v(_v(after, before)), want, avoid, label)
+
+
+def test_lesson14_ablation_conclusions():
+    from minizero.experiments.onebit import COMPRESSED_ADAM, describe_ablations
+    adam = _curve()
+    nan = float("nan")
+    conv = {"Adam": {"loss": adam},
+            "no error feedback": {"loss": adam[:100] + [3.3e9] + [nan] * 49},
+            "no warm-up": {"loss": [x + 0.02 for x in adam]},
+            COMPRESSED_ADAM: {"loss": [x + 0.7 for x in adam]}}
+    text = describe_ablations(conv, 0.06)
+    _check(text, ["**no error feedback**", "It diverged: the loss reached 3.3e+09 at step 101",
+                  "ended as nan", "within Adam's spread: here it did no harm",
+                  "not the paper's failure", "the paper's failure case", "v sums g²",
+                  "It ended +0.700 from Adam", "it learned less"], ["stops learning"], "mixed")
+    assert text.count("It diverged") == 1
+
+
+def test_lesson14_time_conclusions():
+    from minizero.experiments.onebit import describe_time, step_model
+    adam, one = step_model(340_000_000, 64, 50e-6, 5e9, 0.145, elem_bytes=2)
+    assert 2.4 < adam / one < 2.6                              # 0.42 s against 0.17 s
+    models = {"BERT-Large": (adam, one)}
+    _check(describe_time(0.0189, 0.0248, 30_080, 2, models),
+           ["a compressed one 24.80 ms", "cost 5.90 ms more", "slower than 19.75 MB/s", "2.5×"],
+           ["paid even"], "slower")
+    _check(describe_time(0.0248, 0.0189, 30_080, 2, models),
+           ["compression paid even on shared memory"], ["cost", "slower than"], "faster")
