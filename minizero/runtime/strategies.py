@@ -14,7 +14,6 @@ unchanged.
 """
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
 from typing import Callable, NamedTuple
@@ -392,7 +391,7 @@ class Zero3Strategy(Strategy):
         self.optimizer = FSDPOptimizer(self.wrapped, spec.optimizer_cls, spec.groups, offload=spec.offload,
                                        **spec.optimizer_kwargs)
         self.offload = self.optimizer.tier
-        self._whole = {id(u.whole) for u in self.wrapped.units if u.whole is not None}
+        self._whole = {id(t) for _, part, t, _, _ in self.wrapped.flat_parts() if part == "whole"}
         self.has_replicated = bool(self._whole)  # the same on every rank: the units are cut alike
 
     def _wrap(self, model, comm, spec, kw):
@@ -423,21 +422,11 @@ class Zero3Strategy(Strategy):
 
     def grad_names(self, name_of):
         """Per gradient tensor: ([(name, lo, numel)], numel) of the unit shard or persistent spec."""
-        fsdp, rank = self.wrapped, self.comm.rank
-        shards, wholes = [], []
-        with_grad = (lambda u, name: True) if self.offload is not None else \
-            (lambda u, name: fsdp.unit_grad(u, name) is not None)
-        for u in fsdp.units:
-            names = [fqns[0] for _, _, fqns in u.entries]
-            if u.shard is not None and with_grad(u, "shard"):
-                shards.append(([(names[pc.index], pc.shard_lo, pc.hi - pc.lo) for pc in u.layout.pieces(rank)],
-                               u.layout.shard_numel))
-            if u.whole is not None and with_grad(u, "whole"):
-                segs, off = [], 0
-                for (shape, _, _), name in zip(u.entries[u.n_sharded:], names[u.n_sharded:]):
-                    segs.append((name, off, math.prod(shape)))
-                    off += math.prod(shape)
-                wholes.append((segs, off))
+        fsdp, shards, wholes = self.wrapped, [], []
+        for u, part, _, numel, pieces in fsdp.flat_parts():
+            if self.offload is not None or fsdp.unit_grad(u, part) is not None:
+                (shards if part == "shard" else wholes).append(
+                    ([(name, off, hi - lo) for name, lo, hi, off in pieces], numel))
         return shards, wholes
 
     @torch.no_grad()
@@ -455,20 +444,10 @@ class Zero3Strategy(Strategy):
     def segments(self, name_of):
         if self.offload is None:
             return run_segments(self.optimizer, name_of)
-        rank, groups = self.comm.rank, []
-        for u in self.wrapped.units:  # the host optimizer steps whole flat shards, every element every step
-            first = [fqns[0] for _, _, fqns in u.entries]
-            if u.gathered_numel:
-                groups.append(Segment(self.offload.master_of(u.shard), self.offload,
-                                      [Piece(first[pc.index], pc.lo, pc.hi, pc.shard_lo, True)
-                                       for pc in u.layout.pieces(rank)], False))
-            if u.persistent_numel:
-                pieces, off = [], 0
-                for (shape, _, _), name in zip(u.entries[u.n_sharded:], first[u.n_sharded:]):
-                    pieces.append(Piece(name, 0, math.prod(shape), off, True))
-                    off += math.prod(shape)
-                groups.append(Segment(self.offload.master_of(u.whole), self.offload, pieces, True))
-        return groups
+        # the host optimizer steps whole flat shards, every element every step
+        return [Segment(self.offload.master_of(t), self.offload,
+                        [Piece(name, lo, hi, off, True) for name, lo, hi, off in pieces], part == "whole")
+                for _, part, t, _, pieces in self.wrapped.flat_parts()]
 
     def after_load(self, master_of, stateful, name_of):
         if self.offload is not None:
