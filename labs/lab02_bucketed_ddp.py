@@ -74,10 +74,14 @@ class GradBucket(Bucket):
     def fill(self, i: int):
         """Put params[i]'s local gradient (or zeros) into its slot and make p.grad that slot."""
         # TODO(lab 2): GradBucket.fill: copy parameter i's gradient into its slot.
-        #   self.had_grad[i] = whether p.grad exists. No grad: zero the slot self.views[i].
-        #   Else copy p.grad into the slot and make p.grad the slot itself, so autograd's own
-        #   gradient tensor is freed now (skip both if p.grad already is the slot: same data_ptr()).
-        #   Then mark self.filled[i].
+        #   What must hold afterwards: the slot self.views[i] holds params[i]'s local gradient, or
+        #   zeros if it got none (every rank all-reduces the whole buffer, and the buffer still
+        #   holds the last step's average); self.had_grad[i] says whether there was one (finish
+        #   tells "unused on every rank" from "a zero gradient" with it); self.filled[i] is set.
+        #   p.grad must then BE the slot, not a copy: autograd's own gradient tensor is freed now,
+        #   not at finish, and a later backward (no_sync) accumulates straight into the buffer. A
+        #   p.grad that already is the slot (same storage: data_ptr()) holds the right values
+        #   already.
         raise NotImplementedError('lab 2: not implemented yet: GradBucket.fill')
 
 
@@ -201,10 +205,13 @@ class DDP(SyncSwitch, nn.Module):
         _PENDING.add(self)
         if self.mode == "overlap":
             # TODO(lab 2): overlap: fill the slot, then launch every full bucket, in order.
-            #   self._where[i] is (bucket index, slot) of params[i]: fill that slot.
-            #   Then, from self.buckets[self._next] on, self._launch() each completely filled bucket,
-            #   stopping at the first one that is not: every rank must issue the same all-reduces
-            #   in the same order, or MPI pairs up the wrong ones.
+            #   What must hold: a bucket is all-reduced (self._launch) as soon as it is full AND
+            #   every bucket before it has been launched. Every rank must issue the same all-reduces
+            #   in the same order, or MPI pairs up the wrong ones, while the ranks see their
+            #   gradients in different orders (a parameter one rank did not use is filled only at
+            #   finish). self._where[i] is params[i]'s (bucket index, slot); self._next is the first
+            #   bucket not launched yet (_launch advances it); a bucket's .filled lists its slots.
+            #   One gradient can complete several buckets at once.
             raise NotImplementedError('lab 2: not implemented yet: overlap')
 
     @labelled("mz.bucket.launch")  # a profiler range (comm/labels.py)
@@ -234,11 +241,14 @@ class DDP(SyncSwitch, nn.Module):
                     p.grad = g
         else:
             # TODO(lab 2): finish: launch the rest, wait, average and unflatten.
-            #   Each bucket not launched yet (self.buckets[self._next:]; all of them when bucketed):
-            #     fill its empty slots, then launch it.
-            #   Then for each bucket, in order: wait for its work, divide the buffer by n, and set
-            #     each p.grad to its view, except where the parameter had no local gradient and its
-            #     averaged view is all zeros (unused on every rank: grad stays None). Reset the bucket.
+            #   What must hold: every bucket is launched exactly once per backward, in bucket order
+            #   (overlap launched self.buckets[:self._next] already; bucketed mode, none), with
+            #   every slot filled: a slot never filled is a parameter without a local gradient, and
+            #   it still goes, as zeros. After its all-reduce is done (bucket.works holds the
+            #   handles; .wait()), each p.grad is its slot holding the MEAN over the n ranks (DDP
+            #   averages, the all-reduce sums). A parameter with no local gradient whose average is
+            #   all zeros was unused on every rank: its grad stays None (torch DDP's rule;
+            #   optimizers skip it). bucket.reset() readies a bucket for the next backward.
             raise NotImplementedError('lab 2: not implemented yet: finish')
         self._pending, self._next = False, 0
         _PENDING.discard(self)

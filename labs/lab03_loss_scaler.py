@@ -101,10 +101,14 @@ class LossScaler:
         # the vote lives where the communicator does (offloaded gradients are on the host, NCCL's flag on the GPU)
         device = comm.device if comm is not None else grads[0].device if grads else torch.device("cpu")
         # TODO(lab 3): decide `overflow`: True if any tensor in `grads` holds an inf or a nan on ANY rank.
-        #   Test each tensor with torch.isfinite (a sum could overflow by itself).
-        #   Put the local answer in a one-element float tensor `flag` on `device`;
-        #   all-reduce it over `comm` with op="max" when comm is not None;
-        #   then read it back with flag.item().
+        #   What must hold: every rank gets the same answer (with sharded gradients a rank sees only
+        #   its shard: ranks that disagreed would step different parameters, or wait in different
+        #   collectives), True if any element of any tensor in `grads`, on any rank, is inf or nan.
+        #   Test the elements themselves (torch.isfinite): a sum or a norm of finite fp16 values can
+        #   overflow on its own. The vote is ONE collective on a small tensor on `device` (where the
+        #   communicator's buffers live); `comm` is None for a lone process, which votes alone.
+        #   API: comm.all_reduce(tensor, op="sum", async_op=False), in place; op: "sum", "avg",
+        #   "max", "min". Which op turns "some rank saw an overflow" into the same True everywhere?
         raise NotImplementedError('lab 3: not implemented yet: decide `overflow`')
         if not overflow and self.cur_scale != 1.0:
             for g in grads:
@@ -117,10 +121,15 @@ class LossScaler:
             self.cur_iter += 1
             return
         # TODO(lab 3): update the scale by DeepSpeed's rule in the class docstring.
-        #   State: cur_scale, cur_hysteresis, last_overflow_iter, cur_iter (state_dict saves these).
-        #   'k good steps in a row' is cur_iter - last_overflow_iter for this good step.
-        #   At the floor raise MinLossScaleError (if raise_error_at_min_scale), naming min_loss_scale.
-        #   End with cur_iter += 1.
+        #   What must hold: the scale follows DeepSpeed's DynamicLossScaler.update_scale over any
+        #   sequence of overflows and good steps (the grader replays many against it), the
+        #   hysteresis budget and DeepSpeed's off-by-one included, as the class docstring states
+        #   them. The state is cur_scale, cur_hysteresis, last_overflow_iter (-1 before any
+        #   overflow) and cur_iter (the number of update() calls so far, this one included once it
+        #   returns); state_dict saves just these, so a resumed run goes on exactly as before. "k
+        #   good steps in a row" counts from the update after the last overflow. An overflow at the
+        #   floor raises MinLossScaleError when raise_error_at_min_scale, with a message that names
+        #   min_loss_scale.
         raise NotImplementedError("lab 3: not implemented yet: update the scale by DeepSpeed's rule in the class docstring")
 
     _STATE = ("dynamic", "cur_scale", "loss_scale_window", "hysteresis", "min_loss_scale", "consecutive_hysteresis",

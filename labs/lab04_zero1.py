@@ -289,13 +289,23 @@ class ShardedOptimizer(FlatShardOptimizer):
         # mixed precision: the fp32 copy of the gradient shard lives only during the step
         with memory.transient.hold("zero1.fp32_grad_shard", grad_shard.numel() * 4 if self.mixed else 0):
             # TODO(lab 4): step the shard.
-            #   Give self.master the gradient `grad_shard` (cast to the master's dtype: fp32),
-            #   run self.step_masters(used) (the inner optimizer's step on this shard, which leaves
-            #   parameters outside `used` alone), then drop the gradient again (set it to None).
+            #   What must hold: self.step_masters(used) runs the inner torch optimizer on this
+            #   rank's shard (self.master) and leaves the parameters outside `used` alone; like any
+            #   torch optimizer it reads the gradient from .grad, which must have the master's dtype
+            #   and shape (fp32 under mixed precision: torch refuses a 16-bit .grad on an fp32
+            #   tensor). `grad_shard` is this rank's averaged 1/N of the gradient. After the step no
+            #   gradient stays attached to the master: the fp32 copy lives only during the step (the
+            #   ledger above counts it only there).
             raise NotImplementedError('lab 4: not implemented yet: step the shard')
         # TODO(lab 4): all-gather the updated parameters into self.flat.
-        #   Copy self.master into a new send buffer of self.flat's dtype (MPI may not send from
-        #   inside the buffer it receives into), then self.comm.all_gather(self.flat, send).
+        #   What must hold: every rank ends with all N updated shards in self.flat (the model's
+        #   parameters are views of it), in self.flat's dtype: 16-bit under mixed precision, while
+        #   self.master is fp32. Each rank contributes its own stepped shard. self.shard is a view
+        #   INTO self.flat, and MPI may not send from inside the buffer it receives into ("Buffers
+        #   must not be aliased"): what is sent must be a tensor of its own, reported to the ledger
+        #   while it lives (memory.transient.hold(name, tensor) is a context manager that does so).
+        #   API: comm.all_gather(output, input, async_op=False): output holds comm.size x input's
+        #   elements, rank r's input at the r-th place.
         raise NotImplementedError('lab 4: not implemented yet: all-gather the updated parameters into self.flat')
 
     def zero_grad(self, set_to_none: bool = True):

@@ -32,10 +32,17 @@ def ring_all_reduce(comm, tensor: torch.Tensor) -> torch.Tensor:
     scratch = torch.empty(chunks[0].numel(), dtype=tensor.dtype, device=tensor.device)
 
     # phase 1, reduce-scatter: after it, this rank holds one chunk's full sum.
-    #   For s in range(n - 1):
-    #     isend chunk (rank - s) % n to `right`;
-    #     recv chunk (rank - s - 1) % n from `left` into scratch[:size of that chunk];
-    #     add it into that chunk, then wait for the send.
+    #   What must hold: n - 1 steps; at each, every rank sends one chunk to `right` and receives one
+    #   from `left`, and adds what arrives into its own copy of THAT chunk. A chunk gains one rank's
+    #   term per hop, so it must travel the ring without a break: what a rank passes on at a step is
+    #   the chunk it has just added to (at the first step, one of its own). After n - 1 hops each
+    #   rank holds exactly one chunk with all n terms; which one decides where phase 2 starts.
+    #   Every rank sends and receives at once: a blocking send on every rank can wait forever, so
+    #   the send is posted (isend) and waited for only after the receive. The chunk being sent must
+    #   not change before its send has completed, and a receive must fit its buffer exactly
+    #   (tensor_split's chunks may differ by one element): receive into a piece of `scratch`.
+    #   API: comm.isend(tensor, dst, tag=0) returns a request; request.wait() blocks until `tensor`
+    #   may be reused. comm.recv(tensor, src, tag=0) blocks until `tensor` holds what src sent.
     for s in range(n - 1):
         send_idx, recv_idx = (rank - s) % n, (rank - s - 1) % n
         pending = comm.isend(chunks[send_idx], right)
@@ -45,10 +52,12 @@ def ring_all_reduce(comm, tensor: torch.Tensor) -> torch.Tensor:
         chunks[recv_idx].add_(incoming)
 
     # phase 2, all-gather: pass the summed chunks around the ring.
-    #   For s in range(n - 1):
-    #     isend chunk (rank + 1 - s) % n to `right`;
-    #     recv chunk (rank - s) % n from `left` straight into that chunk;
-    #     then wait for the send.
+    #   What must hold: afterwards every chunk on every rank is the full sum. Each rank starts with
+    #   the one complete chunk phase 1 left it; at each of the n - 1 steps it passes on the complete
+    #   chunk it got most recently (at the first step, that one) and receives the next complete
+    #   chunk from `left`. What arrives is already the total: it replaces the partial copy, it is
+    #   not added. It can land in its chunk directly, since that is never the chunk being sent. Same
+    #   calls as phase 1, same rule for the pending send.
     for s in range(n - 1):
         send_idx, recv_idx = (rank + 1 - s) % n, (rank - s) % n
         pending = comm.isend(chunks[send_idx], right)

@@ -200,11 +200,17 @@ class ShardGradOp(SyncSwitch, nn.Module):
     def _fill(self, bucket: Bucket, i: int):
         """Copy params[i].grad (if any; else its slot stays zero) into the bucket, free it."""
         # copy parameter i's gradient into its bucket, then free it.
-        #   If bucket.buffer is None: allocate it (torch.zeros, bucket.hi - bucket.lo elements,
-        #     self.grad_shard's dtype and device) and memory.transient.alloc(bucket.name, bucket.buffer).
-        #   If p.grad is not None: copy it, flattened, into bucket.buffer[a:a + p.numel()] with
-        #     a = self.layout.offsets[i] - bucket.lo, then p.grad = None (frees the full gradient).
-        #   Finally mark its slot: bucket.filled[bucket.slot[i]] = True.
+        #   What must hold: the bucket covers the range [bucket.lo, bucket.hi) of the flat (padded)
+        #   gradient order, and params[i]'s gradient lands there flattened, at its own place
+        #   (self.layout.offsets[i] is where it starts in the flat order, not in the buffer). The
+        #   buffer lives only while its bucket is filled and reduced: the first fill of a backward
+        #   creates it, zeroed (a parameter without a gradient, and the padding, send zeros), in
+        #   self.grad_shard's dtype and on its device, and records it in the ledger under
+        #   bucket.name (_complete frees it by that name). Once copied, the full gradient must go:
+        #   ZeRO-2 keeps only its 1/N shard. The slot (bucket.slot[i] in bucket.filled) is marked
+        #   filled with or without a gradient.
+        #   API: memory.transient.alloc(name, tensor) records a live buffer;
+        #   memory.transient.free(name) releases it.
         p = self.params[i]
         if bucket.buffer is None:
             bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.grad_shard.dtype, device=self.grad_shard.device)  # noqa: E501 (lab text)
@@ -221,9 +227,14 @@ class ShardGradOp(SyncSwitch, nn.Module):
         if self._in_flight is not None:  # at most one in flight: bounded bucket memory
             self._complete(self._in_flight)
         # one async reduce per owner.
-        #   For (owner, a, b) in bucket.parts:
-        #     part = bucket.buffer[a - bucket.lo:b - bucket.lo]
-        #     append self.comm.reduce(part, dst=owner, op="sum", async_op=True) to bucket.works.
+        #   What must hold: each part of the bucket is summed over the ranks onto the ONE rank that
+        #   owns it: bucket.parts lists (owner, a, b), the range [a, b) of the flat order that lies
+        #   in owner's shard (a bucket can straddle shards). a and b are flat positions; the buffer
+        #   starts at bucket.lo. The reduces are asynchronous, their handles kept in bucket.works
+        #   (_complete waits for them), so the rest of backward runs while they travel; every rank
+        #   issues the same reduces in the same order.
+        #   API: comm.reduce(tensor, dst=0, op="sum", async_op=False): only dst's tensor holds the
+        #   result; with async_op=True it returns a handle with .wait().
         for owner, a, b in bucket.parts:
             part = bucket.buffer[a - bucket.lo:b - bucket.lo]
             bucket.works.append(self.comm.reduce(part, dst=owner, op="sum", async_op=True))
@@ -234,9 +245,12 @@ class ShardGradOp(SyncSwitch, nn.Module):
     def _complete(self, bucket: Bucket):
         """Wait for the bucket's reduces; the owner ADDS the mean into its gradient shard."""
         # wait for every work in bucket.works, then keep this rank's part.
-        #   For the part this rank owns (owner == self.comm.rank): divide it by N (sum -> mean
-        #   over the global batch) and ADD it (micro-batches accumulate) into
-        #   self.grad_shard[a - start:b - start], start = rank * self.layout.shard_numel.
+        #   What must hold: once every reduce of the bucket is done, the part this rank owns holds
+        #   the SUM over the N ranks, and this rank's gradient shard must get the MEAN over the
+        #   global batch, ADDED to what it holds (an earlier micro-batch, or another bucket of the
+        #   same shard, may already be in it). self.grad_shard holds the flat positions [rank * S,
+        #   (rank + 1) * S), S = self.layout.shard_numel; the other parts of the buffer hold nothing
+        #   this rank needs.
         for work in bucket.works:
             work.wait()
         start = self.comm.rank * self.layout.shard_numel

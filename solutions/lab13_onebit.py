@@ -80,10 +80,14 @@ def compress(x: torch.Tensor, error: torch.Tensor | None) -> tuple[torch.Tensor,
     (`error` a tensor like x) the error is updated in place to what this compression lost; error
     None: no feedback, x alone is compressed."""
     # 1-bit compression with error feedback.
-    #   c = x + error (x alone when error is None); scale = ||c|| / sqrt(numel), the RMS of c;
-    #   the signs of c packed with pack_signs (c >= 0 is +1); with feedback, error becomes what
-    #   was lost, c - scale * signs (unpack_signs gives the +-1 back), written in place.
-    #   Return (packed, scale as a 1-element tensor).
+    #   What must hold: the module docstring's four lines. The receiver sees scale * sign(c), and
+    #   that has c's L2 norm only if the scale is c's RMS (over all its elements). sign(0) counts as
+    #   +1: a bit has two values, and pack_signs already packs c >= 0 that way (unpack_signs gives
+    #   +1.0 / -1.0 back). With feedback, `error` is the caller's buffer, kept from call to call: it
+    #   must be updated IN PLACE to exactly what this compression lost, measured against the values
+    #   the receiver will decode. x itself is never changed; error None: no feedback, x alone is
+    #   compressed.
+    #   Returns (packed signs, uint8 [numel / 8]; scale, a 1-element fp32 tensor).
     c = x if error is None else x + error
     scale = c.norm() / math.sqrt(c.numel())
     packed = pack_signs(c)
@@ -112,10 +116,17 @@ def compressed_allreduce(x: torch.Tensor, comm, worker_error: torch.Tensor | Non
     this rank's chunk (x.numel() // N), both updated in place; None: no error feedback on that side.
     Returns a new tensor like x, the same on every rank."""
     # the compressed all-reduce: a 1-bit all-to-all, then a 1-bit all-gather.
-    #   Worker: compress all of x (worker_error); chunk j of the packed signs, as _message(part,
-    #   scale), goes to rank j by ONE comm.all_to_all. Server of chunk `rank`: _decode what came,
-    #   average the N rows, compress that (server_error). Then ONE comm.all_gather of every
-    #   rank's _message and _decode it: the flat result, chunk j from rank j.
+    #   What must hold: the result is the same on every rank, shaped like x, and its chunk j (numel
+    #   / N elements) has been compressed twice: once in each worker's x (one scale per worker,
+    #   worker_error), then as the average of the N decoded chunks j, on rank j, its "server" (one
+    #   scale, server_error, which is chunk-sized). Exactly two collectives, one per compression;
+    #   each carries a chunk's signs AND its scale in one byte message, so the bytes are
+    #   bytes_compressed's. The packed signs of a chunk are whole bytes of the packed signs of x
+    #   (element i is bit i % 8 of byte i // 8; numel is a multiple of 8N).
+    #   API: _message(packed, scale) is one chunk's message; _decode(messages) turns [k, bytes]
+    #   messages back into [k, elements] values. comm.all_to_all(output, input): dim 0 of input is N
+    #   blocks, block j goes to rank j, block j of output came from rank j. comm.all_gather(output,
+    #   input): output holds comm.size x input's elements, rank r's at the r-th place.
     world, numel = comm.size, x.numel()
     chunk = numel // world
     # 1. worker: compress all of x, send chunk j's signs (and the scale) to rank j
@@ -197,10 +208,15 @@ class ZeroOnePolicy:
     def advance(self, step: int) -> None:
         """Step `step` is over: the intervals for the next ones."""
         # 0/1 Adam's policy (stretch), after step `step`.
-        #   Before the freeze: a variance step counts (var_counter); after var_update_scaler of them the counter
-        #   starts again from 0 and var_interval doubles. Frozen: every step counts (local_counter); after
-        #   local_step_scaler of them the counter starts again and local_interval doubles, but never past
-        #   local_step_clipper.
+        #   What must hold: the schedule of the module docstring, which is DeepSpeed's (the grader
+        #   compares schedule() over long runs and several settings). Before the freeze, the
+        #   variance steps (variance_step) come at steps 1..k, then every 2nd step k times, every
+        #   4th k times, ..., k = var_update_scaler: only variance steps count towards a doubling.
+        #   Once frozen, the sync interval starts at 1 and doubles every local_step_scaler steps,
+        #   every step counting, and never exceeds local_step_clipper. advance(step) runs once after
+        #   each step; the next step's variance_step and sync_step read the intervals, so a doubling
+        #   takes effect from the very next step, neither earlier nor later. The state is the two
+        #   intervals and the two counters set in __init__ (schedule() replays a fresh policy).
         if not self.frozen(step):
             if step % self.var_interval == 0:
                 self.var_counter += 1

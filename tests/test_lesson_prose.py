@@ -54,6 +54,18 @@ LESSON01 = [
      ["one round of messages"]),
     ("small ops many ping-pong messages", {("pp_alpha",): 5e-6}, ["4.0-6.0 ping-pong messages", "not one round"],
      ["about one ping-pong message"]),
+    ("small ops 0.1-0.6 ping-pong messages",
+     {("small_times",): {"all_reduce": 9e-6, "reduce_scatter": 3e-6, "all_gather": 1.5e-6}},
+     ["0.1-0.6 ping-pong messages", "some less than one", "none more than two rounds"],
+     ["not one round", "one round of messages", "several rounds"]),
+    ("small ops 0.2-4 ping-pong messages",
+     {("small_times",): {"all_reduce": 60e-6, "reduce_scatter": 3e-6, "all_gather": 15e-6}},
+     ["0.2-4.0 ping-pong messages", "some less than one", "some several rounds' worth"],
+     ["not one round", "none more than two"]),
+    ("small ops 1-4 ping-pong messages",
+     {("small_times",): {"all_reduce": 60e-6, "reduce_scatter": 15e-6, "all_gather": 20e-6}},
+     ["1.0-4.0 ping-pong messages", "the cheapest about one round", "some several rounds' worth"],
+     ["some less than one", "not one round"]),
     ("model misses by a median 69%", {("fit_error", "all_reduce"): 0.69, ("all_reduce_error", KiB): -0.8},
      ["are not the cost", "off by more at 1 KiB", "69% on the all-reduce"], ["fair first estimate"]),
     ("model fits", {}, ["fair first estimate", "off by more at none"], ["are not the cost", "do not predict"]),
@@ -140,6 +152,15 @@ LESSON02_DP = [
      ["DDP was not faster here: each DDP rank computed 2.0× slower", "more than DataParallel's reduce"],
      ["DDP was faster"]),
     ("DDP slower, no reason", {("ddp_step2",): 0.05}, ["DDP was not faster here, and neither"], ["DDP was faster"]),
+    ("DDP rank computes as a lone replica", {},
+     ["1.1× one replica alone", "as ranks running in parallel"],
+     ["cannot explain", "compete for the cores. "]),
+    ("DDP rank computes 0.5x a lone replica", {("ddp_compute",): {2: 0.0075, 4: 0.030}},
+     ["0.5× one replica alone", "which running in parallel cannot explain", "noise"],
+     ["its ranks in parallel.", "as ranks running in parallel"]),
+    ("DDP rank computes 2x a lone replica", {("ddp_compute",): {2: 0.030, 4: 0.030}},
+     ["2.0× one replica alone", "slower than a lone replica, since the two ranks compete"],
+     ["cannot explain", "as ranks running in parallel"]),
 ]
 
 
@@ -353,6 +374,15 @@ def test_lesson06_scaling_conclusions(label, kw, want, avoid):
     _check(describe_scaling(**_scaling(**kw)), want, avoid, label)
 
 
+def test_lesson06_seed_table_sentence_agrees_with_lesson00():
+    """Lesson 00 reads the seed's 5 GB ZeRO-3 row as plausible with offload: lesson 06 must
+    not call it impossible."""
+    from minizero.experiments.zero3 import describe_scaling
+    _check(describe_scaling(**_scaling()),
+           ["at most 4", "offload its config turns on", "lesson 00"], ["cannot be right"],
+           "seed table")
+
+
 def test_lesson06_persistence_conclusions():
     from minizero.experiments.zero3 import describe_persistence
     p0 = {"whole": 0, "calls": 15, "sent": {"all_gather": 1261824, "reduce_scatter": 630912}, "ledger": {"a": 0.8e6}}
@@ -375,3 +405,168 @@ def test_lesson10_tp_against_dp():
            ["in any implementation", "more:"], "fewer bytes")
     _check(describe_tp_vs_dp(400_000, 180_480, 12, 12, 7), ["2.22× DP's bytes here (more"], ["more latencies"],
            "more bytes")
+
+
+BREAK_EVEN = [  # step_ratio, extra (s), saved (B), ZeRO-3 step (s)
+    ("3 ms slower, inside the 5% noise", (1.03, 0.003, 40e3, 0.1),
+     ["differ by less than 5% (+3.0 ms)", "gives no break-even", "8.00 MB/s or above"],
+     ["any bandwidth", "**"]),
+    ("3 ms faster, inside the noise", (0.97, -0.003, 40e3, 0.1), ["gives no break-even"],
+     ["any bandwidth"]),
+    ("20% faster", (0.8, -0.02, 40e3, 0.1), ["pay at any bandwidth"], ["gives no break-even"]),
+    ("20% slower", (1.2, 0.02, 40e3, 0.1), ["40.0 KB / 20.0 ms = **2.00 MB/s**"],
+     ["any bandwidth", "gives no break-even"]),
+]
+
+
+@pytest.mark.parametrize("label,figures,want,avoid", BREAK_EVEN, ids=[c[0] for c in BREAK_EVEN])
+def test_lesson08_break_even_conclusions(label, figures, want, avoid):
+    from minizero.experiments.zeropp import describe_break_even
+    ratio, extra, saved, step = figures
+    _check(describe_break_even(ratio, extra, saved, step, 40, 30), want, avoid, label)
+
+
+def _sparse_rows(sdpa_saved=4.0, n=2048):
+    MiB = 2**20
+    row = lambda kind, score, saved, density=1.0: {  # noqa: E731
+        "kind": kind, "n": n, "score_bytes": score * MiB, "saved_bytes": saved * MiB,
+        "density": density}
+    return [row("dense", 64, 71), row("causal", 32.25, 37), row("sdpa", 0, sdpa_saved),
+            row("fixed", 9, 13.2, 0.279), row("bigbird", 1.93, 6.0, 0.06)]
+
+
+@pytest.mark.parametrize("label,sdpa_saved,want,avoid", [
+    ("SDPA leaner than every layout", 4.0,
+     ["1.98× less", "**causality**",
+      "33.2× fewer score bytes than the naive dense, but 16.7× fewer",
+      "1/density = 16.7", "no more than the leanest layout (bigbird, 6.00 MiB)", "it saves FLOPs"],
+     ["still saves memory"]),
+    ("a layout leaner than SDPA", 8.0,
+     ["more than the leanest layout (bigbird", "still saves memory"],
+     ["no more than the leanest"]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_lesson15_memory_conclusions(label, sdpa_saved, want, avoid):
+    from minizero.experiments.sparse import describe_memory
+    _check(describe_memory(_sparse_rows(sdpa_saved), 2048), want, avoid, label)
+
+
+@pytest.mark.parametrize("label,longest,want,avoid", [
+    ("SDPA longest, bigbird 7x naive",
+     dict(dense=768, causal=1280, sdpa=7936, fixed=2048, bigbird=5376),
+     ["7.0× the naive dense", "4.2× the causal blocks", "1.7× of the first ratio is causality",
+      "0.68× SDPA", "fits no longer a sequence", "stays below 10× here", "batch 1",
+      "activation checkpointing", "mechanism, not the figure"],
+     ["Even against", "reaches 10× here"]),
+    ("bigbird past SDPA and 10x",
+     dict(dense=768, causal=1280, sdpa=7936, fixed=2048, bigbird=9000),
+     ["Even against a dense attention that keeps no scores", "reaches 10× here"],
+     ["fits no longer", "stays below 10×"]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_lesson15_longest_conclusions(label, longest, want, avoid):
+    from minizero.experiments.sparse import describe_longest
+    _check(describe_longest(longest, 16 * 2**20), want, avoid, label)
+
+
+def _times(fixed2048=0.434, bigbird1024=0.043, sdpa2048=0.302):
+    return {1024: {"dense": 0.381, "sdpa": 0.108, "causal": 0.520, "fixed": 0.111,
+                   "bigbird": bigbird1024},
+            2048: {"dense": 1.733, "sdpa": sdpa2048, "fixed": fixed2048, "bigbird": 0.070}}
+
+
+@pytest.mark.parametrize("label,times,want,avoid", [
+    ("as measured", _times(),
+     ["whole model's training iteration", "Fixed layout",
+      "fixed 4.0× faster than the naive dense, 0.7× the speed of SDPA",
+      "bigbird 24.8× faster than the naive dense, 4.3× faster than SDPA",
+      "bigbird is 12.1× faster, for 1/density = 8.7: more than 1/density", "gave 3.4-4.0×",
+      "(below 6×;", "bounds a model's from above"],
+     ["(6× or more"]),
+    ("fixed reaches 6x against the naive dense", _times(fixed2048=0.2), ["(6× or more, but"],
+     ["below 6×"]),
+    ("bigbird as its density allows", _times(bigbird1024=0.06),
+     ["= 8.7: about what sparsity allows"],
+     ["= 8.7: more than", "= 8.7: less than"]),
+    ("bigbird below its density", _times(bigbird1024=0.3), ["= 8.7: less than 1/density"],
+     ["= 8.7: about", "= 8.7: more"]),
+    ("fixed faster than SDPA", _times(sdpa2048=0.9),
+     ["fixed 4.0× faster than the naive dense, 2.1× faster than SDPA"], ["the speed of SDPA"]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_lesson15_speed_conclusions(label, times, want, avoid):
+    from minizero.experiments.sparse import describe_speed
+    _check(describe_speed(times, {"fixed": 0.308, "bigbird": 0.115}), want, avoid, label)
+
+
+def _curve(start=4.0, end=1.1, steps=150, lag=0.0, freeze=30):
+    """A falling loss; lag is added after the freeze and decays over 60 steps."""
+    out = []
+    for k in range(steps):
+        x = end + (start - end) * 0.97 ** k
+        if k >= freeze:
+            x += lag * max(0.0, 1 - (k - freeze) / 60)
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("label,lag,tail_shift,want,avoid", [
+    ("trails then catches up", 0.6, 0.0,
+     ["+0.40 at 20 steps after the freeze", "+0.10 at 50 steps", "catches up by the end",
+      "judged on the last steps only"], ["still trails", "throughout"]),
+    ("never trails", 0.0, 0.0, ["within the spread of Adam throughout"],
+     ["catches up", "still trails"]),
+    ("still behind at the end", 0.6, 0.2, ["still trails Adam at the end"],
+     ["catches up", "throughout"]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_lesson14_gap_conclusions(label, lag, tail_shift, want, avoid):
+    from minizero.experiments.onebit import describe_gap
+    adam = _curve()
+    onebit = [x + (tail_shift if k >= 140 else 0) for k, x in enumerate(_curve(lag=lag))]
+    _check(describe_gap(adam, onebit, 30, 0.06), want, avoid, label)
+
+
+def _v(after20, before20=0.2):
+    d = lambda m: {"median": m, "p90": 3 * m}  # noqa: E731
+    # keys as str: what the launch's JSON hands back
+    return {"freeze_step": 30, "l1": [1.0] * 150, "after": {"20": d(after20), "50": d(2 * after20)},
+            "before": {"20": d(before20), "50": d(before20)}, "to_end": d(3 * after20)}
+
+
+@pytest.mark.parametrize("label,after,before,want,avoid", [
+    ("v still moving", 0.126, 0.202,
+     ["by a median 12.6% (90th percentile 38%) after 20 steps", "it had moved 20.2%",
+      "**not** stable", "moving more before the freeze than after"],
+     ["stable enough", "no less after"]),
+    ("v stable", 0.03, 0.2, ["stable enough to freeze here", "within 3%"], ["**not** stable"]),
+    ("v moves more after", 0.3, 0.1, ["**not** stable", "no less after the freeze than before"],
+     ["moving more before"]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_lesson14_v_conclusions(label, after, before, want, avoid):
+    from minizero.experiments.onebit import describe_v
+    _check(describe_v(_v(after, before)), want, avoid, label)
+
+
+def test_lesson14_ablation_conclusions():
+    from minizero.experiments.onebit import COMPRESSED_ADAM, describe_ablations
+    adam = _curve()
+    nan = float("nan")
+    conv = {"Adam": {"loss": adam},
+            "no error feedback": {"loss": adam[:100] + [3.3e9] + [nan] * 49},
+            "no warm-up": {"loss": [x + 0.02 for x in adam]},
+            COMPRESSED_ADAM: {"loss": [x + 0.7 for x in adam]}}
+    text = describe_ablations(conv, 0.06)
+    _check(text, ["**no error feedback**", "It diverged: the loss reached 3.3e+09 at step 101",
+                  "ended as nan", "within Adam's spread: here it did no harm",
+                  "not the paper's failure", "the paper's failure case", "v sums g²",
+                  "It ended +0.700 from Adam", "it learned less"], ["stops learning"], "mixed")
+    assert text.count("It diverged") == 1
+
+
+def test_lesson14_time_conclusions():
+    from minizero.experiments.onebit import describe_time, step_model
+    adam, one = step_model(340_000_000, 64, 50e-6, 5e9, 0.145, elem_bytes=2)
+    assert 2.4 < adam / one < 2.6                              # 0.42 s against 0.17 s
+    models = {"BERT-Large": (adam, one)}
+    _check(describe_time(0.0189, 0.0248, 30_080, 2, models),
+           ["a compressed one 24.80 ms", "cost 5.90 ms more", "slower than 19.75 MB/s", "2.5×"],
+           ["paid even"], "slower")
+    _check(describe_time(0.0248, 0.0189, 30_080, 2, models),
+           ["compression paid even on shared memory"], ["cost", "slower than"], "faster")

@@ -524,7 +524,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         engine = self.engine
         boundary = engine.is_gradient_accumulation_boundary()
         if boundary and not self.accelerator.settings.steps_in_backward:
-            engine.plan = engine.core.plan = engine.plan._replace(gradient_clipping=float(clip))
+            engine.plan = engine.plan._replace(gradient_clipping=float(clip))
             engine.grad_norm = None
         engine.step()
         if boundary:

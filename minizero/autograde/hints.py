@@ -27,21 +27,24 @@ HINTS = [
      "writes into: copy the part you send into a new tensor first."),
     (r"(all_gather|reduce_scatter|all_to_all): (output|input) .* must hold",
      "the two buffers of a gather/scatter do not fit: one must hold exactly N times the other. "
-     "Gather into the padded part only (e.g. buf[:gathered_numel]), or slice the right range."),
+     "Is the part of the buffer you gather into (or scatter from) the sharded part only, padding "
+     "included, and nothing else?"),
     (r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\)|doesn't match the broadcast "
      r"shape|is invalid for input of size|size mismatch",
      "two tensors of different lengths met: an offset or a slice is off. Is the slice taken relative to "
-     "the buffer's own start (offset - bucket.lo), and does it handle the last, shorter chunk?"),
+     "the buffer's own start (a bucket's buffer begins at flat position bucket.lo, not 0), "
+     "and does it handle the last, shorter chunk?"),
     (r"transient\.free\(.*no live buffer",
      "memory.transient.free(name) found no live buffer of that name: it was never allocated under that "
      "name (every transient.free needs the transient.alloc made when the buffer was created), or it was "
-     "freed twice (a reference such as unit.buf not reset to None, so the same buffer is freed again)."),
+     "freed twice (something still points at the buffer after its first free, so it is freed "
+     "again)."),
     (r"'NoneType' object has no attribute '(wait|is_completed)'",
      "a blocking collective returns None. Pass async_op=True to get a handle, and wait() on it later."),
     (r"assigned grad has data of a different type|assign a gradient with dtype|expected dtype .* but got|"
      r"invalid gradient at index",
-     "a gradient must have its parameter's dtype (and shape): cast it, e.g. grad.to(master.dtype) or "
-     "shard_grad.float(), before it is used as the fp32 master's gradient."),
+     "a gradient must have its parameter's dtype (and shape): an fp32 master takes only an fp32 "
+     "gradient, so cast a 16-bit one before it becomes the master's .grad."),
     (r"got (a second gradient|two gradients)",
      "a gradient arrived twice in one step: call finish after every backward, or run the earlier "
      "micro-batches under no_sync()."),

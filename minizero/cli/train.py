@@ -72,11 +72,10 @@ def build(model_name, cfg):
 
 def notes(engine) -> list[str]:
     """What the summary must say when a setting did nothing at this model size."""
-    units = getattr(engine.wrapped, "units", None)
-    if engine.stage != 3 or not units or any(unit.gathered_numel for unit in units):
+    largest = engine.strategy.unsharded_largest()
+    if largest is None:
         return []
     zero = engine.config["zero_optimization"]
-    largest = max(n for unit in units for n in unit.sizes)
     extra = (" ZeRO++ (qwZ, hpZ, qgZ) acts on sharded parameters only, so it did nothing either."
              if getattr(engine.wrapped, "quantized_weights", None) is not None else "")
     return [f"nothing is sharded: every tensor is below stage3_param_persistence_threshold = "

@@ -276,14 +276,22 @@ def describe(f: dict) -> str:
               "fastest): no single α describes all three, since each op and size gets its own algorithm, and at a few "
               "µs per message one scheduling delay shows. ")
     per_message = [x / f["pp_alpha"] for x in t.values()]
-    if max(per_message) <= 2 and min(per_message) >= 0.5:
+    lo, hi = min(per_message), max(per_message)
+    if hi <= 2 and lo >= 0.5:
         s += f"Each cost about one ping-pong message (α = {us(f['pp_alpha'])}): one round of messages."
-    elif max(per_message) < 0.5:
+    elif hi < 0.5:
         s += (f"Each cost less than one ping-pong message's α ({us(f['pp_alpha'])}): the ping-pong ran at another "
               "moment of a shared machine, and its α is not the collectives' here.")
-    else:
-        s += (f"They cost {min(per_message):.1f}-{max(per_message):.1f} ping-pong messages (α = {us(f['pp_alpha'])}), "
+    elif lo > 2:
+        s += (f"They cost {lo:.1f}-{hi:.1f} ping-pong messages (α = {us(f['pp_alpha'])}), "
               "not one round.")
+    else:
+        s += (f"They cost {lo:.1f}-{hi:.1f} ping-pong messages (α = {us(f['pp_alpha'])}): "
+              + ("some less than one, which no algorithm allows, so the ping-pong's α was "
+                 "measured at another moment of a shared machine" if lo < 0.5 else
+                 "the cheapest about one round")
+              + (", and some several rounds' worth." if hi > 2 else
+                 ", none more than two rounds' worth."))
     out.append(s)
 
     # where the alpha-beta ring model fits and where it does not (2 ranks, fitted on all-reduce)

@@ -310,7 +310,16 @@ def describe_data_parallel(f: dict) -> str:
          f"{f['serial'][4]:.1f}× with 4 ({_vs_n(f['serial'][4], 4)}); the whole step {f['step'][2]:.1f}× and "
          f"{f['step'][4]:.1f}× (the reduction into replica 0 and the copies back out come on top; load average up to "
          f"{f['load']:.1f} on {f['cores']} cores). DDP with N=2 ranks computed for {ms(c2)} per step "
-         f"({c2 / f['one']:.1f}× one replica alone), its ranks in parallel. ")
+         f"({c2 / f['one']:.1f}× one replica alone, on the same per-replica batch): ")
+    if c2 > 1.25 * f["one"]:
+        s += "slower than a lone replica, since the two ranks compete for the cores. "
+    elif c2 < 0.8 * f["one"]:
+        s += ("faster than a lone replica, which running in parallel cannot explain (each rank "
+              "does a lone replica's work): the two were timed at different moments of a shared "
+              "machine, so this is noise. ")
+    else:
+        s += ("about a lone replica's time, as ranks running in parallel on their own cores "
+              "should take. ")
     if f["cores"] < 4:
         s += f"With N=4 on {f['cores']} cores DDP is oversubscribed (two ranks per core), and its compute "
         s += (f"grew to {ms(c4)}." if c4 > 1.1 * c2 else

@@ -4,7 +4,9 @@
     phase_bytes         bytes one rank sends per step in each phase (comm.stats) beside the formula
     feedback_average    the running average of compressed all-reduces of fixed inputs, with and
                         without error feedback, against the true average
-    convergence         TinyGPT trained side by side: Adam, 1-bit Adam, no warm-up, no error feedback
+    convergence         TinyGPT trained side by side: Adam, 1-bit Adam, no warm-up, no error
+                        feedback, 1-bit gradients inside Adam (CompressedGradientAdam); Adam's v
+    describe_*          lesson 14's conclusions from those figures; step_model, the alpha-beta step
     lesson_worker       lesson 14's one job: all of the above but the warm-up check
     main                python -m minizero.experiments.onebit: docs/onebit.md's table and plot
 """
@@ -14,7 +16,8 @@ import time
 
 import torch
 
-from minizero.compression import OneBitAdam, bytes_compressed, compressed_allreduce, padded_numel
+from minizero.compression import (OneBitAdam, bytes_allreduce, bytes_compressed,
+                                  compressed_allreduce, padded_numel)
 from minizero.data import shard
 from minizero.experiments.references import global_batches
 from minizero.models import build_model
@@ -26,6 +29,58 @@ VARIANTS = {  # name -> (freeze_step as a fraction of the run (None: never compr
     "no error feedback": (0.2, False),
     "no warm-up": (0.0, True),
 }
+
+
+COMPRESSED_ADAM = "1-bit gradients in Adam"  # the paper's failure: compressed inside Adam
+
+
+class CompressedGradientAdam:
+    """What 1-bit Adam is built to avoid: every step the gradients are averaged by the 1-bit
+    compressed all-reduce (error feedback on both sides) and torch Adam steps on that average, so
+    v = b2 v + (1 - b2) g^2 is fed compressed gradients from step 1. Error feedback makes the sum of
+    the compressed g over steps right, which is all a method linear in g (SGD, momentum) needs; v
+    is not linear in g: the sum of the compressed g^2 is not the sum of the true g^2."""
+
+    def __init__(self, params, comm, lr=1e-3):
+        self.params, self.comm = list(params), comm
+        self.adam = torch.optim.Adam(self.params, lr=lr, foreach=False)
+        n = sum(p.numel() for p in self.params)
+        self.numel, self.padded = n, padded_numel(n, comm.size)
+        self.errors = (torch.zeros(self.padded), torch.zeros(self.padded // comm.size))
+        self.freeze_step = 0
+
+    @torch.no_grad()
+    def step(self):
+        flat = torch.zeros(self.padded)
+        flat[:self.numel] = torch.cat([p.grad.reshape(-1) for p in self.params])
+        out = compressed_allreduce(flat, self.comm, *self.errors)[:self.numel]
+        for p, part in zip(self.params, out.split([p.numel() for p in self.params])):
+            p.grad.copy_(part.view_as(p))
+        self.adam.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.adam.zero_grad(set_to_none=set_to_none)
+
+    def bytes_per_step(self, compressed=None) -> float:
+        return bytes_compressed(self.numel, self.comm.size)
+
+
+def _v_hat(opt) -> torch.Tensor:
+    """Adam's bias-corrected variance, flat: what the step divides by (squared)."""
+    parts = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            parts.append(st["exp_avg_sq"].reshape(-1) / (1 - group["betas"][1] ** st["step"]))
+    return torch.cat(parts)
+
+
+def v_drift(v_from: torch.Tensor, v_to: torch.Tensor) -> dict:
+    """How far Adam's per-coordinate step 1/sqrt(v) moved between two steps: the median and the
+    90th percentile over coordinates of |sqrt(v_to / v_from) - 1| (coordinates with v_from > 0)."""
+    keep = v_from > 0
+    r = ((v_to[keep] / v_from[keep]).sqrt() - 1).abs()
+    return {"median": r.median().item(), "p90": r.quantile(0.9).item()}
 
 
 def _gpt(seed=0):
@@ -118,33 +173,60 @@ def feedback_average(comm, numel=1000, calls=(1, 10, 100, 400), seed=0):
     return out
 
 
-def convergence(comm, steps=150, lr=3e-3, micro=4, variants=tuple(VARIANTS), seed=0, per_tensor=False):
-    """Every variant trained side by side on the same batches (step k of each, then k+1): per variant the
-    loss (mean over ranks) per step, freeze_step, the bytes each phase sends per step by formula, and
-    the seconds (this rank's) spent in step(). per_tensor=False: the momentum compressed as one flat
-    buffer, 2 collectives a step instead of 2 per tensor (58 for this model: 8x slower on 2 busy cores)."""
+def convergence(comm, steps=150, lr=3e-3, micro=4, variants=tuple(VARIANTS), seed=0,
+                per_tensor=False, watch=(20, 50)):
+    """Every variant trained side by side on the same batches (step k of each, then k+1): per
+    variant the loss (mean over ranks) per step, freeze_step, the bytes each phase sends per step
+    by formula, and the seconds (this rank's) spent in step(), in all and per step.
+    per_tensor=False: the momentum compressed as one flat buffer, 2 collectives a step instead of
+    2 per tensor (58 for this model: 8x slower on 2 busy cores). With "Adam" and "1-bit Adam"
+    both run, res["Adam"]["v"] says how Adam's v moved (v_drift) from 1-bit Adam's freeze step
+    to `watch` steps later and to the end, and over as many steps before the freeze, and holds
+    the L1 norm of Adam's v-hat per step."""
     torch.set_num_threads(1)
     torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])  # the first Adam imports torch._dynamo: now
     runs = {}
     for name in variants:
+        model = _gpt(seed)
+        if name == COMPRESSED_ADAM:
+            runs[name] = (model, CompressedGradientAdam(model.parameters(), comm, lr=lr))
+            continue
         fraction, feedback = VARIANTS[name]
         freeze = steps + 1 if fraction is None else int(fraction * steps)
-        model = _gpt(seed)
-        runs[name] = (model, OneBitAdam(model.parameters(), comm, lr=lr, freeze_step=freeze, error_feedback=feedback,
-                                                  per_tensor=per_tensor))
-    res = {name: {"loss": [], "freeze_step": opt.freeze_step, "bytes_warmup": opt.bytes_per_step(False),
-                  "bytes_compressed": opt.bytes_per_step(True), "step_s": 0.0} for name, (_, opt) in runs.items()}
-    for batch in global_batches(runs[variants[0]][0], steps, micro * comm.size):
+        runs[name] = (model, OneBitAdam(model.parameters(), comm, lr=lr, freeze_step=freeze,
+                                        error_feedback=feedback, per_tensor=per_tensor))
+    res = {name: {"loss": [], "freeze_step": opt.freeze_step,
+                  "bytes_warmup": opt.bytes_per_step(False),
+                  "bytes_compressed": opt.bytes_per_step(True), "step_s": 0.0, "step_times": []}
+           for name, (_, opt) in runs.items()}
+    track = "Adam" in runs and "1-bit Adam" in runs
+    freeze = runs["1-bit Adam"][1].freeze_step if track else None
+    wanted = {freeze, *(freeze + w for w in watch), steps} if track else set()
+    wanted |= {max(1, freeze - w) for w in watch} if track else set()
+    kept, l1 = {}, []
+    for k, batch in enumerate(global_batches(runs[variants[0]][0], steps, micro * comm.size), 1):
         for name, (model, opt) in runs.items():
             loss = _step(model, batch, comm)
             t0 = time.perf_counter()
             opt.step()
-            res[name]["step_s"] += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            res[name]["step_s"] += took
+            res[name]["step_times"].append(took)
             opt.zero_grad(set_to_none=True)
             res[name]["loss"].append(loss.item())
+        if track:
+            v = _v_hat(runs["Adam"][1])
+            l1.append(v.abs().sum().item())
+            if k in wanted:
+                kept[k] = v
     everyone = comm.allgather_object({n: r["loss"] for n, r in res.items()})
     for name, r in res.items():
         r["loss"] = [sum(v) / comm.size for v in zip(*(e[name] for e in everyone))]
+    if track:
+        after = {w: v_drift(kept[freeze], kept[freeze + w]) for w in watch if freeze + w <= steps}
+        before = {w: v_drift(kept[max(1, freeze - w)], kept[freeze]) for w in watch}
+        res["Adam"]["v"] = {"freeze_step": freeze, "l1": l1, "after": after, "before": before,
+                    "to_end": v_drift(kept[freeze], kept[steps])}
     return res
 
 
@@ -155,11 +237,12 @@ def tail_loss(losses, last=10):
 
 def lesson_worker(comm, steps=150) -> dict:
     """Lesson 14, one 2-rank job: the bytes per phase (per tensor and flat), the error-feedback average and
-    the four variants trained side by side."""
+    the four variants and 1-bit gradients inside Adam trained side by side."""
     t0 = time.perf_counter()
     out = {"bytes": {kind: phase_bytes(comm, per_tensor=kind == "per_tensor") for kind in ("per_tensor", "flat")},
            "feedback": feedback_average(comm, numel=1001)}
-    out["convergence"] = convergence(comm, steps=steps)
+    out["convergence"] = convergence(comm, steps=steps,
+                                     variants=tuple(VARIANTS) + (COMPRESSED_ADAM,))
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -219,3 +302,138 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+# Lesson 14's conclusions, written from the run's figures: one sentence per outcome.
+def step_model(n: int, N: int, alpha: float, beta: float, compute_s: float, compress_s: float = 0.0,
+               elem_bytes: int = 4):
+    """The alpha-beta time of one data-parallel step (lesson 01's model), in seconds: (Adam,
+    1-bit Adam's compressed phase). Both send 2(N-1) messages a step (a ring all-reduce; an
+    all-to-all and an all-gather); the bytes are bytes_allreduce (of elem_bytes gradients) and
+    bytes_compressed; compress_s is the time spent packing and unpacking signs, which the bytes
+    must pay for."""
+    adam = compute_s + 2 * (N - 1) * alpha + bytes_allreduce(n, N, elem_bytes) / beta
+    onebit = compute_s + 2 * (N - 1) * alpha + bytes_compressed(n, N) / beta + compress_s
+    return adam, onebit
+
+
+def _window(losses, at, half=5):
+    part = losses[max(0, at - half):at + half]
+    return sum(part) / len(part)
+
+
+def _diverged(losses, ceiling=2.0):
+    """(step, value) of the first loss not finite or above ceiling x the first loss, or None."""
+    for k, x in enumerate(losses, 1):
+        if x != x or x in (float("inf"), float("-inf")) or x > ceiling * losses[0]:
+            return k, x
+    return None
+
+
+def describe_gap(adam: list, onebit: list, freeze: int, spread: float, watch=(20, 50)) -> str:
+    """1-bit Adam's loss against Adam's, watch steps after the freeze (means of 10 steps around
+    each point) and over the last 10 steps, against Adam's step-to-step spread."""
+    gaps = {w: _window(onebit, freeze + w) - _window(adam, freeze + w) for w in watch
+            if freeze + w + 5 <= len(adam)}
+    tail = tail_loss(onebit) - tail_loss(adam)
+    s = "1-bit Adam's loss minus Adam's (means of 10 steps): " + ", ".join(
+        f"{g:+.2f} at {w} steps after the freeze" for w, g in gaps.items())
+    s += f", {tail:+.3f} over the last 10 steps (Adam's step-to-step spread: {spread:.3f}). "
+    worst = max(gaps.values(), default=tail)
+    if worst > spread and abs(tail) <= spread:
+        s += ("It trails Adam after the freeze by more than the spread and catches up by the end "
+              "of this run: judged on the last steps only, the two look the same, but for a while "
+              "1-bit Adam is behind.")
+    elif tail > spread:
+        s += "It still trails Adam at the end of this run, by more than the spread."
+    elif worst > spread:
+        s += "It trails Adam after the freeze, and ends below Adam by more than the spread."
+    else:
+        s += "It stays within the spread of Adam throughout."
+    return s
+
+
+def _pct(d):
+    return f"{100 * d['median']:.1f}% (90th percentile {100 * d['p90']:.0f}%)"
+
+
+def describe_v(v: dict, watch=(20, 50)) -> str:
+    """Adam's own v after 1-bit Adam's freeze step: v_drift (the per-coordinate step 1/sqrt(v))
+    after and before the freeze. The keys of after/before may be str (the launch's JSON)."""
+    F, w0 = v["freeze_step"], min(watch)
+    after = {int(k): d for k, d in v["after"].items()}
+    before = {int(k): d for k, d in v["before"].items()}
+    moved = ", ".join(f"{_pct(d)} after {w} steps" for w, d in after.items())
+    s = ("In the run without compression, Adam keeps updating v. Its per-coordinate step 1/√v̂ "
+         f"moved, from step {F} (1-bit Adam's freeze), by a median {moved}, and "
+         f"{_pct(v['to_end'])} by the end. Over the {w0} steps *before* step {F} it had moved "
+         f"{_pct(before[w0])}. ")
+    first = after[w0]["median"] if w0 in after else v["to_end"]["median"]
+    if first <= 0.1:
+        s += (f"So the frozen v is within {100 * first:.0f}% of Adam's own for most coordinates "
+              f"{w0} steps on: stable enough to freeze here")
+    else:
+        s += (f"So v is **not** stable here: {w0} steps after the freeze, the frozen v already "
+              "gives most coordinates a step more than 10% off Adam's")
+    s += (", and it was moving more before the freeze than after." if before[w0]["median"] > first
+          else ", though it moved no less after the freeze than before it.")
+    return s
+
+
+ABLATIONS = {
+    "no error feedback": "drops both error buffers, so every compressed all-reduce rounds the "
+                         "momentum with no memory of what the last one lost",
+    "no warm-up": "is `freeze_step = 0`: v is frozen at zeros before any gradient, so the step "
+                  "m/(√v + ε) is m/10⁻⁸. This is not the paper's failure; it is what freezing "
+                  "nothing means",
+    COMPRESSED_ADAM: "is the paper's failure case: the gradients compressed with error feedback "
+                     "from step 1 and Adam run on them, v included. Error feedback keeps the "
+                     "*sum* of the compressed g right, which is all a method linear in g needs; "
+                     "v sums g², and the sum of the compressed g² (every coordinate ±scale, so "
+                     "g² = scale² everywhere) is not the sum of the true g²",
+}
+
+
+def describe_ablations(conv: dict, spread: float) -> str:
+    """The broken variants against Adam: diverged (the step and value), or how far they ended."""
+    adam = tail_loss(conv["Adam"]["loss"])
+    out = []
+    for name, why in ABLATIONS.items():
+        if name not in conv:
+            continue
+        losses = conv[name]["loss"]
+        s = f"* **{name}** {why}. "
+        gone = _diverged(losses)
+        if gone:
+            k, x = gone
+            ended = tail_loss(losses)
+            s += (f"It diverged: the loss reached {x:.3g} at step {k} (it started at "
+                  f"{losses[0]:.2f})" + (" and ended as nan." if ended != ended else "."))
+        else:
+            gap = tail_loss(losses) - adam
+            s += (f"It ended {gap:+.3f} from Adam over the last 10 steps: "
+                  + ("it learned less (more than Adam's spread)." if gap > spread else
+                     "within Adam's spread: here it did no harm." if abs(gap) <= spread else
+                     "below Adam by more than the spread."))
+        out.append(s)
+    return "\n".join(out)
+
+
+def describe_time(warm_s: float, compressed_s: float, n: int, N: int, models: dict) -> str:
+    """This run's step() times per phase (1-bit Adam) and the alpha-beta model's steps for the
+    settings in models: label -> (Adam s, 1-bit s)."""
+    saved = bytes_allreduce(n, N) - bytes_compressed(n, N)
+    s = (f"Here (TinyGPT, {n:,} parameters, {N} ranks on one machine) a warm-up step() took "
+         f"{warm_s * 1e3:.2f} ms and a compressed one {compressed_s * 1e3:.2f} ms: ")
+    if compressed_s < warm_s:
+        s += ("compression paid even on shared memory, where moving bytes is cheap "
+              f"({saved:,.0f} fewer bytes a step). ")
+    else:
+        extra = compressed_s - warm_s
+        s += (f"compression cost {extra * 1e3:.2f} ms more than it saved by sending {saved:,.0f} "
+              f"fewer bytes; in the model it pays on links slower than {saved / extra / 1e6:.2f} "
+              "MB/s (saved bytes / extra seconds). ")
+    for label, (adam, one) in models.items():
+        s += (f"{label}: Adam {adam * 1e3:.0f} ms, 1-bit Adam {one * 1e3:.0f} ms a step, "
+              f"{adam / one:.1f}×. ")
+    return s

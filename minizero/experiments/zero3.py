@@ -119,8 +119,10 @@ def describe_scaling(states: list, gathered: list, acts: list, z3_total: list, d
           f"memory by N would make it {claimed:.3f} MB ({ddp_total[0]:.3f} MB ÷ 64). ")
     s += ("So **the saving is ∝ N for model states only**, and the total levels off at gathered peak + activations. "
           if projected64 > 2 * claimed else "Here the extrapolation comes close to the claim. ")
-    s += ("The 40 GB → 5 GB table (8× on 4 GPUs) cannot be right either: 4 ranks can divide the model states by at "
-          "most 4. ")
+    s += ("Nor does sharding alone explain the 40 GB → 5 GB table (8× on 4 GPUs): 4 ranks "
+          "divide the model states by at most 4. Its ZeRO-3 row is plausible only with the "
+          "offload its config turns on (lesson 00): the states then live on the CPU and the "
+          "5 GB can only be working buffers and activations. ")
     r1 = ddp_total[0] / z3_total[0]
     s += (f"And at N=1 ZeRO-3 holds *more* than DDP (DDP's total is {r1:.2f}× ZeRO-3's): a gathered unit is a second "
           "copy of weights the only rank already has." if r1 < 1 else

@@ -226,3 +226,27 @@ def lesson(comm, steps=40):
     out["pingpong"] = pingpong(comm, sizes_bytes=(8, 2 ** 12, 2 ** 16, 2 ** 20), repeats=10)["rows"]
     out["timing"].append(("errors, ping-pong", time.perf_counter() - t0))
     return out
+
+
+def describe_break_even(step_ratio: float, extra: float, saved: float, zero3_step: float, msgs: int,
+                        msgs_zero3: int, noise: float = 0.05) -> str:
+    """Lesson 08's break-even bandwidth from the run. extra: ZeRO++'s step minus ZeRO-3's (seconds,
+    each with its cross-node messages' alpha); saved: the bytes it saves across each node per step.
+    A step difference within `noise` of ZeRO-3's step is no measured extra time: no break-even."""
+    if abs(step_ratio - 1) <= noise:
+        band = noise * zero3_step
+        diff_ms = (step_ratio - 1) * zero3_step * 1e3
+        return (f"The two measured steps differ by less than {noise:.0%} ({diff_ms:+.1f} ms), "
+                "which this section calls noise, so this run does not measure ZeRO++'s extra "
+                "time and gives no break-even bandwidth. It only bounds it: an extra time "
+                f"inside the noise band ({band * 1e3:.1f} ms) would put the break-even at "
+                f"{saved / 1e3:.1f} KB / "
+                f"{band * 1e3:.1f} ms = {saved / band / 1e6:.2f} MB/s or above.")
+    if extra <= 0:
+        return (f"Counting each cross-node message's α ({msgs} messages against ZeRO-3's "
+                f"{msgs_zero3}), ZeRO++'s step was shorter than ZeRO-3's by more than the "
+                f"noise before any byte is sent ({extra * 1e3:+.1f} ms), so there is no extra "
+                "time to pay back: on this machine the model has it pay at any bandwidth.")
+    return (f"Its break-even bandwidth, saved bytes / extra seconds = {saved / 1e3:.1f} KB / "
+            f"{extra * 1e3:.1f} ms = **{saved / extra / 1e6:.2f} MB/s**: below that, the "
+            "quantization this CPU does costs less than the bytes it saves.")

@@ -62,10 +62,11 @@ def one_f_one_b(num_stages: int, num_microbatches: int, rank: int) -> list[Actio
     so never holds more than min(p-r, m) micro-batches' activations."""
     actions = []
     # BEGIN SOLUTION: the 1F1B action list of one rank.
-    #   Invariant: rank r holds at most min(p - r, m) micro-batches' activations (an F stores
-    #   one, its B frees it) and the bubble stays GPipe's (p-1)/(m+p-1). Rank r's first B can
-    #   arrive only once its micro-batch has crossed the p - r - 1 later stages and come back,
-    #   so that many forwards fit before it; from then on each B makes room for one more F.
+    #   Invariant: rank r holds at most min(p - r, m) micro-batches' activations (an F stores one,
+    #   its B frees it) and the bubble stays GPipe's (p-1)/(m+p-1). Rank r's first B can arrive only
+    #   once its micro-batch has crossed the p - r - 1 later stages and come back, so that many
+    #   forwards fit before it; from then on each B makes room for one more F. The list is run in
+    #   its order; an entry is Action(kind, microbatch, chunk=0), kind "F" or "B".
     #   Each micro-batch's F and B run once, in micro-batch order, on chunk 0 (the default).
     warmup = min(num_stages - rank - 1, num_microbatches)
     actions += [Action("F", k) for k in range(warmup)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from minizero.moe import is_expert
 from minizero.runtime.strategies import DDPStrategy, Grads, Strategy, run_segments
 
 
@@ -19,26 +20,21 @@ class ExpertDDPStrategy(DDPStrategy):
     """Stage 0 with experts: every rank holds its dense parameters and E/ep experts whole (module docstring)."""
 
     shards = True  # the expert gradients differ across the ep ranks: their squares add up over the world
+    broadcasts_buffers = True  # no wrapper: reduced_grads does both all-reduces at the boundary
 
     def __init__(self, model, mesh, spec):
-        Strategy.__init__(self, model, mesh.dp, spec)
-        from minizero.moe import is_expert
-        from minizero.precision import MixedPrecisionOptimizer
         self.mesh = mesh     # dense gradients over mesh.dp, expert ones over mesh.expert_dp
-        self.ddp = None      # no wrapper: reduced_grads does both all-reduces at the boundary
-        self.params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+        super().__init__(model, mesh.dp, spec)
         self.expert = {id(p) for p in self.params if is_expert(p)}  # param.expert_parallel (moe/experts.py)
-        # one start on every rank: the dense parameters and buffers of dp rank 0, each expert's of its group's first
-        mesh.dp.broadcast_tensors([p for p in model.parameters() if id(p) not in self.expert] + list(model.buffers()))
-        mesh.expert_dp.broadcast_tensors([p for p in self.params if id(p) in self.expert])
-        kw = spec.optimizer_kwargs
-        self.optimizer = MixedPrecisionOptimizer(spec.groups or self.params, spec.optimizer_cls, None, 0.0, mesh.dp,
-                                                 **kw) if spec.mixed_precision \
-            else spec.optimizer_cls(spec.groups or self.params, **kw)
 
-    def forward_prelude(self):
-        if torch.is_grad_enabled():  # no wrapper: rank 0's buffers, as DDP does
-            self.mesh.dp.broadcast_tensors(list(self.model.buffers()))
+    def _wrapper(self, model, comm, spec):
+        """No DDP: one start on every rank instead, the dense parameters and buffers of dp rank 0,
+        each expert's of its group's first."""
+        expert = {id(p) for p in self.trainable(model) if is_expert(p)}
+        self.mesh.dp.broadcast_tensors([p for p in model.parameters() if id(p) not in expert]
+                                       + list(model.buffers()))
+        self.mesh.expert_dp.broadcast_tensors([p for p in self.trainable(model) if id(p) in expert])
+        return None
 
     def expert_names(self, name_of) -> set:
         return {name_of[id(p)] for p in self.params if id(p) in self.expert}
@@ -65,12 +61,12 @@ class ExpertZero1Strategy(Strategy):
     dense optimizer (engine.optimizer); its hyperparameters are copied to the expert one before each step."""
 
     has_replicated = False
+    broadcasts_buffers = True
 
     def __init__(self, model, mesh, spec):
         super().__init__(model, mesh.dp, spec)
-        from minizero.moe import is_expert
         from minizero.zero.sharded_optimizer import ShardedOptimizer
-        params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+        params = self.trainable(model)
         self.mesh = mesh         # dense over mesh.dp, experts over mesh.expert_dp
         self.expert = {id(p) for p in params if is_expert(p)}
         comm_of = {"dense": mesh.dp, "expert": mesh.expert_dp}
@@ -80,10 +76,6 @@ class ExpertZero1Strategy(Strategy):
                            for kind in ("dense", "expert")}
         self.optimizer = self.optimizers["dense"]  # what the engine's scheduler drives
         self._shards = None
-
-    def forward_prelude(self):
-        if torch.is_grad_enabled():
-            self.mesh.dp.broadcast_tensors(list(self.model.buffers()))
 
     def expert_names(self, name_of) -> set:
         return set()  # each expert element is in one shard of the world: no weight for the norm

@@ -27,7 +27,7 @@ or has pipeline_parts() (TinyGPT); every rank keeps only its stage's blocks.
     first and last stage both hold after their all-reduce, is counted once; with TP a slice counts once
     and a tensor every tp rank holds whole counts 1/t per rank (runtime/trainer.py).
   The data-parallel strategy is the plain engine's (runtime/strategies.py) over the stage's parameters;
-    counters, scheduler, accessors and the clip are the same TrainerCore (runtime/trainer.py).
+    counters, scheduler, accessors and the clip are BaseEngine's (runtime/trainer.py).
   Checkpoints: each stage's ranks save its parameters under their plain names (tp slices as name@tp{k};
     the tied copy the last stage holds as name@pp{s}), so `consolidate` gives the plain model's state dict.
   activation_checkpointing: the stage's blocks run under torch.utils.checkpoint, as in the plain engine;

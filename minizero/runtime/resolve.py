@@ -66,6 +66,11 @@ class Plan(NamedTuple):
     pipeline: PipelineSpec = PipelineSpec()
     sparse_attention: object = None       # a sparse.SparsityConfig (DeepSpeed's sparse_attention section), or None
     master_dtype: torch.dtype = torch.float32  # what ZeRO 1-2 step: bf16 with bf16_master_weights_and_grads
+    # DeepSpeed's accessors hand back these as the user wrote them (engine.zero_offload_optimizer(), ...)
+    offload_optimizer: dict | None = None  # zero_optimization.offload_optimizer when it offloads, else None
+    offload_param: dict | None = None      # zero_optimization.offload_param when it offloads, else None
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
 
     @property
     def mixed_precision(self) -> bool:
@@ -431,7 +436,11 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
                 gradient_accumulation_steps=cfg["gradient_accumulation_steps"], scheduler=cfg["scheduler"],
                 seed=cfg["seed"], pipeline=PipelineSpec(pipe["stages"], pipe["schedule"], pipe["chunks"]),
                 sparse_attention=sparse,
-                master_dtype=torch.bfloat16 if cfg["bf16"]["bf16_master_weights_and_grads"] else torch.float32)
+                master_dtype=torch.bfloat16 if cfg["bf16"]["bf16_master_weights_and_grads"] else torch.float32,
+                offload_optimizer=zero["offload_optimizer"] if offload is not None else None,
+                offload_param=(zero["offload_param"] if offload is not None and offload.params != "none"
+                               else None),
+                steps_per_print=cfg["steps_per_print"], wall_clock_breakdown=bool(cfg["wall_clock_breakdown"]))
 
 
 def _sparse_attention(model, cfg: dict):

@@ -14,7 +14,6 @@ unchanged.
 """
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
 from typing import Callable, NamedTuple
@@ -86,6 +85,7 @@ class Strategy(ABC):
 
     shards: bool = True
     has_replicated: bool = False
+    broadcasts_buffers: bool = False  # no wrapper does it: rank 0's buffers before a training forward
 
     def __init__(self, model: torch.nn.Module, comm, spec: StrategySpec):
         self.model = model
@@ -116,9 +116,25 @@ class Strategy(ABC):
     def segments(self, name_of: dict) -> list:
         """[Segment]: the fp32 tensors the optimizer steps, piece by piece (what a checkpoint writes)."""
 
+    # ------------------------------------------------------------------ shared by the strategies
+    @staticmethod
+    def trainable(model) -> list:
+        """The model's trainable parameters, each once (tied weights appear under two names)."""
+        return list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+
+    def plain_or_mixed_optimizer(self, params, comm):
+        """The user's optimizer class on the parameters (fp32), or over fp32 masters of 16-bit ones."""
+        from minizero.precision import MixedPrecisionOptimizer
+        spec, kw = self.spec, self.spec.optimizer_kwargs
+        if spec.mixed_precision:
+            return MixedPrecisionOptimizer(params, spec.optimizer_cls, None, 0.0, comm, **kw)
+        return spec.optimizer_cls(params, **kw)
+
     # ------------------------------------------------------------------ hooks with a default
     def forward_prelude(self):
-        """Before a training forward (ZeRO-1 has no wrapper to broadcast rank 0's buffers)."""
+        """Before a training forward: rank 0's buffers, as DDP does, where no wrapper sends them."""
+        if self.broadcasts_buffers and torch.is_grad_enabled():
+            self.comm.broadcast_tensors(list(self.model.buffers()))
 
     def backward_context(self, boundary: bool):
         """DDP accumulates locally until the boundary (no_sync); the others reduce every backward."""
@@ -158,6 +174,11 @@ class Strategy(ABC):
         if self.offload is not None:
             self.offload.finish()
 
+    def unsharded_largest(self) -> int | None:
+        """ZeRO-3 that shards nothing (every tensor under the persistence threshold): the largest
+        tensor's elements, for the user's note; None where something is sharded or nothing shards."""
+        return None
+
     def check_checkpointable(self):
         """Raise (the same on every rank, before any collective) if this strategy's state cannot be saved."""
 
@@ -175,18 +196,18 @@ class DDPStrategy(Strategy):
 
     def __init__(self, model, comm, spec):
         super().__init__(model, comm, spec)
-        from minizero.dp.ddp import DDP
-        from minizero.precision import MixedPrecisionOptimizer
-        # a pipeline of one data-parallel rank reduces nothing: no wrapper
-        self.ddp = None if spec.runtime_syncs and comm.size == 1 else \
-            DDP(model, comm, bucket_numel=spec.bucket_numel, overlap=spec.overlap)
+        self.ddp = self._wrapper(model, comm, spec)
         self.wrapped = self.ddp or model
-        self.params = self.ddp.params if self.ddp is not None else \
-            list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
-        params = spec.groups or self.params
-        kw = spec.optimizer_kwargs
-        self.optimizer = MixedPrecisionOptimizer(params, spec.optimizer_cls, None, 0.0, comm, **kw) \
-            if spec.mixed_precision else spec.optimizer_cls(params, **kw)
+        self.params = self.ddp.params if self.ddp is not None else self.trainable(model)
+        self.optimizer = self.plain_or_mixed_optimizer(spec.groups or self.params, comm)
+
+    def _wrapper(self, model, comm, spec):
+        """torch DDP's role (it broadcasts rank 0's model); a pipeline of one data-parallel rank
+        reduces nothing: no wrapper."""
+        from minizero.dp.ddp import DDP
+        if spec.runtime_syncs and comm.size == 1:
+            return None
+        return DDP(model, comm, bucket_numel=spec.bucket_numel, overlap=spec.overlap)
 
     def backward_context(self, boundary: bool):
         if self.ddp is None:
@@ -294,6 +315,8 @@ class FlatStrategy(Strategy):
 class Zero1Strategy(FlatStrategy):
     """Stage 1: optimizer state sharded (zero.ShardedOptimizer); the model is the user's, unwrapped."""
 
+    broadcasts_buffers = True
+
     def __init__(self, model, comm, spec):
         super().__init__(model, comm, spec)
         from minizero.zero.sharded_optimizer import ShardedOptimizer
@@ -303,10 +326,6 @@ class Zero1Strategy(FlatStrategy):
                                           **spec.optimizer_kwargs)
         self.offload = self.optimizer.tier
         self._shard_grad = None
-
-    def forward_prelude(self):
-        if torch.is_grad_enabled():  # no wrapper here: rank 0's buffers, as DDP does
-            self.comm.broadcast_tensors(list(self.model.buffers()))
 
     def _local_grad_shard(self):
         return self.optimizer.reduce_gradients()
@@ -372,7 +391,7 @@ class Zero3Strategy(Strategy):
         self.optimizer = FSDPOptimizer(self.wrapped, spec.optimizer_cls, spec.groups, offload=spec.offload,
                                        **spec.optimizer_kwargs)
         self.offload = self.optimizer.tier
-        self._whole = {id(u.whole) for u in self.wrapped.units if u.whole is not None}
+        self._whole = {id(t) for _, part, t, _, _ in self.wrapped.flat_parts() if part == "whole"}
         self.has_replicated = bool(self._whole)  # the same on every rank: the units are cut alike
 
     def _wrap(self, model, comm, spec, kw):
@@ -388,6 +407,9 @@ class Zero3Strategy(Strategy):
     def param_names(self, names):
         return {id(p): n for n, p in self.wrapped.named_parameters()}  # FSDP's local parts carry the original names
 
+    def unsharded_largest(self) -> int | None:
+        return self.wrapped.largest_tensor_numel() if self.wrapped.sharded_numel() == 0 else None
+
     def reduced_grads(self) -> Grads:
         if self.offload is not None:  # already on the host, moved unit by unit during backward
             pairs = list(zip(self.offload.device_params, self.offload.grads))
@@ -400,21 +422,11 @@ class Zero3Strategy(Strategy):
 
     def grad_names(self, name_of):
         """Per gradient tensor: ([(name, lo, numel)], numel) of the unit shard or persistent spec."""
-        fsdp, rank = self.wrapped, self.comm.rank
-        shards, wholes = [], []
-        with_grad = (lambda u, name: True) if self.offload is not None else \
-            (lambda u, name: fsdp.unit_grad(u, name) is not None)
-        for u in fsdp.units:
-            names = [fqns[0] for _, _, fqns in u.entries]
-            if u.shard is not None and with_grad(u, "shard"):
-                shards.append(([(names[pc.index], pc.shard_lo, pc.hi - pc.lo) for pc in u.layout.pieces(rank)],
-                               u.layout.shard_numel))
-            if u.whole is not None and with_grad(u, "whole"):
-                segs, off = [], 0
-                for (shape, _, _), name in zip(u.entries[u.n_sharded:], names[u.n_sharded:]):
-                    segs.append((name, off, math.prod(shape)))
-                    off += math.prod(shape)
-                wholes.append((segs, off))
+        fsdp, shards, wholes = self.wrapped, [], []
+        for u, part, _, numel, pieces in fsdp.flat_parts():
+            if self.offload is not None or fsdp.unit_grad(u, part) is not None:
+                (shards if part == "shard" else wholes).append(
+                    ([(name, off, hi - lo) for name, lo, hi, off in pieces], numel))
         return shards, wholes
 
     @torch.no_grad()
@@ -432,20 +444,10 @@ class Zero3Strategy(Strategy):
     def segments(self, name_of):
         if self.offload is None:
             return run_segments(self.optimizer, name_of)
-        rank, groups = self.comm.rank, []
-        for u in self.wrapped.units:  # the host optimizer steps whole flat shards, every element every step
-            first = [fqns[0] for _, _, fqns in u.entries]
-            if u.gathered_numel:
-                groups.append(Segment(self.offload.master_of(u.shard), self.offload,
-                                      [Piece(first[pc.index], pc.lo, pc.hi, pc.shard_lo, True)
-                                       for pc in u.layout.pieces(rank)], False))
-            if u.persistent_numel:
-                pieces, off = [], 0
-                for (shape, _, _), name in zip(u.entries[u.n_sharded:], first[u.n_sharded:]):
-                    pieces.append(Piece(name, 0, math.prod(shape), off, True))
-                    off += math.prod(shape)
-                groups.append(Segment(self.offload.master_of(u.whole), self.offload, pieces, True))
-        return groups
+        # the host optimizer steps whole flat shards, every element every step
+        return [Segment(self.offload.master_of(t), self.offload,
+                        [Piece(name, lo, hi, off, True) for name, lo, hi, off in pieces], part == "whole")
+                for _, part, t, _, pieces in self.wrapped.flat_parts()]
 
     def after_load(self, master_of, stateful, name_of):
         if self.offload is not None:
@@ -470,19 +472,16 @@ class OneBitAdamStrategy(Strategy):
     they stay this rank's own and the optimizer all-reduces the momentum in 1 bit per element (one flat buffer:
     2 collectives a step). A clip then clips each rank's own gradients, as DeepSpeed's clip_fp32_gradients does."""
 
+    broadcasts_buffers = True
     shards = False
     has_replicated = True
 
     def __init__(self, model, comm, spec):
         super().__init__(model, comm, spec)
         comm.broadcast_tensors([*model.parameters(), *model.buffers()])  # one start on every rank, as DDP's
-        self.params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+        self.params = self.trainable(model)
         self.optimizer = spec.optimizer_cls(spec.groups or self.params, comm, per_tensor=False, grads_averaged=True,
                                             **spec.optimizer_kwargs)
-
-    def forward_prelude(self):
-        if torch.is_grad_enabled():  # no wrapper: rank 0's buffers, as DDP does
-            self.comm.broadcast_tensors(list(self.model.buffers()))
 
     def reduced_grads(self) -> Grads:
         grads = [p.grad for p in self.params if p.grad is not None]

@@ -1,9 +1,8 @@
-"""What every engine shares: BaseEngine (the strategy's step, the clip, measurements, checkpoints), and in
-it the TrainerCore (counters, the LR scheduler, DeepSpeed's accessors).
+"""What every engine shares: BaseEngine (the strategy's step, the clip, the counters, the LR scheduler,
+DeepSpeed's accessors, measurements, checkpoints).
 
     class Engine(BaseEngine): ...            # runtime/engine.py: forward, backward, step
     class PipelineEngine(BaseEngine): ...    # runtime/pipeline_engine.py: train_batch, a schedule by composition
-    engine.global_steps, engine.get_lr()     # engine.core's (shares_core)
 
 The clip (torch.nn.utils.clip_grad_norm_'s coefficient, max_norm / (||g|| + 1e-6) capped at 1) needs
 ||g|| of the whole model while each rank holds only part of it:
@@ -26,19 +25,33 @@ from minizero.runtime import checkpoint
 from minizero.runtime.schedulers import build_scheduler
 from minizero.runtime.strategies import Strategy, norm_weights
 
-SHARED = ("config", "lr_scheduler", "global_steps", "global_samples", "micro_steps", "skipped_steps", "overflow",
-          "grad_norm", "timings", "train_batch_size", "train_micro_batch_size_per_gpu",
-          "gradient_accumulation_steps", "is_gradient_accumulation_boundary", "get_lr", "lr", "loss_scale",
-          "get_global_grad_norm", "was_step_applied", "loss_scaler")
+class BaseEngine(torch.nn.Module):
+    """What the plain and the pipeline engine share, around one data-parallel strategy (strategies.Strategy).
 
+    An nn.Module, as DeepSpeed's engine: `engine.module` is the user's model (registered, so parameters(),
+    named_parameters(), state_dict() and to() are the module's, under "module."), and train()/eval() switch it.
+    A subclass calls BaseEngine.__init__ first, sets plan, comm (every rank of the job), device, mesh, dp_comm,
+    dp_rank, dp_size, module and the names a checkpoint maps back to (name_of, aliases, state_dict_keys, param_shapes,
+    local_shapes, tp_split, tied_names), then calls _attach(strategy, model_comms). Wrappers and stages that
+    share the module's parameters are held, not registered (`_hold`): the state dict names each tensor once."""
 
-class TrainerCore:
-    def __init__(self, plan, optimizer, loss_scaler=None):
-        self.plan = plan                # the resolved plan (runtime/resolve.py)
-        self.config = plan.config       # the checked config, as DeepSpeed's engine.config
-        self.optimizer = optimizer      # what the scheduler edits (a torch.optim.Optimizer)
+    tied_names: set = frozenset()  # a pipeline's later-stage copies of a tied weight (saved as name@pp{s})
+
+    def _hold(self, name: str, value):
+        """An attribute nn.Module must not register as a submodule (it shares the module's parameters)."""
+        object.__setattr__(self, name, value)
+
+    def _attach(self, strategy: Strategy, model_comms: list, loss_scaler=None):
+        """model_comms: the groups over which replicated gradients differ (pp stages, tp ranks)."""
+        self._hold("strategy", strategy)
+        self._hold("wrapped", strategy.wrapped)
+        self.offload = strategy.offload
+        self.optimizer = strategy.optimizer  # a torch.optim.Optimizer (offloaded: it drives the tier)
+        self.param_names = strategy.param_names(self.name_of)  # checkpoints name each trained tensor
+        self.model_comms = model_comms
+        self.config = self.plan.config  # the checked config, as DeepSpeed's engine.config
         self.loss_scaler = loss_scaler  # fp16's LossScaler, or None
-        self.lr_scheduler = build_scheduler(optimizer, plan.scheduler)
+        self.lr_scheduler = build_scheduler(self.optimizer, self.plan.scheduler)
         self.global_steps = 0     # optimizer steps, skipped ones included (DeepSpeed's count)
         self.global_samples = 0   # samples seen, over all ranks
         self.micro_steps = 0      # backward passes
@@ -46,6 +59,21 @@ class TrainerCore:
         self.overflow = False     # the last step was skipped
         self.grad_norm = None     # the last step's global gradient norm
         self.timings = {}         # seconds spent in the last optimizer step, by phase
+
+    def train(self, mode: bool = True):
+        self.training = mode
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def destroy(self):
+        """DeepSpeed's: release what the engine holds (its strategy, optimizer and hooks' targets)."""
+        self.strategy.finish_offload()
+        self.strategy.zero_grad()
+        for name in ("strategy", "wrapped", "optimizer", "offload"):
+            self._hold(name, None)
 
     # ------------------------------------------------------------------ DeepSpeed's accessors
     def train_batch_size(self) -> int:
@@ -79,15 +107,15 @@ class TrainerCore:
     def was_step_applied(self) -> bool:
         return not self.overflow
 
-    # ------------------------------------------------------------------ the step's shared parts
-    def clip(self, grads, weights, shard_comm, model_comms) -> float:
+    # ------------------------------------------------------------------ the step's counters and clip
+    def _clip_by_global_norm(self, grads, weights, shard_comm, model_comms) -> float:
         """Clip the reduced gradients (strategies.Grads) by the global norm; returns it (module docstring)."""
         norm = clip_grad_norm_(grads.sharded, self.plan.gradient_clipping, shard_comm, replicated=grads.replicated,
                                weights=weights[0], replicated_weights=weights[1], model_comms=model_comms)
         self.grad_norm = norm.item()
         return self.grad_norm
 
-    def stepped(self, micro_steps: int = 0):
+    def _stepped(self, micro_steps: int = 0):
         """An optimizer step (applied or skipped) is over: the scheduler (when applied) and the counters."""
         if not self.overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -95,70 +123,6 @@ class TrainerCore:
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
 
-
-class _Shared:
-    """engine.NAME reads (and writes) engine.core.NAME."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __get__(self, engine, owner=None):
-        return self if engine is None else getattr(engine.core, self.name)
-
-    def __set__(self, engine, value):
-        setattr(engine.core, self.name, value)
-
-
-def shares_core(cls):
-    """Class decorator: every name in SHARED is the engine's core's."""
-    for name in SHARED:
-        setattr(cls, name, _Shared(name))
-    return cls
-
-
-@shares_core
-class BaseEngine(torch.nn.Module):
-    """What the plain and the pipeline engine share, around one data-parallel strategy (strategies.Strategy).
-
-    An nn.Module, as DeepSpeed's engine: `engine.module` is the user's model (registered, so parameters(),
-    named_parameters(), state_dict() and to() are the module's, under "module."), and train()/eval() switch it.
-    A subclass calls BaseEngine.__init__ first, sets plan, comm (every rank of the job), device, mesh, dp_comm,
-    dp_rank, dp_size, module and the names a checkpoint maps back to (name_of, aliases, state_dict_keys, param_shapes,
-    local_shapes, tp_split, tied_names), then calls _attach(strategy, model_comms). Wrappers and stages that
-    share the module's parameters are held, not registered (`_hold`): the state dict names each tensor once."""
-
-    tied_names: set = frozenset()  # a pipeline's later-stage copies of a tied weight (saved as name@pp{s})
-
-    def _hold(self, name: str, value):
-        """An attribute nn.Module must not register as a submodule (it shares the module's parameters)."""
-        object.__setattr__(self, name, value)
-
-    def _attach(self, strategy: Strategy, model_comms: list, loss_scaler=None):
-        """model_comms: the groups over which replicated gradients differ (pp stages, tp ranks)."""
-        self._hold("strategy", strategy)
-        self._hold("wrapped", strategy.wrapped)
-        self.offload = strategy.offload
-        self.optimizer = strategy.optimizer  # a torch.optim.Optimizer (offloaded: it drives the tier)
-        self.param_names = strategy.param_names(self.name_of)  # checkpoints name each trained tensor
-        self.model_comms = model_comms
-        self.core = TrainerCore(self.plan, self.optimizer, loss_scaler)
-
-    def train(self, mode: bool = True):
-        self.training = mode
-        self.module.train(mode)
-        return self
-
-    def eval(self):
-        return self.train(False)
-
-    def destroy(self):
-        """DeepSpeed's: release what the engine holds (its strategy, optimizer and hooks' targets)."""
-        self.strategy.finish_offload()
-        self.strategy.zero_grad()
-        for name in ("strategy", "wrapped", "optimizer", "offload"):
-            self._hold(name, None)
-
-    # ------------------------------------------------------------------ DeepSpeed's accessors
     @property
     def global_rank(self) -> int:
         return self.comm.rank
@@ -228,20 +192,19 @@ class BaseEngine(torch.nn.Module):
                                       "implemented by minizero: see offload_states")
 
     def zero_offload_optimizer(self):
-        return self.plan.config["zero_optimization"]["offload_optimizer"] if self.plan.offload is not None else None
+        return self.plan.offload_optimizer
 
     def zero_offload_param(self):
-        offloaded = self.plan.offload is not None and self.plan.offload.params != "none"
-        return self.plan.config["zero_optimization"]["offload_param"] if offloaded else None
+        return self.plan.offload_param
 
     def gradient_clipping(self) -> float:
         return self.plan.gradient_clipping
 
     def steps_per_print(self):
-        return self.plan.config["steps_per_print"]
+        return self.plan.steps_per_print
 
     def wall_clock_breakdown(self) -> bool:
-        return bool(self.plan.config["wall_clock_breakdown"])
+        return self.plan.wall_clock_breakdown
 
     def get_mom(self) -> list:
         """Per param group: SGD's momentum, Adam's betas (DeepSpeed's get_mom)."""
@@ -270,7 +233,7 @@ class BaseEngine(torch.nn.Module):
         weight_of = self.weight_of()
         weights = norm_weights(grads, self.strategy.grad_names(self.param_names) if weight_of else None,
                                weight_of, self.device)
-        return self.core.clip(grads, weights, self.strategy.norm_comm(self.comm),
+        return self._clip_by_global_norm(grads, weights, self.strategy.norm_comm(self.comm),
                               self.model_comms if self.strategy.has_replicated else [])
 
     def apply_step(self, grads, micro_steps: int = 0):
@@ -279,7 +242,7 @@ class BaseEngine(torch.nn.Module):
             if self.plan.gradient_clipping > 0:
                 self.clip(grads)
             self.strategy.apply()
-        self.core.stepped(micro_steps)
+        self._stepped(micro_steps)
         self.strategy.zero_grad()
 
     def zero_grad(self, set_to_none: bool = True):

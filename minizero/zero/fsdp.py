@@ -376,10 +376,16 @@ class FSDP(nn.Module):
         """Start gathering every rank's shard `src` into buf; the handle goes to unit.work.
         (An extension point: ZeRO++ gathers int8 codes, or from its intra-node copy, here.)"""
         # BEGIN SOLUTION: pre-forward gather: start the all-gather of this unit.
-        #   Record `buf` with memory.transient.alloc(f"{self._tag}/{unit.name}", buf).
-        #   When unit.gathered_numel > 0: all-gather this rank's shard `src` into
-        #     buf[:unit.gathered_numel] with async_op=True, and keep the handle in unit.work
-        #     (the wait comes later, in _wait).
+        #   What must hold: on return, the all-gather of every rank's shard `src` into the first
+        #   unit.gathered_numel elements of `buf` is IN FLIGHT, its handle in unit.work: _wait waits
+        #   for it later, so that a prefetched unit's gather overlaps the compute before it. The
+        #   rest of buf (persistent parameters, whole on every rank) is not gathered, and a unit
+        #   with nothing to gather issues no collective. buf is recorded in the ledger under the
+        #   unit's name, f"{self._tag}/{unit.name}", which _free (and ZeRO++'s subclass) use as
+        #   well.
+        #   API: memory.transient.alloc(name, tensor) records a live buffer. comm.all_gather(output,
+        #   input, async_op=False): output holds comm.size x input's elements; with async_op=True it
+        #   returns a handle with .wait().
         memory.transient.alloc(f"{self._tag}/{unit.name}", buf)
         if unit.gathered_numel:
             unit.work = self.comm.all_gather(buf[:unit.gathered_numel], src, async_op=True)
@@ -403,8 +409,10 @@ class FSDP(nn.Module):
         self._event("free", unit)
         self._saved_from.pop(unit.buf.untyped_storage().data_ptr(), None)
         # BEGIN SOLUTION: free the gathered unit.
-        #   Tell memory.transient that f"{self._tag}/{unit.name}" is freed, and drop this unit's
-        #   own reference to the buffer (unit.buf = None). _post_forward then points the module's
+        #   What must hold: afterwards no reference of FSDP's keeps the gathered buffer alive, and
+        #   the ledger agrees: its entry f"{self._tag}/{unit.name}" is released
+        #   (memory.transient.free(name)), and the unit no longer holds the buffer (unit.buf is how
+        #   _need tells a gathered unit from one to gather). _post_forward then points the module's
         #   attributes at empty placeholders: the last references.
         memory.transient.free(f"{self._tag}/{unit.name}")
         unit.buf = None
@@ -466,8 +474,11 @@ class FSDP(nn.Module):
 
     def _post_forward(self, unit):
         # BEGIN SOLUTION: post-forward hook: free the unit as soon as its forward is done.
-        #   Free its gathered buffer with self._free(unit), then point the module's attributes at
-        #   the empty placeholders with self._install(unit, None), or they keep the buffer alive.
+        #   What must hold: once a unit's forward is done, its full parameters take no memory until
+        #   backward gathers them again. Two things keep the gathered buffer alive: FSDP's
+        #   bookkeeping (self._free(unit) releases it) and the module's attributes, which are views
+        #   of it. self._install(unit, full) points every attribute at its view of `full`, or, given
+        #   None, at empty full-shape placeholders.
         self._free(unit)
         self._install(unit, None)
         # END SOLUTION
@@ -527,9 +538,13 @@ class FSDP(nn.Module):
         (An extension point: ZeRO++'s quantized hierarchical reduce replaces it.)"""
         shard_grad = None
         # BEGIN SOLUTION: gradient reduce-scatter: each rank keeps the average of its own shard.
-        #   When unit.gathered_numel > 0: shard_grad = a new tensor of unit.layout.shard_numel
-        #     elements in g's dtype; reduce-scatter (op="avg") g[:unit.gathered_numel] into it.
-        #   Return it as fp32 (the caller adds it into the parameters' .grad).
+        #   What must hold: this rank gets the AVERAGE over the ranks of its own shard of the unit's
+        #   gathered gradient g[:unit.gathered_numel] (unit.layout.shard_numel elements; shard r is
+        #   rank r's, in rank order), returned as fp32 (the caller adds it into fp32 .grad); None
+        #   when the unit gathers nothing. One collective, in g's dtype on the wire: a 16-bit
+        #   gradient sent as fp32 would double the bytes.
+        #   API: comm.reduce_scatter(output, input, op="sum", async_op=False): input holds comm.size
+        #   x output's elements; op: "sum", "avg", "max", "min".
         if unit.gathered_numel:
             shard_grad = torch.empty(unit.layout.shard_numel, dtype=g.dtype, device=g.device)
             self.comm.reduce_scatter(shard_grad, g[:unit.gathered_numel], op="avg")
@@ -581,6 +596,31 @@ class FSDP(nn.Module):
                                                                                            device=self.comm.device))
         a, n = unit.layout.offsets[j], unit.layout.numels[j]
         return unit.layout.to_compute(full)[a:a + n].view(unit.entries[j][0]).clone()
+
+    def flat_parts(self):
+        """This rank's flat tensors, unit by unit: (unit, part, tensor, numel, pieces), part "shard"
+        (its piece of the unit's sharded buffer) or "whole" (the persistent parameters, kept whole);
+        pieces [(name, lo, hi, offset)]: elements lo:hi of parameter `name`, at `offset` in tensor."""
+        rank = self.comm.rank
+        for u in self.units:
+            first = [fqns[0] for _, _, fqns in u.entries]
+            if u.shard is not None:
+                yield u, "shard", u.shard, u.layout.shard_numel, [
+                    (first[pc.index], pc.lo, pc.hi, pc.shard_lo) for pc in u.layout.pieces(rank)]
+            if u.whole is not None:
+                pieces, off = [], 0
+                for (shape, _, _), name in zip(u.entries[u.n_sharded:], first[u.n_sharded:]):
+                    pieces.append((name, 0, math.prod(shape), off))
+                    off += math.prod(shape)
+                yield u, "whole", u.whole, off, pieces
+
+    def sharded_numel(self) -> int:
+        """Elements all-gathered per forward (sharded + padding), over every unit: 0 when every
+        parameter is below the persistence threshold and stays whole on every rank."""
+        return sum(unit.gathered_numel for unit in self.units)
+
+    def largest_tensor_numel(self) -> int:
+        return max((n for unit in self.units for n in unit.sizes), default=0)
 
     def unit_grad(self, unit, part: str):
         """The flat fp32 gradient of unit's shard ("shard") or persistent part ("whole"), or None once
