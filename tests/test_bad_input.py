@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minizero import cli, env
-from minizero.autograde import LABS
+from minizero_course.grader import LABS
 from minizero.cli import train as train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,10 +171,10 @@ COURSE_TOOLS = [  # the course's own tools (docs/site, labgen, the Gradescope ru
     ("docs.site.syllabus", ["measure", "--lessons", "99"], ["--lessons 99", "no such lesson", "0, 1, 2"]),
     ("docs.site.syllabus", ["measure", "--labs", "3", "99"], ["--labs 99", "no such lab"]),
     ("docs.site.build", ["--out", "/proc/x"], ["--out /proc/x", "cannot create it"]),
-    ("minizero.autograde.labgen", ["--lab", "99"], ["--lab 99", "no such lab"]),
-    ("minizero.autograde.gradescope", ["--root", "/no/such"], ["--root /no/such", "no submission/ folder"]),
-    ("minizero.autograde.gradescope", ["--root", ".", "--lab", "99"], ["--lab 99", "no such lab"]),
-    ("minizero.autograde.gradescope", ["--limit-s", "-3"], ["--limit-s", "a number > 0"]),
+    ("minizero_course.grader.labgen", ["--lab", "99"], ["--lab 99", "no such lab"]),
+    ("minizero_course.grader.gradescope", ["--root", "/no/such"], ["--root /no/such", "no submission/ folder"]),
+    ("minizero_course.grader.gradescope", ["--root", ".", "--lab", "99"], ["--lab 99", "no such lab"]),
+    ("minizero_course.grader.gradescope", ["--limit-s", "-3"], ["--limit-s", "a number > 0"]),
 ]
 
 
@@ -206,8 +206,8 @@ def test_the_syllabus_measures_only_what_was_named(monkeypatch):
 
 def test_the_commands_exit_2_in_a_real_process_without_a_traceback(tmp_path):
     """The in-process table above, as a user runs it: one case, the exit code and stderr of `python -m`."""
-    proc = subprocess.run([sys.executable, "-m", "minizero", "bench", "scale", "--ranks", "0"], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path, env=_env())
+    proc = subprocess.run([sys.executable, "-m", "minizero_course", "bench", "scale", "--ranks", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=_env())
     assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
     assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
 
@@ -302,7 +302,7 @@ def test_a_timeout_with_every_rank_in_its_own_code_is_not_called_a_deadlock(tmp_
     """A lab file with an endless loop timed out with a hint blaming a collective deadlock. The words are the
     launcher's own (describe_ranks reads heartbeat files like those a job writes)."""
     from minizero import launch
-    from minizero.autograde.hints import likely_cause
+    from minizero_course.grader.hints import likely_cause
     from minizero.comm.backends import describe_ranks
     (tmp_path / "rank0.op").write_text("idle (last: all_reduce)")  # rank 1 never reached a collective
     (tmp_path / "rank2.op").write_text("all_reduce (40 B) on world")

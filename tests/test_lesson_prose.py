@@ -1,13 +1,13 @@
 """The lessons' computed conclusions say what the run measured, whichever way it came out.
 
-Each lesson's prose generator (minizero/experiments/*.py) is called with figures forced to each side of
+Each lesson's prose generator (minizero_course/experiments/*.py) is called with figures forced to each side of
 every comparison it draws, and the sentence for that side must be there and the other side's must not:
 a loaded machine must never print a conclusion its own figures contradict."""
 import copy
 
 import pytest
 
-from minizero.experiments import activation_checkpointing, collectives, dp_ddp
+from minizero_course.experiments import activation_checkpointing, collectives, dp_ddp
 
 KiB, MiB = 2**10, 2**20
 
@@ -306,14 +306,14 @@ DPU = [  # tail: mean loss of the last steps (no DPU, warm-up 2, warm-up 40); sa
 
 @pytest.mark.parametrize("label,tail,same,want,avoid", DPU, ids=[c[0] for c in DPU])
 def test_lesson07_dpu_conclusions(label, tail, same, want, avoid):
-    from minizero.experiments.offload import describe_dpu
+    from minizero_course.experiments.offload import describe_dpu
     names = ("no DPU", "DPU, warm-up 2", "DPU, warm-up 40")
     _check(describe_dpu(dict(zip(names, tail)), dict(zip(names[1:], same)), dict(zip(names[1:], (2, 40)))),
            want, avoid, label)
 
 
 def test_lesson07_ten_x_conclusions():
-    from minizero.experiments.offload import describe_ten_x
+    from minizero_course.experiments.offload import describe_ten_x
     _check(describe_ten_x(1.41, 13.7, 1.9), ["9.7×", "off by 5%", "a consequence of the stated assumptions",
                                              "the ratio is 7.2×, closer to the 8×"],
            ["do not reproduce", "no closer"], "match")
@@ -322,7 +322,7 @@ def test_lesson07_ten_x_conclusions():
 
 
 def test_lesson04_saving_against_the_formula():
-    from minizero.experiments.zero12 import describe_saving
+    from minizero_course.experiments.zero12 import describe_saving
     _check(describe_saving(2.2857, 2.2851), ["2.29×, the same to two decimals"], ["below", "above"], "equal")
     _check(describe_saving(2.2857, 2.2512), ["2.25×, below the formula by 0.03"], ["the same to two decimals"], "below")
     _check(describe_saving(2.2857, 2.3012), ["above the formula by 0.02"], ["the same to two decimals"], "above")
@@ -349,12 +349,12 @@ def _scaling(**kw):
     ("ZeRO-3 no bigger at N=1", {"ddp_total": [9.0] * 4}, ["holds no more than DDP"], ["holds *more*"]),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_lesson06_scaling_conclusions(label, kw, want, avoid):
-    from minizero.experiments.zero3 import describe_scaling
+    from minizero_course.experiments.zero3 import describe_scaling
     _check(describe_scaling(**_scaling(**kw)), want, avoid, label)
 
 
 def test_lesson06_persistence_conclusions():
-    from minizero.experiments.zero3 import describe_persistence
+    from minizero_course.experiments.zero3 import describe_persistence
     p0 = {"whole": 0, "calls": 15, "sent": {"all_gather": 1261824, "reduce_scatter": 630912}, "ledger": {"a": 0.8e6}}
     p65 = {"whole": 1664, "calls": 20, "sent": {"all_gather": 1251840, "reduce_scatter": 625920, "all_reduce": 9984},
            "ledger": {"a": 0.9e6}}
@@ -368,7 +368,7 @@ def test_lesson06_persistence_conclusions():
 
 
 def test_lesson10_tp_against_dp():
-    from minizero.experiments.tensor import describe_tp_vs_dp
+    from minizero_course.experiments.tensor import describe_tp_vs_dp
     _check(describe_tp_vs_dp(124_032, 180_480, 12, 3, 7),
            ["0.69× DP's bytes here (fewer", "12 collectives against DP's 3",
                                                           "9 more latencies", "tp_comm_overlap", "Domino"],
