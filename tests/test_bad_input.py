@@ -1,9 +1,9 @@
 """Bad input from a careless user: every MINIZERO_* variable and command-line flag that cannot work is one line
 naming it and what is allowed, exit code 2, before anything runs, nothing left behind, never a traceback.
 
-The tables run the commands in this process (minizero.cli.main, output captured: they fail before any launch);
-a few cases start real processes, once each, to see what a user sees: the exit code of a job of 2 ranks, and
-that its ranks say the message once.
+The tables run the commands in this process (minizero.cli.main or minizero_course's main, output captured:
+they fail before any launch); a few cases start real processes, once each, to see what a user sees: the
+exit code of a job of 2 ranks, and that its ranks say the message once.
 """
 import json
 import os
@@ -77,7 +77,8 @@ def test_every_variable_the_package_reads_is_in_the_one_table():
     import re
     markers = {"MINIZERO_JOB_ID", "MINIZERO_SCALE_PROBE"}
     read = set()
-    for folder, _, files in os.walk(os.path.join(ROOT, "minizero")):
+    for folder, _, files in (*os.walk(os.path.join(ROOT, "minizero")),
+                             *os.walk(os.path.join(ROOT, "minizero_course"))):
         for f in files:
             if f.endswith(".py") and f != "env.py":
                 text = open(os.path.join(folder, f)).read()
@@ -86,16 +87,19 @@ def test_every_variable_the_package_reads_is_in_the_one_table():
     assert read <= markers, read - markers
 
 
-@pytest.mark.parametrize("argv", [["train", "--config", "configs/zero0_fp32.json"], ["bench"], ["grade"],
-                                  ["demo"], ["plan", "--params", "7B"]])
-def test_every_command_checks_the_variables_before_it_starts(argv, monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("prog,argv", [("minizero", ["train", "--config", "configs/zero0_fp32.json"]),
+                                       ("minizero_course", ["bench"]), ("minizero_course", ["grade"]),
+                                       ("minizero", ["demo"]), ("minizero", ["plan", "--params", "7B"])])
+def test_every_command_checks_the_variables_before_it_starts(prog, argv, monkeypatch, tmp_path, capsys):
+    from minizero_course.__main__ import main as course_main
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MINIZERO_DEBUG", "yes")
+    main = cli.main if prog == "minizero" else course_main
     with pytest.raises(SystemExit) as e:
-        cli.main([argv[0], *[os.path.join(ROOT, a) if a.startswith("configs/") else a for a in argv[1:]]])
+        main([argv[0], *[os.path.join(ROOT, a) if a.startswith("configs/") else a for a in argv[1:]]])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "MINIZERO_DEBUG='yes'" in err and "0 or 1" in err, err
-    assert err.startswith(f"minizero {argv[0]}: ") and list(tmp_path.iterdir()) == []
+    assert err.startswith(f"{prog} {argv[0]}: ") and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("script", ["train", "user"])
@@ -158,8 +162,9 @@ def test_a_bad_flag_or_key_is_one_line_exit_2_and_nothing_written(argv, words, m
     monkeypatch.chdir(tmp_path)
     for name, text in CONFIGS.items():
         (tmp_path / name).write_text(text)
-    try:
-        code = cli.main(argv)
+    from minizero_course.__main__ import main as course_main
+    try:  # the course's commands (bench, grade, ...) through `python -m minizero_course`'s dispatch
+        code = (course_main if argv[0] in cli.COURSE_COMMANDS else cli.main)(argv)
     except SystemExit as e:
         code = e.code
     err = capsys.readouterr().err

@@ -164,7 +164,7 @@ def test_every_command_of_the_students_readme_works_there(student, tmp_path):
         if words[0] == "make":
             proc = in_handout(copy, "make", "-n", *words[1:], timeout=60)
             assert proc.returncode == 0, (command, proc.stderr)
-        elif words[:3] == [sys.executable, "-m", "minizero"]:
+        elif words[:3] == [sys.executable, "-m", "minizero_course"]:
             proc = in_handout(copy, *words, timeout=300)
             said = "every TODO in minizero/comm/ring.py is still its stub"
             assert proc.returncode == 1 and said in proc.stdout, (command, proc.stdout[-2000:])
