@@ -50,7 +50,7 @@ def classify() -> dict[str, list]:
             kinds["skipped"].append((where, command, None))
         elif python is not None:
             if python[:1] == ["-m"]:  # a command named without arguments in prose: it exists (--help)
-                bare = len(python) <= (3 if python[1] == "minizero" else 2)
+                bare = len(python) <= (3 if python[1] in ("minizero", "minizero_course") else 2)
                 kinds["module"].append((where, command, python + ["--help"] * bare))
             kinds["file"] += [(where, command, w) for w in python if w.startswith(REPO_DIRS)]
         elif words[0] == "pytest":

@@ -252,7 +252,8 @@ def stage_docs(dest: Path) -> list[str]:
 
 
 # What a build reads: a site newer than all of it is up to date (`make site-test` reuses it).
-SOURCES = ["lessons", "build/lessons", "build/bench", "labs", "minizero", "docs", "README.md", "configs"]
+SOURCES = ["lessons", "build/lessons", "build/bench", "labs", "minizero", "minizero_course", "docs", "README.md",
+           "configs"]
 
 
 def stale(out: Path) -> str | None:

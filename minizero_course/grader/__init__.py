@@ -202,7 +202,7 @@ def run_check(lab: Lab, check: Check, impl: str) -> dict:
 
     Whatever goes wrong (the check's verdict, a rank's exception, a native crash, a timeout, a
     file that does not import, an error in the check itself) becomes this check's failing entry
-    with its reason, and a known raw error gets its likely cause under it (autograde.hints)."""
+    with its reason, and a known raw error gets its likely cause under it (grader.hints)."""
     import traceback
 
     from minizero import launch

@@ -120,7 +120,7 @@ def _recording(results: dict, queue: dict):
 
 def run_checks(jobs: list[tuple], progress=None) -> list[dict]:
     """`jobs`: (lab, check, impl) triples. Returns each one's Gradescope entry, exactly as
-    `autograde.run_check(lab, check, impl)` would, with the launches of all of them shared."""
+    `grader.run_check(lab, check, impl)` would, with the launches of all of them shared."""
     from minizero_course.grader import run_check
     entries: list = [None] * len(jobs)
     results: dict = {}

@@ -101,7 +101,7 @@ def _results(impl, n):
         try:
             _cache[impl, n] = launch.run("minizero_course.grader.lab06:worker", nprocs=n, args={"impl": impl},
                                          timeout=180)
-        except Exception as e:  # noqa: BLE001  (the grader reports it; see autograde.run_check)
+        except Exception as e:  # noqa: BLE001  (the grader reports it; see grader.run_check)
             _cache[impl, n] = e
     if isinstance(_cache[impl, n], Exception):
         raise _cache[impl, n]

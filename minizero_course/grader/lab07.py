@@ -178,7 +178,7 @@ def _results(impl):
     if impl not in _cache:
         try:
             _cache[impl] = launch.run("minizero_course.grader.lab07:worker", nprocs=N, args={"impl": impl}, timeout=180)
-        except Exception as e:  # noqa: BLE001  (the grader reports it; see autograde.run_check)
+        except Exception as e:  # noqa: BLE001  (the grader reports it; see grader.run_check)
             _cache[impl] = e
     if isinstance(_cache[impl], Exception):
         raise _cache[impl]

@@ -316,7 +316,7 @@ def _results(impl, target="worker", nprocs=4):
         try:
             _cache[impl, target] = launch.run(f"minizero_course.grader.lab08:{target}", nprocs=nprocs,
                                               args={"impl": impl}, timeout=240)
-        except Exception as e:  # noqa: BLE001  (the grader reports it; see autograde.run_check)
+        except Exception as e:  # noqa: BLE001  (the grader reports it; see grader.run_check)
             _cache[impl, target] = e
     if isinstance(_cache[impl, target], Exception):
         raise _cache[impl, target]
