@@ -156,7 +156,8 @@ def train_worker(comm, strategies=("ddp", "zero1", "zero2", "zero3"), steps=40, 
         ref_model = TinyGPT(GPTConfig(**DEMO_CONFIG), seed=seed)
         ref_opt = torch.optim.Adam(ref_model.parameters(), lr=lr)
         data = SyntheticTokens(DEMO_CONFIG["vocab_size"], DEMO_CONFIG["block_size"], seed=seed)
-        reference = _train_single(ref_model, ref_opt, (data.batch(s, global_batch) for s in range(steps)))
+        batches = (data.batch(s, global_batch) for s in range(steps))
+        reference = _train_single(ref_model, ref_opt, batches)
     return {"rank": comm.rank, "runs": runs, "single_process_losses": reference}
 
 
