@@ -55,13 +55,13 @@ test: setup $(SITE_STAMP) browser
 # the fast part of the suite for everyday work: no test that starts ranks or processes (about 15 s)
 check: setup
 	$(PY) -m pytest -q -m "not launches" --durations=5
-	$(PY) -m minizero.cli.labgen --check
+	$(PY) -m minizero_course labs --check
 
 grade: setup
-	$(PY) -m minizero grade --json results.json || true  # a score below full marks is a result, not a build failure
+	$(PY) -m minizero_course grade --json results.json || true  # a score below full marks is a result, not a build failure
 
 labs: setup
-	$(PY) -m minizero.cli.labgen
+	$(PY) -m minizero_course labs
 
 # The student's copy (docs/instructors.md): `make handout HANDOUT_LABS=1-6 HANDOUT_DIR=../minizero-student`.
 # Unset, the command's own default: every lab (a lab left out keeps its reference code in the handout).
@@ -69,7 +69,7 @@ HANDOUT_LABS ?=
 HANDOUT_DIR  ?= build/handout
 handout: setup
 	rm -rf $(HANDOUT_DIR)
-	$(PY) -m minizero handout $(HANDOUT_DIR)$(if $(HANDOUT_LABS), --labs $(HANDOUT_LABS))
+	$(PY) -m minizero_course handout $(HANDOUT_DIR)$(if $(HANDOUT_LABS), --labs $(HANDOUT_LABS))
 
 # The course website in site/ (docs/site/build.py): lessons as executed in build/lessons/ (or run now).
 site: $(SITE_STAMP)
@@ -88,7 +88,7 @@ test-gpu:
 	$(PY) tests/gpu/check.py $(ARGS)
 
 lint: setup
-	$(PY) -m minizero.cli.labgen --check
+	$(PY) -m minizero_course labs --check
 
 clean:
 	rm -rf $(VENV) results.json demo.png runs site build/lessons build/bench build/site-src build/site-doctrees build/site-test

@@ -8,8 +8,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def pytest_addoption(parser):
-    # a student's handout (python -m minizero handout) grades its own package; the course's repo its solutions
-    handout = os.path.exists(os.path.join(ROOT, "minizero", "autograde", "handout.json"))
+    # a student's handout (python -m minizero_course handout) grades its own package; the course's repo its solutions
+    handout = os.path.exists(os.path.join(ROOT, "minizero_course", "grader", "handout.json"))
     default = "package" if handout else "solutions"
     parser.addoption("--impl", default=default,
                      help=f"which lab files the lab checks grade: 'solutions', 'labs', 'package' or a folder "

@@ -1,13 +1,13 @@
 # Lab 02: Bucketed DDP, overlapped with backward
 # GENERATED from minizero/dp/ddp.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab02_bucketed_ddp.py
-#   check: python -m minizero grade --lab 2 --impl labs    (or: pytest -m lab2 --impl labs)
+#   check: python -m minizero_course grade --lab 2 --impl labs    (or: pytest -m lab2 --impl labs)
 """minizero.dp.ddp: distributed data parallel, in three steps of sophistication.
 
 Every rank holds the whole model and a 1/N slice of the global batch. After backward,
 each rank has the gradient of ITS mean loss; all-reducing (sum) and dividing by N gives
 the gradient of the mean over the global batch, so every rank takes the same optimizer
-step and the replicas never drift apart (experiments/references.py has the one-line proof).
+step and the replicas never drift apart (minizero_course/experiments/references.py has the proof).
 
     model = DDP(TinyGPT(), mode="overlap", bucket_numel=6_250_000)
     logits, loss = model(x_shard, y_shard)
@@ -273,5 +273,5 @@ class DDP(SyncSwitch, nn.Module):
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(2, globals())

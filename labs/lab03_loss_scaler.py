@@ -1,7 +1,7 @@
 # Lab 03: Dynamic loss scaler for fp16 mixed precision
 # GENERATED from minizero/precision.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab03_loss_scaler.py
-#   check: python -m minizero grade --lab 3 --impl labs    (or: pytest -m lab3 --impl labs)
+#   check: python -m minizero_course grade --lab 3 --impl labs    (or: pytest -m lab3 --impl labs)
 """Mixed precision: 16-bit compute, fp32 master weights, and DeepSpeed's dynamic loss scaler.
 
 Micikevicius et al. 2018, "Mixed Precision Training" (ICLR), Sec. 3, three tricks:
@@ -310,5 +310,5 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(3, globals())

@@ -1,7 +1,7 @@
 # Lab 04: ZeRO-1: the sharded optimizer step
 # GENERATED from minizero/zero/sharded_optimizer.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab04_zero1.py
-#   check: python -m minizero grade --lab 4 --impl labs    (or: pytest -m lab4 --impl labs)
+#   check: python -m minizero_course grade --lab 4 --impl labs    (or: pytest -m lab4 --impl labs)
 """ZeRO stage 1 (P_os): every rank keeps the optimizer state of 1/N of the parameters only.
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
@@ -381,5 +381,5 @@ class ShardedOptimizer(FlatShardOptimizer):
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(4, globals())

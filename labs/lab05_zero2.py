@@ -1,7 +1,7 @@
 # Lab 05: ZeRO-2: gradients reduced into the shard during backward
 # GENERATED from minizero/zero/shard_grad_op.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab05_zero2.py
-#   check: python -m minizero grade --lab 5 --impl labs    (or: pytest -m lab5 --impl labs)
+#   check: python -m minizero_course grade --lab 5 --impl labs    (or: pytest -m lab5 --impl labs)
 """ZeRO stage 2 (P_os+g): gradients sharded too, reduced into this rank's shard DURING backward.
 
 Rajbhandari et al. 2020, "ZeRO", sec. 5.2. Per rank, with Ψ parameters, N ranks, K bytes of
@@ -336,5 +336,5 @@ class ShardGradOp(SyncSwitch, nn.Module):
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(5, globals())

@@ -1,7 +1,7 @@
 # Lab 06: ZeRO-3 / FSDP: gather and free hooks
 # GENERATED from minizero/zero/fsdp.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab06_zero3.py
-#   check: python -m minizero grade --lab 6 --impl labs    (or: pytest -m lab6 --impl labs)
+#   check: python -m minizero_course grade --lab 6 --impl labs    (or: pytest -m lab6 --impl labs)
 """minizero.zero.fsdp: ZeRO stage 3 / FSDP. Parameters are sharded too, gathered a unit at a time.
 
 ZeRO (Rajbhandari et al. 2020, Sec. 5.3, P_os+g+p): each of N ranks keeps 1/N of the parameters,
@@ -709,5 +709,5 @@ ZeRO3 = FSDP
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(6, globals())

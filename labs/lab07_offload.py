@@ -1,7 +1,7 @@
 # Lab 07: ZeRO-Offload: gradients down, CPU step, parameters up
 # GENERATED from minizero/zero/offload.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab07_offload.py
-#   check: python -m minizero grade --lab 7 --impl labs    (or: pytest -m lab7 --impl labs)
+#   check: python -m minizero_course grade --lab 7 --impl labs    (or: pytest -m lab7 --impl labs)
 """ZeRO-Offload: the fp32 master copy and the optimizer state on the host, the step on the CPU.
 
 Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training" (USENIX ATC):
@@ -422,5 +422,5 @@ class _StateView:
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(7, globals())

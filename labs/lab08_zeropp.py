@@ -1,7 +1,7 @@
 # Lab 08: ZeRO++: block-wise int8 quantized all-gather
 # GENERATED from minizero/zero/quantize.py + minizero/zero/zeropp.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab08_zeropp.py
-#   check: python -m minizero grade --lab 8 --impl labs    (or: pytest -m lab8 --impl labs)
+#   check: python -m minizero_course grade --lab 8 --impl labs    (or: pytest -m lab8 --impl labs)
 """minizero.zero.quantize: block-wise quantization in plain torch, and the two quantized collectives
 of ZeRO++ (Wang et al. 2023): qwZ's int8 all-gather of weights (lab 08) and qgZ's int4
 hierarchical all-to-all reduce of gradients.
@@ -468,5 +468,5 @@ class ZeroPP(FSDP):
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(8, globals())

@@ -1,7 +1,7 @@
 # Lab 09: Pipeline parallelism: the 1F1B schedule
 # GENERATED from minizero/pipeline/schedules.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab09_one_f_one_b.py
-#   check: python -m minizero grade --lab 9 --impl labs    (or: pytest -m lab9 --impl labs)
+#   check: python -m minizero_course grade --lab 9 --impl labs    (or: pytest -m lab9 --impl labs)
 """Pipeline schedules: what each rank does, in which order, written out as a list of actions.
 
 A pipeline cuts the model into p stages (one per rank) and the batch into m micro-batches. Stage s
@@ -307,5 +307,5 @@ def in_flight_formula(name: str, p: int, m: int, rank: int, v: int = 1) -> int:
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(9, globals())

@@ -1,7 +1,7 @@
 # Lab 10: Tensor parallelism: f/g, column- and row-parallel linear
 # GENERATED from minizero/tensor/layers.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab10_tensor_parallel.py
-#   check: python -m minizero grade --lab 10 --impl labs    (or: pytest -m lab10 --impl labs)
+#   check: python -m minizero_course grade --lab 10 --impl labs    (or: pytest -m lab10 --impl labs)
 """Megatron's tensor-parallel linear layers: the f and g operators, column- and row-parallel.
 
 Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -294,5 +294,5 @@ __all__ = ["ParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "CopyT
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(10, globals())

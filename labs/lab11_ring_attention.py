@@ -1,7 +1,7 @@
 # Lab 11: Ring attention: block attention, the online-softmax merge and the ring loop
 # GENERATED from minizero/context/online_softmax.py + minizero/context/layout.py + minizero/context/ring_attention.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab11_ring_attention.py
-#   check: python -m minizero grade --lab 11 --impl labs    (or: pytest -m lab11 --impl labs)
+#   check: python -m minizero_course grade --lab 11 --impl labs    (or: pytest -m lab11 --impl labs)
 """Attention one block at a time: the online softmax that ring attention is built on (lab 11).
 
 Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al. 2022,
@@ -416,5 +416,5 @@ def attention_activation_bytes(batch: int, seq_len: int, hidden: int, heads: int
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(11, globals())

@@ -1,7 +1,7 @@
 # Lab 13: 1-bit Adam: error-compensated 1-bit compression and its all-reduce
 # GENERATED from minizero/compression/onebit.py + minizero/compression/zero_one_adam.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 4 python labs/lab13_onebit.py
-#   check: python -m minizero grade --lab 13 --impl labs    (or: pytest -m lab13 --impl labs)
+#   check: python -m minizero_course grade --lab 13 --impl labs    (or: pytest -m lab13 --impl labs)
 """1-bit compression with error feedback, and the compressed all-reduce built on it (Tang et al. 2021).
 
 A tensor x of n elements (padded with zeros to a multiple of 8N, so each rank's chunk packs into whole
@@ -305,5 +305,5 @@ class ZeroOneAdam(torch.optim.Optimizer):
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(13, globals())

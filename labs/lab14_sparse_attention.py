@@ -1,7 +1,7 @@
 # Lab 14: Sparse attention: the fixed block layout and the block-sparse forward
 # GENERATED from minizero/sparse/layout.py + minizero/sparse/attention.py by `make labs`. Edit the TODO regions (everything else is the reference code).
 #   run:   mpirun -n 2 python labs/lab14_sparse_attention.py
-#   check: python -m minizero grade --lab 14 --impl labs    (or: pytest -m lab14 --impl labs)
+#   check: python -m minizero_course grade --lab 14 --impl labs    (or: pytest -m lab14 --impl labs)
 """Block-sparse attention layouts: which key blocks each query block attends to.
 
 Child et al. 2019, "Generating Long Sequences with Sparse Transformers"; Zaheer et al. 2020, BigBird;
@@ -443,5 +443,5 @@ def dense_attention_flops(batch: int, heads: int, seq_len: int, head_dim: int) -
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(14, globals())

@@ -1,4 +1,4 @@
-"""python -m minizero {demo,bench,plan,grade,train,consolidate} ...  (the dispatch is minizero/cli/)."""
+"""python -m minizero {demo,train,plan,consolidate,torchrun} ... (the dispatch: minizero/cli/)."""
 import sys
 
 from minizero.cli import main

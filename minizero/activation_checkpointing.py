@@ -5,7 +5,7 @@ keeping what autograd would save for backward; only its input is kept (one s·b�
 per layer instead of Korthikanti's s·b·h·(34 + 5·a·s/h) with w = 2, memory.activation_bytes), and
 backward runs the block's forward again to get the rest back. Price: one more forward per block,
 about a third more compute for a step whose backward costs twice its forward (the usual estimate
-of about 33%; `python -m minizero bench --checkpointing` measures it).
+of about 33%; `python -m minizero_course bench --checkpointing` measures it).
 
     checkpoint_blocks(model)                 # every element of every nn.ModuleList (TinyGPT: h.0, h.1, ...)
     checkpoint_blocks(model, ["h.0"])        # or the blocks you name

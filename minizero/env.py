@@ -226,13 +226,22 @@ def check(environ=None) -> dict:
     return {name: get(name, environ) for name in VARIABLES if name in environ}
 
 
+def launched_rank() -> int:
+    """This process's rank as the launcher announced it (PMI_RANK, OMPI_COMM_WORLD_RANK, RANK), read
+    WITHOUT creating a communicator: lets rank 0 alone report an input error every rank finds.
+    comm.launcher (which reads the launcher's other variables) gives it as comm.launched_rank()."""
+    for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "RANK"):
+        if v in os.environ:
+            return int(os.environ[v])
+    return 0
+
+
 def check_or_exit(prog: str = "minizero"):
     """check(), and on a bad variable: launched rank 0 prints the one line, every rank exits with code 2
     (before any rank has met another: nothing to end, nothing written)."""
     try:
         check()
     except EnvError as e:
-        from minizero.comm.launcher import launched_rank
         if launched_rank() == 0:
             sys.stderr.write(f"{prog}: {e}\n")
             sys.stderr.flush()

@@ -1,7 +1,7 @@
 # Lab 01: Ring all-reduce from send/recv
 # GENERATED from minizero/comm/ring.py by `make labs`. Edit nothing: this is the reference solution.
 #   run:   mpirun -n 4 python solutions/lab01_ring_allreduce.py
-#   check: python -m minizero grade --lab 1 --impl solutions    (or: pytest -m lab1 --impl solutions)
+#   check: python -m minizero_course grade --lab 1 --impl solutions    (or: pytest -m lab1 --impl solutions)
 """Ring all-reduce built from point-to-point send/recv: what NCCL and MPI run for big messages.
 
 N ranks stand in a ring (rank r sends to r+1, receives from r-1). The flat tensor is cut
@@ -67,5 +67,5 @@ def ring_all_reduce(comm, tensor: torch.Tensor) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(1, globals())

@@ -1,7 +1,7 @@
 # Lab 04: ZeRO-1: the sharded optimizer step
 # GENERATED from minizero/zero/sharded_optimizer.py by `make labs`. Edit nothing: this is the reference solution.
 #   run:   mpirun -n 4 python solutions/lab04_zero1.py
-#   check: python -m minizero grade --lab 4 --impl solutions    (or: pytest -m lab4 --impl solutions)
+#   check: python -m minizero_course grade --lab 4 --impl solutions    (or: pytest -m lab4 --impl solutions)
 """ZeRO stage 1 (P_os): every rank keeps the optimizer state of 1/N of the parameters only.
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
@@ -385,5 +385,5 @@ class ShardedOptimizer(FlatShardOptimizer):
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(4, globals())

@@ -1,7 +1,7 @@
 # Lab 09: Pipeline parallelism: the 1F1B schedule
 # GENERATED from minizero/pipeline/schedules.py by `make labs`. Edit nothing: this is the reference solution.
 #   run:   mpirun -n 4 python solutions/lab09_one_f_one_b.py
-#   check: python -m minizero grade --lab 9 --impl solutions    (or: pytest -m lab9 --impl solutions)
+#   check: python -m minizero_course grade --lab 9 --impl solutions    (or: pytest -m lab9 --impl solutions)
 """Pipeline schedules: what each rank does, in which order, written out as a list of actions.
 
 A pipeline cuts the model into p stages (one per rank) and the batch into m micro-batches. Stage s
@@ -328,5 +328,5 @@ def in_flight_formula(name: str, p: int, m: int, rank: int, v: int = 1) -> int:
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(9, globals())

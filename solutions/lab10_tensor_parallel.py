@@ -1,7 +1,7 @@
 # Lab 10: Tensor parallelism: f/g, column- and row-parallel linear
 # GENERATED from minizero/tensor/layers.py by `make labs`. Edit nothing: this is the reference solution.
 #   run:   mpirun -n 4 python solutions/lab10_tensor_parallel.py
-#   check: python -m minizero grade --lab 10 --impl solutions    (or: pytest -m lab10 --impl solutions)
+#   check: python -m minizero_course grade --lab 10 --impl solutions    (or: pytest -m lab10 --impl solutions)
 """Megatron's tensor-parallel linear layers: the f and g operators, column- and row-parallel.
 
 Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -300,5 +300,5 @@ __all__ = ["ParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "CopyT
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(10, globals())

@@ -1,7 +1,7 @@
 # Lab 12: MoE dispatch and combine with all-to-all
 # GENERATED from minizero/moe/dispatch.py by `make labs`. Edit nothing: this is the reference solution.
 #   run:   mpirun -n 4 python solutions/lab12_moe_dispatch.py
-#   check: python -m minizero grade --lab 12 --impl solutions    (or: pytest -m lab12 --impl solutions)
+#   check: python -m minizero_course grade --lab 12 --impl solutions    (or: pytest -m lab12 --impl solutions)
 """MoE dispatch and combine: tokens to their experts' slots, across ranks by all-to-all, and back.
 
 GShard (Lepikhin et al. 2020, Algorithm 1) and DeepSpeed-MoE (Rajbhandari et al. 2022):
@@ -137,5 +137,5 @@ def combine(expert_out: torch.Tensor, expert_index, positions, kept, gates) -> t
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(12, globals())

@@ -1,7 +1,7 @@
 # Lab 13: 1-bit Adam: error-compensated 1-bit compression and its all-reduce
 # GENERATED from minizero/compression/onebit.py + minizero/compression/zero_one_adam.py by `make labs`. Edit nothing: this is the reference solution.
 #   run:   mpirun -n 4 python solutions/lab13_onebit.py
-#   check: python -m minizero grade --lab 13 --impl solutions    (or: pytest -m lab13 --impl solutions)
+#   check: python -m minizero_course grade --lab 13 --impl solutions    (or: pytest -m lab13 --impl solutions)
 """1-bit compression with error feedback, and the compressed all-reduce built on it (Tang et al. 2021).
 
 A tensor x of n elements (padded with zeros to a multiple of 8N, so each rank's chunk packs into whole
@@ -334,5 +334,5 @@ class ZeroOneAdam(torch.optim.Optimizer):
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(13, globals())

@@ -1,7 +1,7 @@
 # Lab 14: Sparse attention: the fixed block layout and the block-sparse forward
 # GENERATED from minizero/sparse/layout.py + minizero/sparse/attention.py by `make labs`. Edit nothing: this is the reference solution.
 #   run:   mpirun -n 2 python solutions/lab14_sparse_attention.py
-#   check: python -m minizero grade --lab 14 --impl solutions    (or: pytest -m lab14 --impl solutions)
+#   check: python -m minizero_course grade --lab 14 --impl solutions    (or: pytest -m lab14 --impl solutions)
 """Block-sparse attention layouts: which key blocks each query block attends to.
 
 Child et al. 2019, "Generating Long Sequences with Sparse Transformers"; Zaheer et al. 2020, BigBird;
@@ -469,5 +469,5 @@ def dense_attention_flops(batch: int, heads: int, seq_len: int, head_dim: int) -
 
 
 if __name__ == "__main__":
-    from minizero.autograde import lab_main
+    from minizero_course.grader import lab_main
     lab_main(14, globals())

@@ -43,7 +43,7 @@ def config(layout, world):
 
 def batches(step, dp):
     """The global batch of `step`: M micro-batches of MICRO x dp rows (a pure function of the step)."""
-    from minizero.experiments.references import global_batches
+    from minizero_course.experiments.references import global_batches
     x, y = global_batches(TinyGPT(GPTConfig(**GPT)), step + 1, MICRO * M * dp, seed=5)[step]
     return x, y
 

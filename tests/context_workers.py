@@ -5,7 +5,7 @@ sequence; one float64 ring run; the cp groups the Mesh built."""
 import torch
 
 from minizero.comm import Mesh
-from minizero.experiments.context import attention_side_by_side
+from minizero_course.experiments.context import attention_side_by_side
 
 torch.set_num_threads(1)
 
@@ -46,7 +46,7 @@ def run_8(comm):
 def run_torch(comm):
     """On the torch backend (gloo): ring attention and Ulysses at cp = 2, and torch's own
     context_parallel (the peer) on the same world."""
-    from minizero.experiments.context import torch_context_parallel
+    from minizero_course.experiments.context import torch_context_parallel
     out = {method: attention_side_by_side(comm, method, True, True) for method in ("ring", "ulysses")}
     out["peer"] = torch_context_parallel(comm)
     out["backend"] = comm.backend

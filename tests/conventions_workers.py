@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from minizero.comm import init_torch_distributed
 from minizero.data import regression_batch, shard
 from minizero.dp.ddp import DDP
-from minizero.experiments.references import global_batches
+from minizero_course.experiments.references import global_batches
 from minizero.models import build_model
 from minizero.runtime.engine import build_engine
 from minizero.zero.fsdp import FSDP
@@ -405,7 +405,7 @@ def offload_one_group(comm):
 
 
 def run_all(comm, ckpt_dir):
-    from minizero.experiments import sleepy_barrier
+    from minizero_course.experiments import sleepy_barrier
     init_torch_distributed(torch.device("cpu"))  # torch DDP, the ground truth, needs torch.distributed
     group3 = dist.new_group([0, 1, 2])           # every rank takes part in creating it
     sub3 = comm.split(0 if comm.rank < 3 else 1, name="first3")

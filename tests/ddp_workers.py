@@ -8,11 +8,11 @@ import warnings
 import torch
 
 from minizero import memory
-from minizero.experiments.references import train_single
+from minizero_course.experiments.references import train_single
 from minizero.data import shard
 from minizero.dp.ddp import DDP
 from minizero.models import build_model
-from minizero.experiments.references import flat_params, global_batches, make_optimizer, train_torch_ddp
+from minizero_course.experiments.references import flat_params, global_batches, make_optimizer, train_torch_ddp
 
 torch.set_num_threads(1)
 

@@ -89,7 +89,9 @@ def check(argv: list[str]) -> dict:
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             import importlib
-            main = importlib.import_module("minizero.cli" if module == "minizero" else module).main
+            # a package's `python -m`: its __main__'s dispatch (minizero's lives in minizero.cli)
+            where = {"minizero": "minizero.cli", "minizero_course": "minizero_course.__main__"}
+            main = importlib.import_module(where.get(module, module)).main
             code = main(args)
         return {"argv": argv, "status": "ran" if full else "exit", "code": code or 0, "stderr": err.getvalue()[-600:]}
     except _Parsed:

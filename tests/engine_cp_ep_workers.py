@@ -12,7 +12,7 @@ import torch
 
 import minizero
 from minizero.data import shard
-from minizero.experiments.references import global_batches
+from minizero_course.experiments.references import global_batches
 from minizero.models import GPTConfig, TinyGPT
 
 torch.set_num_threads(1)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from minizero import memory
 from minizero.data import shard
-from minizero.experiments.references import global_batches
+from minizero_course.experiments.references import global_batches
 from minizero.models import build_model
 from minizero.runtime.engine import build_engine
 from minizero.zero.fsdp import FSDP

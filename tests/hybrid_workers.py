@@ -4,7 +4,7 @@ import torch
 
 from minizero.comm import Mesh
 from minizero.data import shard
-from minizero.experiments.references import global_batches
+from minizero_course.experiments.references import global_batches
 from minizero.models import build_model
 from minizero.runtime.engine import build_engine
 from minizero.runtime.resolve import optimizer_spec

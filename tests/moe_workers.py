@@ -5,7 +5,7 @@ each against the single-process reference; and the groups mesh.ep / mesh.expert_
 import torch
 
 from minizero.comm import Mesh
-from minizero.experiments.experts import side_by_side
+from minizero_course.experiments.experts import side_by_side
 
 torch.set_num_threads(1)
 

@@ -17,8 +17,8 @@ import torch
 from minizero import comm
 from minizero.comm import Mesh, MeshError
 from minizero.data import shard
-from minizero.experiments import zeropp as experiment
-from minizero.experiments.references import global_batches
+from minizero_course.experiments import zeropp as experiment
+from minizero_course.experiments.references import global_batches
 from minizero.models import build_model
 from minizero.zero.hybrid import HybridShard
 

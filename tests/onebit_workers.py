@@ -1,7 +1,7 @@
 """Ranks of tests/test_onebit.py: everything it asserts, measured in one job."""
 import time
 
-from minizero.experiments import onebit
+from minizero_course.experiments import onebit
 
 
 def main(comm, steps=150):

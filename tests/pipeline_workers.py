@@ -1,20 +1,20 @@
 """Workers the pipeline tests launch: several configurations per launch (start-up dominates)."""
 import torch
 
-from minizero.experiments.pipeline import GPT, train
+from minizero_course.experiments.pipeline import GPT, train
 
 
 def suite(comm, configs, steps=5):
     """Every configuration of tests/test_pipeline.py, then torch DDP on the whole world with the
     global batch of the dp x pp = 2 x 2 configurations (micro 2 x m 4 x dp 2 = 16), then the engine,
     then PP + ZeRO-1/2/3 at dp 2 x pp 2 (experiments.pp_zero)."""
-    from minizero.experiments.references import train_torch_ddp
+    from minizero_course.experiments.references import train_torch_ddp
     runs = [train(comm, schedule, p, m, v, steps=steps, dp_mode=dp_mode, return_params=(p, m, dp_mode) == (2, 4, "ddp"))
             for schedule, p, m, v, dp_mode in configs]
     cfg = {**GPT, "n_layer": 2}
     ref = train_torch_ddp(comm, "tiny-gpt", steps=steps, global_batch=16, lr=0.1, seed=0, optimizer="sgd",
                           model_kwargs=cfg, data_seed=1)
-    from minizero.experiments.pp_zero import measure
+    from minizero_course.experiments.pp_zero import measure
     return {"runs": runs, "torch_ddp_params": ref["params"], "engine": engine_runs(comm),
             "verbose": verbose_trace(comm),
             "checkpointing": checkpointing_runs(comm), "pp_zero": measure(comm, steps=1, lost=("zero2-every",))}
@@ -28,7 +28,7 @@ def checkpointing_runs(comm, steps=3):
 
     import minizero
     from minizero.data import shard
-    from minizero.experiments.references import global_batches
+    from minizero_course.experiments.references import global_batches
     from minizero.models import GPTConfig, TinyGPT
     layouts = [({"stages": 2, "schedule": name, **({"chunks": 2} if name == "interleaved_1f1b" else {})}, 1)
                for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")] + [({"stages": 2, "schedule": "1f1b"}, 2)]
@@ -71,7 +71,7 @@ def dies_mid_pipeline(comm, kill_rank=1, kill_microbatch=2):
     import signal
 
     from minizero.comm import Mesh
-    from minizero.experiments.references import global_batches
+    from minizero_course.experiments.references import global_batches
     from minizero.models import GPTConfig, TinyGPT
     from minizero.pipeline import PipelineRuntime, PipelineStage
     mesh = Mesh(comm, pp=comm.size)
@@ -96,7 +96,7 @@ def engine_runs(comm, steps=3, clip=0.05):
     process clipping with torch.nn.utils.clip_grad_norm_: the largest parameter difference per run."""
     import minizero
     from minizero.data import shard
-    from minizero.experiments.references import global_batches, make_optimizer
+    from minizero_course.experiments.references import global_batches, make_optimizer
     from minizero.models import GPTConfig, TinyGPT
     runs = [({"stage": 0}, {"stages": 2, "schedule": "1f1b"}),
             ({"stage": 1}, {"stages": 2, "schedule": "zb_h1"}),
@@ -139,7 +139,7 @@ def three_d_runs(comm, steps=5, clip=0.05):
     every rank's stage gathered over its tp group into the single-process tensors, and the losses and norms."""
     import minizero
     from minizero.data import shard
-    from minizero.experiments.references import global_batches, make_optimizer
+    from minizero_course.experiments.references import global_batches, make_optimizer
     from minizero.models import GPTConfig, TinyGPT
     from minizero.planner import ModelShape, Strategy, plan
     from minizero.planner.plan import SCHEDULES

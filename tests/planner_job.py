@@ -1,5 +1,5 @@
 """The one 2-rank launch that tests/test_planner_validation.py and tests/test_activation_checkpointing.py
-share: minizero/experiments/planner.py's 22 configurations, run once per pytest session."""
+share: minizero_course/experiments/planner.py's 22 configurations, run once per pytest session."""
 from minizero import launch
 
 N = 2
@@ -8,5 +8,5 @@ _job = []
 
 def results():
     if not _job:
-        _job.append(launch.run("minizero.experiments.planner:validate", nprocs=N, timeout=400))
+        _job.append(launch.run("minizero_course.experiments.planner:validate", nprocs=N, timeout=400))
     return _job[0]

@@ -2,7 +2,7 @@
 import torch
 
 from minizero import precision
-from minizero.experiments import mixed_precision
+from minizero_course.experiments import mixed_precision
 from minizero.data import SyntheticTokens
 from minizero.models import TinyGPT
 

@@ -3,7 +3,7 @@
 A lab check launches ranks, and a launch costs seconds of start-up. The tests grade the same checks
 many times over: each lab's solutions (tests/test_labs.py, tests/test_grader.py), each student bug of
 tests/mutants on its one check, and each check on a started but unfinished lab. Graded one by one that
-is hundreds of launches; `minizero.autograde.batch.run_checks` grades them all in shared jobs, one per
+is hundreds of launches; `minizero_course.grader.batch.run_checks` grades them all in shared jobs, one per
 rank count and round, with each entry exactly what `run_check` gives alone. The batch runs at the first
 test that asks for a grade and covers every test this session selected (so `pytest -k lab3` grades
 lab 3 only). The `grade` command itself, one lab at a time as a user runs it, is tested on its own.
@@ -14,11 +14,11 @@ import faulthandler
 import time
 from pathlib import Path
 
-from minizero.autograde import LABS, REPO, _result, stretch_policy
-from minizero.autograde.batch import run_checks
+from minizero_course.grader import LABS, REPO, _result, stretch_policy
+from minizero_course.grader.batch import run_checks
 
 # A line outside every TODO: the lab counts as started, so its checks launch its ranks instead of the
-# grader's shortcut for an untouched file (autograde.untouched_todos).
+# grader's shortcut for an untouched file (grader.untouched_todos).
 STARTED = "\n\nSTARTED = True  # a line outside the TODOs: graded by its ranks\n"
 
 
@@ -113,7 +113,7 @@ class SharedGrading:
 
     def __call__(self, lab: int, impl: str) -> dict:
         """The Gradescope result of every check of `lab` on `impl`, the stretch policy applied, as
-        `python -m minizero grade --lab N --impl IMPL --json` writes it."""
+        `python -m minizero_course grade --lab N --impl IMPL --json` writes it."""
         if not self.ran:
             self._run()
         return self.results[lab, impl]

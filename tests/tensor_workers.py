@@ -5,7 +5,7 @@ tensor_parallel.autotp_size = 2 over ZeRO stages 0-3 (dp = 2), against one proce
 import torch
 
 from minizero.comm import Mesh
-from minizero.experiments.tensor import side_by_side
+from minizero_course.experiments.tensor import side_by_side
 
 torch.set_num_threads(1)
 
@@ -27,7 +27,7 @@ BENCH_GPT = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
 def bench_tp(comm):
     """`bench --tp`'s worker at its smallest (t = 2, one timed step): minizero TP next to torch DTensor TP."""
-    from minizero.bench.tensor_parallel import worker
+    from minizero_course.bench.tensor_parallel import worker
     return worker(comm, sizes=(2,), steps=1, warmup=0, batch=2, model_kwargs=BENCH_GPT)
 
 
@@ -78,7 +78,7 @@ def _full_params(engine):
 
 def engine_runs(comm):
     from minizero.data import shard
-    from minizero.experiments.tensor import worst
+    from minizero_course.experiments.tensor import worst
     from minizero.models import GPTConfig, TinyGPT
     from minizero.runtime.engine import build_engine
     out = {}

@@ -16,7 +16,7 @@ from minizero import memory
 from minizero.activation_checkpointing import (checkpoint_blocks, checkpointed, repeated_blocks,
                                                uncheckpoint_blocks)
 from minizero.data import SyntheticTokens
-from minizero.experiments.planner import SHAPES, configurations
+from minizero_course.experiments.planner import SHAPES, configurations
 from minizero.models import GPTConfig, TinyGPT, build_model
 from minizero.runtime.config import ConfigError, load_config
 from minizero.runtime.engine import build_engine
@@ -57,7 +57,7 @@ def test_checkpointed_model_has_the_same_gradients_and_keeps_one_input_per_block
 def test_selective_keeps_the_linear_outputs_and_drops_the_attention_scores():
     """Per layer, measured against Korthikanti's formulas (fp32, no dropout) plus the ledger's known extras
     (experiments.tensor.unmodelled_bytes: LayerNorm statistics, and the causal mask unless recomputed)."""
-    from minizero.experiments.tensor import unmodelled_bytes
+    from minizero_course.experiments.tensor import unmodelled_bytes
     model = TinyGPT(GPTConfig(n_layer=2, n_head=2, n_embd=C, block_size=T))
     x, y = SyntheticTokens(64, T).batch(0, B)
     saved, grads = {}, {}

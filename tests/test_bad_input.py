@@ -1,9 +1,9 @@
 """Bad input from a careless user: every MINIZERO_* variable and command-line flag that cannot work is one line
 naming it and what is allowed, exit code 2, before anything runs, nothing left behind, never a traceback.
 
-The tables run the commands in this process (minizero.cli.main, output captured: they fail before any launch);
-a few cases start real processes, once each, to see what a user sees: the exit code of a job of 2 ranks, and
-that its ranks say the message once.
+The tables run the commands in this process (minizero.cli.main or minizero_course's main, output captured:
+they fail before any launch); a few cases start real processes, once each, to see what a user sees: the
+exit code of a job of 2 ranks, and that its ranks say the message once.
 """
 import json
 import os
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minizero import cli, env
-from minizero.autograde import LABS
+from minizero_course.grader import LABS
 from minizero.cli import train as train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,7 +77,8 @@ def test_every_variable_the_package_reads_is_in_the_one_table():
     import re
     markers = {"MINIZERO_JOB_ID", "MINIZERO_SCALE_PROBE"}
     read = set()
-    for folder, _, files in os.walk(os.path.join(ROOT, "minizero")):
+    for folder, _, files in (*os.walk(os.path.join(ROOT, "minizero")),
+                             *os.walk(os.path.join(ROOT, "minizero_course"))):
         for f in files:
             if f.endswith(".py") and f != "env.py":
                 text = open(os.path.join(folder, f)).read()
@@ -86,16 +87,19 @@ def test_every_variable_the_package_reads_is_in_the_one_table():
     assert read <= markers, read - markers
 
 
-@pytest.mark.parametrize("argv", [["train", "--config", "configs/zero0_fp32.json"], ["bench"], ["grade"],
-                                  ["demo"], ["plan", "--params", "7B"]])
-def test_every_command_checks_the_variables_before_it_starts(argv, monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("prog,argv", [("minizero", ["train", "--config", "configs/zero0_fp32.json"]),
+                                       ("minizero_course", ["bench"]), ("minizero_course", ["grade"]),
+                                       ("minizero", ["demo"]), ("minizero", ["plan", "--params", "7B"])])
+def test_every_command_checks_the_variables_before_it_starts(prog, argv, monkeypatch, tmp_path, capsys):
+    from minizero_course.__main__ import main as course_main
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MINIZERO_DEBUG", "yes")
+    main = cli.main if prog == "minizero" else course_main
     with pytest.raises(SystemExit) as e:
-        cli.main([argv[0], *[os.path.join(ROOT, a) if a.startswith("configs/") else a for a in argv[1:]]])
+        main([argv[0], *[os.path.join(ROOT, a) if a.startswith("configs/") else a for a in argv[1:]]])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "MINIZERO_DEBUG='yes'" in err and "0 or 1" in err, err
-    assert err.startswith(f"minizero {argv[0]}: ") and list(tmp_path.iterdir()) == []
+    assert err.startswith(f"{prog} {argv[0]}: ") and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("script", ["train", "user"])
@@ -158,8 +162,9 @@ def test_a_bad_flag_or_key_is_one_line_exit_2_and_nothing_written(argv, words, m
     monkeypatch.chdir(tmp_path)
     for name, text in CONFIGS.items():
         (tmp_path / name).write_text(text)
-    try:
-        code = cli.main(argv)
+    from minizero_course.__main__ import main as course_main
+    try:  # the course's commands (bench, grade, ...) through `python -m minizero_course`'s dispatch
+        code = (course_main if argv[0] in cli.COURSE_COMMANDS else cli.main)(argv)
     except SystemExit as e:
         code = e.code
     err = capsys.readouterr().err
@@ -171,10 +176,10 @@ COURSE_TOOLS = [  # the course's own tools (docs/site, labgen, the Gradescope ru
     ("docs.site.syllabus", ["measure", "--lessons", "99"], ["--lessons 99", "no such lesson", "0, 1, 2"]),
     ("docs.site.syllabus", ["measure", "--labs", "3", "99"], ["--labs 99", "no such lab"]),
     ("docs.site.build", ["--out", "/proc/x"], ["--out /proc/x", "cannot create it"]),
-    ("minizero.autograde.labgen", ["--lab", "99"], ["--lab 99", "no such lab"]),
-    ("minizero.autograde.gradescope", ["--root", "/no/such"], ["--root /no/such", "no submission/ folder"]),
-    ("minizero.autograde.gradescope", ["--root", ".", "--lab", "99"], ["--lab 99", "no such lab"]),
-    ("minizero.autograde.gradescope", ["--limit-s", "-3"], ["--limit-s", "a number > 0"]),
+    ("minizero_course.grader.labgen", ["--lab", "99"], ["--lab 99", "no such lab"]),
+    ("minizero_course.grader.gradescope", ["--root", "/no/such"], ["--root /no/such", "no submission/ folder"]),
+    ("minizero_course.grader.gradescope", ["--root", ".", "--lab", "99"], ["--lab 99", "no such lab"]),
+    ("minizero_course.grader.gradescope", ["--limit-s", "-3"], ["--limit-s", "a number > 0"]),
 ]
 
 
@@ -206,8 +211,8 @@ def test_the_syllabus_measures_only_what_was_named(monkeypatch):
 
 def test_the_commands_exit_2_in_a_real_process_without_a_traceback(tmp_path):
     """The in-process table above, as a user runs it: one case, the exit code and stderr of `python -m`."""
-    proc = subprocess.run([sys.executable, "-m", "minizero", "bench", "scale", "--ranks", "0"], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path, env=_env())
+    proc = subprocess.run([sys.executable, "-m", "minizero_course", "bench", "scale", "--ranks", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=_env())
     assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
     assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
 
@@ -302,7 +307,7 @@ def test_a_timeout_with_every_rank_in_its_own_code_is_not_called_a_deadlock(tmp_
     """A lab file with an endless loop timed out with a hint blaming a collective deadlock. The words are the
     launcher's own (describe_ranks reads heartbeat files like those a job writes)."""
     from minizero import launch
-    from minizero.autograde.hints import likely_cause
+    from minizero_course.grader.hints import likely_cause
     from minizero.comm.backends import describe_ranks
     (tmp_path / "rank0.op").write_text("idle (last: all_reduce)")  # rank 1 never reached a collective
     (tmp_path / "rank2.op").write_text("all_reduce (40 B) on world")

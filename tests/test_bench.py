@@ -1,4 +1,4 @@
-"""`python -m minizero bench` end to end on a tiny run (2 ranks, 3 timed steps, 3 candidates),
+"""`python -m minizero_course bench` end to end on a tiny run (2 ranks, 3 timed steps, 3 candidates),
 and what it measured checked against independent counts."""
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from minizero.bench.bench import paired_ratio
+from minizero_course.bench.bench import paired_ratio
 
 CANDIDATES = ["minizero-ddp", "minizero-zero3", "torch-ddp"]
 
@@ -24,8 +24,9 @@ def bench(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     tmp = d / "tmp"  # the ranks' own temporary folders go here: the run must leave none behind
     tmp.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "minizero", "bench", "--nprocs", "2", "--steps", "3", "--warmup", "1",
-                           "--candidates", *CANDIDATES, "--json", str(d / "b.json"), "--plot", str(d / "b.png")],
+    proc = subprocess.run([sys.executable, "-m", "minizero_course", "bench", "--nprocs", "2", "--steps", "3",
+                           "--warmup", "1", "--candidates", *CANDIDATES, "--json", str(d / "b.json"),
+                           "--plot", str(d / "b.png")],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [p.name for p in tmp.iterdir() if p.name.startswith("minizero-bench")] == [], "bench left its folders"
@@ -106,8 +107,9 @@ def test_bench_pipeline_against_torch_pipelining(tmp_path):
     train the same model on the same data to the same loss and gradients, and hold the same activations (one meter,
     memory.SavedTensors, around both); the table, the targets and the measured bubble are reported."""
     out = tmp_path / "p.json"
-    proc = subprocess.run([sys.executable, "-m", "minizero", "bench", "pipeline", "--nprocs", "2", "--steps", "2",
-                           "--warmup", "1", "--microbatches", "4", "--micro", "2", "--schedules", "1f1b", "zb_h1",
+    proc = subprocess.run([sys.executable, "-m", "minizero_course", "bench", "pipeline", "--nprocs", "2",
+                           "--steps", "2", "--warmup", "1", "--microbatches", "4", "--micro", "2",
+                           "--schedules", "1f1b", "zb_h1",
                            "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

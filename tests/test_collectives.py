@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from minizero import launch
-from minizero.experiments.collectives import bandwidth_table, fit_alpha_beta, ring_time
+from minizero_course.experiments.collectives import bandwidth_table, fit_alpha_beta, ring_time
 
 SIZES = np.array([2.0**k for k in range(10, 24)])
 
@@ -54,8 +54,8 @@ def test_bandwidth_table_uses_sent_bytes_for_busbw():
 
 def test_all_reduce_is_reduce_scatter_plus_all_gather_on_3_ranks():
     # n = 1001 is not a multiple of 3: the padding path is exercised too
-    res = launch.run("minizero.experiments.collectives:decompose_all_reduce", nprocs=3, args={"n": 1001, "repeats": 1},
-                     timeout=60)
+    res = launch.run("minizero_course.experiments.collectives:decompose_all_reduce", nprocs=3,
+                     args={"n": 1001, "repeats": 1}, timeout=60)
     for r in res:
         assert r["N"] == 3 and r["payload"] == 1002 * 4
         assert r["max_abs_diff"] == 0.0
@@ -63,7 +63,7 @@ def test_all_reduce_is_reduce_scatter_plus_all_gather_on_3_ranks():
 
 
 def test_time_collectives_reports_ring_bytes_from_comm_stats():
-    res = launch.run("minizero.experiments.collectives:time_collectives", nprocs=2, timeout=60,
+    res = launch.run("minizero_course.experiments.collectives:time_collectives", nprocs=2, timeout=60,
                      args={"sizes_bytes": [4096, 65536], "repeats": 2, "warmup": 1})
     r0 = res[0]
     assert r0["N"] == 2 and r0["backend"] == "mpi" and len(r0["rows"]) == 6

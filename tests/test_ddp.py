@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from minizero import launch
-from minizero.experiments.references import train_single
+from minizero_course.experiments.references import train_single
 from minizero.dp.data_parallel import DataParallel
 from minizero.models import build_model
-from minizero.experiments.references import flat_params, global_batches, make_optimizer
+from minizero_course.experiments.references import flat_params, global_batches, make_optimizer
 
 W = "tests/ddp_workers.py:"
 GPT = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)

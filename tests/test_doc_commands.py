@@ -50,7 +50,7 @@ def classify() -> dict[str, list]:
             kinds["skipped"].append((where, command, None))
         elif python is not None:
             if python[:1] == ["-m"]:  # a command named without arguments in prose: it exists (--help)
-                bare = len(python) <= (3 if python[1] == "minizero" else 2)
+                bare = len(python) <= (3 if python[1] in ("minizero", "minizero_course") else 2)
                 kinds["module"].append((where, command, python + ["--help"] * bare))
             kinds["file"] += [(where, command, w) for w in python if w.startswith(REPO_DIRS)]
         elif words[0] == "pytest":
@@ -74,7 +74,8 @@ KINDS = classify()
 def test_the_documented_commands_are_found():
     """The extraction itself: the README's two commands and a lab's run/grade lines are among them."""
     found = {c for _, c in commands()}
-    assert {"make demo", "make test", "pytest -m lab1 --impl labs", "python -m minizero grade --lab 1 --impl labs",
+    assert {"make demo", "make test", "pytest -m lab1 --impl labs",
+            "python -m minizero_course grade --lab 1 --impl labs",
             "mpirun -n 4 python labs/lab01_ring_allreduce.py"} <= found
     assert len(KINDS["module"]) >= 20, KINDS["module"]
 
@@ -89,7 +90,7 @@ def _run_checks(argvs: list[list[str]]) -> list[dict]:
 def test_every_python_module_command_parses():
     """Each `python -m MODULE ARGS` parses (plan runs; a command named without arguments answers --help); a
     flag renamed in the code fails here, and so does the planted bad flag, which shows the check can fail."""
-    planted = ["-m", "minizero", "bench", "--no-such-flag"]
+    planted = ["-m", "minizero_course", "bench", "--no-such-flag"]
     argvs = sorted({tuple(["python", *p]) for _, _, p in KINDS["module"]}) + [("python", *planted)]
     where = {tuple(["python", *p]): (w, c) for w, c, p in KINDS["module"]}
     results = {tuple(r["argv"]): r for r in _run_checks([list(a) for a in argvs])}
@@ -108,7 +109,7 @@ def test_every_documented_file_target_extra_and_lab_exists():
                 if not re.search(rf"^{re.escape(t)}:", makefile, re.M)]
     missing += [f"{w}: `{c}`: no extra [{e}] in pyproject.toml" for w, c, e in KINDS["extra"]
                 if any(name not in extras for name in e.split(","))]
-    from minizero.autograde import LABS
+    from minizero_course.grader import LABS
     for w, c, args in KINDS["pytest"]:
         for lab in re.findall(r"\blab(\d+)\b", " ".join(args)):
             if int(lab) not in LABS:

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from minizero.autograde import LABS, REPO
-from minizero.autograde import labgen
+from minizero_course.grader import LABS, REPO
+from minizero_course.grader import labgen
 
 LABS_DIR = Path(REPO) / "labs"
 
 
 def _grade(*args):
-    return subprocess.run([sys.executable, "-m", "minizero", "grade", *args],
+    return subprocess.run([sys.executable, "-m", "minizero_course", "grade", *args],
                           capture_output=True, text=True, timeout=600)
 
 
@@ -28,7 +28,8 @@ def _stubs_in(text: str) -> list[tuple[str, str]]:
 def test_untouched_labs_score_zero_without_a_launch(tmp_path, monkeypatch, capsys):
     """Every check of every untouched lab fails with 'not implemented yet', naming each function whose TODO
     is still a stub and the TODO's words, and no rank is launched for it (a launch costs seconds)."""
-    from minizero import autograde, launch
+    from minizero import launch
+    from minizero_course import grader
     launched = []
 
     def no_launch(target, *args, **kwargs):
@@ -36,7 +37,7 @@ def test_untouched_labs_score_zero_without_a_launch(tmp_path, monkeypatch, capsy
         raise RuntimeError(f"launched {target}")
     monkeypatch.setattr(launch, "run", no_launch)
     out = tmp_path / "results.json"
-    assert autograde.main(["--impl", "labs", "--json", str(out)]) == 1
+    assert grader.main(["--impl", "labs", "--json", str(out)]) == 1
     assert launched == [], f"untouched labs were launched: {launched} (is labs/ out of date? `make labs`)"
     result = json.loads(out.read_text())
     assert result["score"] == 0 and result["max_score"] > 0
@@ -74,7 +75,7 @@ def test_a_started_lab_is_launched_and_names_the_stub_its_ranks_hit(tmp_path, mo
     change), with one line added outside its TODOs it is graded by its ranks, and the first stub they hit
     is the message, as for a half-done lab."""
     from minizero import launch
-    from minizero.autograde import run_check, untouched_todos
+    from minizero_course.grader import run_check, untouched_todos
     lab = LABS[1]
     check = next(c for c in lab.checks() if c.fn.__name__ == "check_bytes")
     text = (LABS_DIR / lab.filename).read_text()
@@ -85,7 +86,7 @@ def test_a_started_lab_is_launched_and_names_the_stub_its_ranks_hit(tmp_path, mo
     launched, real = [], launch.run
     monkeypatch.setattr(launch, "run", lambda target, *a, **k: launched.append(target) or real(target, *a, **k))
     entry = run_check(lab, check, str(tmp_path))
-    assert launched == ["minizero.autograde.lab01:bytes_worker"]
+    assert launched == ["minizero_course.grader.lab01:bytes_worker"]
     assert entry["status"] == "failed" and entry["output"] == "lab 1: not implemented yet: phase 1, reduce-scatter"
 
 
@@ -161,7 +162,7 @@ def test_every_failure_becomes_that_checks_failing_entry(tmp_path, monkeypatch):
     check's own code each become a failing entry with the reason and its likely cause."""
     monkeypatch.setenv("MINIZERO_TIMEOUT_SCALE", "1")  # the 3 s timeout below is what is checked
     from minizero import launch
-    from minizero.autograde import Check, run_check
+    from minizero_course.grader import Check, run_check
     lab = LABS[1]
     (tmp_path / lab.filename).write_text("import a_module_that_does_not_exist\n")
 
@@ -184,15 +185,15 @@ def test_every_failure_becomes_that_checks_failing_entry(tmp_path, monkeypatch):
 
 
 def test_results_json_is_written_even_if_grading_stops(tmp_path, monkeypatch):
-    import minizero.autograde as autograde
+    import minizero_course.grader as grader
 
     def stop(impl):
         raise KeyboardInterrupt  # not an Exception: nothing catches it, as a Ctrl-C or a killed check
-    monkeypatch.setattr(autograde.Lab, "checks", lambda self: [autograde.Check("fine", 1, lambda impl: "ok"),
-                                                              autograde.Check("stops", 1, stop)])
+    monkeypatch.setattr(grader.Lab, "checks", lambda self: [grader.Check("fine", 1, lambda impl: "ok"),
+                                                              grader.Check("stops", 1, stop)])
     out = tmp_path / "results.json"
     with pytest.raises(KeyboardInterrupt):
-        autograde.main(["--lab", "1", "--impl", "solutions", "--json", str(out)])
+        grader.main(["--lab", "1", "--impl", "solutions", "--json", str(out)])
     result = json.loads(out.read_text())
     assert [t["name"] for t in result["tests"]] == ["lab 1: fine"] and result["score"] == result["max_score"] == 1
 
@@ -201,17 +202,17 @@ def test_results_json_is_written_even_if_grading_stops(tmp_path, monkeypatch):
 def test_stretch_points_count_only_when_the_main_checks_are_full(tmp_path, monkeypatch, capsys, main_ok):
     """A 2-point main check failed and a 2-point stretch task passed: the stretch entry scores 0 and says why,
     the total stays below full marks and grade exits 1. With the main check passed, the extra points count."""
-    import minizero.autograde as autograde
+    import minizero_course.grader as grader
 
     def main_check(impl):
         if not main_ok:
-            raise autograde.CheckFailed("the gather was blocking")
+            raise grader.CheckFailed("the gather was blocking")
         return "ok"
-    monkeypatch.setattr(autograde.Lab, "checks", lambda self: [
-        autograde.Check("main", 2, main_check), autograde.Check("other", 3, lambda impl: "ok"),
-        autograde.Check("stretch", 2, lambda impl: "ok", extra=True)])
+    monkeypatch.setattr(grader.Lab, "checks", lambda self: [
+        grader.Check("main", 2, main_check), grader.Check("other", 3, lambda impl: "ok"),
+        grader.Check("stretch", 2, lambda impl: "ok", extra=True)])
     out = tmp_path / "results.json"
-    code = autograde.main(["--lab", "8", "--impl", "solutions", "--json", str(out)])
+    code = grader.main(["--lab", "8", "--impl", "solutions", "--json", str(out)])
     result = json.loads(out.read_text())
     stretch = result["tests"][2]
     assert result["max_score"] == 5 and stretch["max_score"] == 0 and stretch["status"] == "passed"
@@ -238,19 +239,19 @@ def test_stretch_points_count_only_when_the_main_checks_are_full(tmp_path, monke
     ("rank 1 failed: AttributeError: 'NoneType' object has no attribute 'wait'", "async_op=True"),
 ])
 def test_raw_errors_get_their_likely_cause_under_them(raw, cause):
-    from minizero.autograde.hints import with_hint
+    from minizero_course.grader.hints import with_hint
     text = with_hint(raw + "\n\ntraceback ...")
     head, hint, *_ = text.splitlines()
     assert head == raw and hint.startswith("likely cause: ") and cause in hint, text
 
 
 def test_shared_launches_grade_like_single_ones(tmp_path, monkeypatch):
-    """autograde.batch: the checks of 5 submissions, each launching twice, run in shared jobs;
+    """grader.batch: the checks of 5 submissions, each launching twice, run in shared jobs;
     every entry is what the check says about ITS file, a submission that raises gets its own
     error (the ones before and after it keep their results), and the jobs number 3, not 10."""
     from minizero import launch
-    from minizero.autograde import Check, CheckFailed
-    from minizero.autograde.batch import run_checks
+    from minizero_course.grader import Check, CheckFailed
+    from minizero_course.grader.batch import run_checks
     texts = ["a", "b", "raise", "d", "e"]
     folders = []
     for i, text in enumerate(texts):

@@ -1,6 +1,7 @@
-"""`python -m minizero gradescope`: the bundle's run_autograder, run in a simulated Gradescope layout (ROOT/source
-unzipped from the bundle, ROOT/submission, ROOT/results/results.json), grades lab 1: the solution full marks,
-the untouched stub zero, a crashing or hanging submission its failing entries, and results.json always."""
+"""`python -m minizero_course gradescope`: the bundle's run_autograder, run in a simulated Gradescope
+layout (ROOT/source unzipped from the bundle, ROOT/submission, ROOT/results/results.json), grades
+lab 1: the solution full marks, the untouched stub zero, a crashing or hanging submission its
+failing entries, and results.json always."""
 import json
 import os
 import subprocess
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from minizero.autograde import LABS, REPO
-from minizero.autograde import labgen
+from minizero_course.grader import LABS, REPO
+from minizero_course.grader import labgen
 
 LAB = LABS[1]
 MAX = sum(c.max_score for c in LAB.checks() if not c.extra)
@@ -21,14 +22,14 @@ MAX = sum(c.max_score for c in LAB.checks() if not c.extra)
 def source(tmp_path_factory):
     """The bundle of lab 1, unzipped as Gradescope does into source/."""
     tmp = tmp_path_factory.mktemp("gradescope")
-    proc = subprocess.run([sys.executable, "-m", "minizero", "gradescope", str(tmp / "lab01.zip"), "--lab", "1"],
+    proc = subprocess.run([sys.executable, "-m", "minizero_course", "gradescope", str(tmp / "lab01.zip"), "--lab", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     with zipfile.ZipFile(tmp / "lab01.zip") as z:
         names = z.namelist()
         z.extractall(tmp / "source")
         modes = {i.filename: i.external_attr >> 16 for i in z.infolist()}
-    assert {"setup.sh", "run_autograder", "minizero/autograde/handout.json"} <= set(names)
+    assert {"setup.sh", "run_autograder", "minizero_course/grader/handout.json"} <= set(names)
     assert not any(n.startswith(("solutions/", "tests/mutants/")) for n in names)
     assert modes["run_autograder"] & 0o111 and modes["setup.sh"] & 0o111
     return tmp / "source"
@@ -114,7 +115,7 @@ def test_an_empty_submission_says_which_files(source, tmp_path):
 def test_bad_input_is_one_message(tmp_path):
     for args, words in [([str(tmp_path / "x.zip"), "--lab", "99"], "--lab 99"),
                         ([str(tmp_path / "x.tar")], "give a .zip")]:
-        proc = subprocess.run([sys.executable, "-m", "minizero", "gradescope", *args], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run([sys.executable, "-m", "minizero_course", "gradescope", *args], capture_output=True,
+                              text=True, timeout=120)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not list(tmp_path.iterdir())

@@ -1,4 +1,4 @@
-"""`python -m minizero handout`: the student's copy holds no solution, grades the student's package (zero
+"""`python -m minizero_course handout`: the student's copy holds no solution, grades the student's package (zero
 untouched, full marks with the solutions pasted back), and its `make test` passes.
 
 One handout of every lab is built per module (file copies: seconds); the graded runs happen inside it, with
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from minizero.autograde import LABS, REPO, labgen, tree_digest
-from minizero.cli import handout
+from minizero_course.grader import LABS, REPO, labgen, tree_digest
+from minizero_course.kit import handout
 
 
 def in_handout(root: Path, *args, timeout=600):
@@ -25,8 +25,8 @@ def in_handout(root: Path, *args, timeout=600):
 @pytest.fixture(scope="module")
 def student(tmp_path_factory):
     root = tmp_path_factory.mktemp("handout") / "student"
-    proc = subprocess.run([sys.executable, "-m", "minizero", "handout", str(root)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "minizero_course", "handout", str(root)], capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return root
 
@@ -53,7 +53,7 @@ def test_the_handout_holds_no_solution_text(student):
 
 def test_the_untouched_handout_scores_zero(student):
     """Its grader grades its package: every check of every lab fails as not implemented, at once (no launch)."""
-    proc = in_handout(student, sys.executable, "-m", "minizero", "grade", "--json", "results.json")
+    proc = in_handout(student, sys.executable, "-m", "minizero_course", "grade", "--json", "results.json")
     result = json.loads((student / "results.json").read_text())
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert result["score"] == 0 and result["max_score"] == sum(c.max_score for lab in LABS.values()
@@ -64,7 +64,7 @@ def test_the_untouched_handout_scores_zero(student):
                 and "no rank was launched" in t["output"]), t
         lab = LABS[int(t["name"].split(":")[0].split()[1])]  # named: where its TODO is here
         assert f"every TODO in {' and '.join(labgen.sources(lab))} is still" in t["output"], t
-    wrong = in_handout(student, sys.executable, "-m", "minizero", "grade", "--lab", "1",
+    wrong = in_handout(student, sys.executable, "-m", "minizero_course", "grade", "--lab", "1",
                        "--impl", "labs")
     assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1, wrong.stderr
     assert "--impl package" in wrong.stderr, wrong.stderr
@@ -82,7 +82,7 @@ def test_the_handout_with_the_solutions_pasted_back_scores_full_marks(student, t
             (pasted / source).write_text(labgen.transform((Path(REPO) / source).read_text(), n, stub=False))
         assert tree_digest(labgen.render(lab, "package", str(pasted))) == tree_digest(
             (Path(REPO) / "solutions" / lab.filename).read_text()), lab.filename
-    proc = in_handout(pasted, sys.executable, "-m", "minizero", "grade", "--lab", "1", "--json", "results.json")
+    proc = in_handout(pasted, sys.executable, "-m", "minizero_course", "grade", "--lab", "1", "--json", "results.json")
     result = json.loads((pasted / "results.json").read_text())
     assert proc.returncode == 0 and result["score"] == result["max_score"] == 10, proc.stdout + proc.stderr
     demo = in_handout(pasted, "mpirun", "-n", "4", sys.executable, "labs/lab01_ring_allreduce.py", timeout=120)
@@ -124,12 +124,12 @@ def test_lessons_that_run_a_lab_say_after_which(student):
 
 def test_bad_input_is_one_message_and_changes_nothing(tmp_path):
     for args, words in [(["--labs", "0-3"], "--labs '0-3': no lab 0;"), (["--labs", "two"], "use numbers and ranges")]:
-        proc = subprocess.run([sys.executable, "-m", "minizero", "handout", str(tmp_path / "out"), *args],
+        proc = subprocess.run([sys.executable, "-m", "minizero_course", "handout", str(tmp_path / "out"), *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert not (tmp_path / "out").exists()
     (tmp_path / "out").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "minizero", "handout", str(tmp_path / "out")],
+    proc = subprocess.run([sys.executable, "-m", "minizero_course", "handout", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "exists" in proc.stderr and not any((tmp_path / "out").iterdir())
 
@@ -141,7 +141,7 @@ def test_make_handout_gives_every_lab_as_the_command_does():
         proc = subprocess.run(["make", "-n", "handout", *extra], cwd=REPO, capture_output=True, text=True,
                               timeout=60)
         assert proc.returncode == 0, proc.stderr
-        return [line for line in proc.stdout.splitlines() if "-m minizero handout" in line]
+        return [line for line in proc.stdout.splitlines() if "-m minizero_course handout" in line]
     assert len(dry()) == 1 and "--labs" not in dry()[0], dry()
     assert dry("HANDOUT_LABS=1-6")[0].endswith("--labs 1-6"), dry("HANDOUT_LABS=1-6")
 
@@ -164,7 +164,7 @@ def test_every_command_of_the_students_readme_works_there(student, tmp_path):
         if words[0] == "make":
             proc = in_handout(copy, "make", "-n", *words[1:], timeout=60)
             assert proc.returncode == 0, (command, proc.stderr)
-        elif words[:3] == [sys.executable, "-m", "minizero"]:
+        elif words[:3] == [sys.executable, "-m", "minizero_course"]:
             proc = in_handout(copy, *words, timeout=300)
             said = "every TODO in minizero/comm/ring.py is still its stub"
             assert proc.returncode == 1 and said in proc.stdout, (command, proc.stdout[-2000:])

@@ -9,7 +9,7 @@ hybrid averages twice: a node's reduce-scatter, then the nodes' all-reduce). Mea
 import pytest
 
 from minizero import launch
-from minizero.experiments.zeropp import formula
+from minizero_course.experiments.zeropp import formula
 from minizero.zero.hybrid import cross_node_bytes_per_node
 
 SAVE_AT = 3  # tests/hybrid_workers.py saves after this step
@@ -19,7 +19,7 @@ _job = []
 
 def results():
     if not _job:
-        _job.append(launch.run("minizero.experiments.hybrid:compare", nprocs=4, timeout=300, backend="torch"))
+        _job.append(launch.run("minizero_course.experiments.hybrid:compare", nprocs=4, timeout=300, backend="torch"))
     return _job[0]
 
 

@@ -14,7 +14,7 @@ import pytest
 
 # The two course builders this file checks: update these imports (only here) if they move.
 from docs.site import build as site_build
-from minizero.cli import handout
+from minizero_course.kit import handout
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ROOT / "instructors" / "answers"

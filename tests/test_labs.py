@@ -3,7 +3,7 @@
 By default (and in CI) the checks grade solutions/, which must score full marks."""
 import pytest
 
-from minizero.autograde import LABS
+from minizero_course.grader import LABS
 
 CASES = [pytest.param(n, check, id=f"lab{n}-{check.fn.__name__}", marks=getattr(pytest.mark, f"lab{n}"))
          for n, lab in sorted(LABS.items()) for check in lab.checks()]

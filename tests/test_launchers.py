@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from minizero import launch
-from minizero.autograde import LABS
+from minizero_course.grader import LABS
 from minizero.cli import train as train_cli
 from minizero.data import regression_batch
-from minizero.experiments.references import train_single
+from minizero_course.experiments.references import train_single
 from minizero.models import build_model
 from tests.machine import free_port, guard, retry_on_port_collision
 

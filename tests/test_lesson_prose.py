@@ -1,13 +1,13 @@
 """The lessons' computed conclusions say what the run measured, whichever way it came out.
 
-Each lesson's prose generator (minizero/experiments/*.py) is called with figures forced to each side of
+Each lesson's prose generator (minizero_course/experiments/*.py) is called with figures forced to each side of
 every comparison it draws, and the sentence for that side must be there and the other side's must not:
 a loaded machine must never print a conclusion its own figures contradict."""
 import copy
 
 import pytest
 
-from minizero.experiments import activation_checkpointing, collectives, dp_ddp
+from minizero_course.experiments import activation_checkpointing, collectives, dp_ddp
 
 KiB, MiB = 2**10, 2**20
 
@@ -327,14 +327,14 @@ DPU = [  # tail: mean loss of the last steps (no DPU, warm-up 2, warm-up 40); sa
 
 @pytest.mark.parametrize("label,tail,same,want,avoid", DPU, ids=[c[0] for c in DPU])
 def test_lesson07_dpu_conclusions(label, tail, same, want, avoid):
-    from minizero.experiments.offload import describe_dpu
+    from minizero_course.experiments.offload import describe_dpu
     names = ("no DPU", "DPU, warm-up 2", "DPU, warm-up 40")
     _check(describe_dpu(dict(zip(names, tail)), dict(zip(names[1:], same)), dict(zip(names[1:], (2, 40)))),
            want, avoid, label)
 
 
 def test_lesson07_ten_x_conclusions():
-    from minizero.experiments.offload import describe_ten_x
+    from minizero_course.experiments.offload import describe_ten_x
     _check(describe_ten_x(1.41, 13.7, 1.9), ["9.7×", "off by 5%", "a consequence of the stated assumptions",
                                              "the ratio is 7.2×, closer to the 8×"],
            ["do not reproduce", "no closer"], "match")
@@ -343,7 +343,7 @@ def test_lesson07_ten_x_conclusions():
 
 
 def test_lesson04_saving_against_the_formula():
-    from minizero.experiments.zero12 import describe_saving
+    from minizero_course.experiments.zero12 import describe_saving
     _check(describe_saving(2.2857, 2.2851), ["2.29×, the same to two decimals"], ["below", "above"], "equal")
     _check(describe_saving(2.2857, 2.2512), ["2.25×, below the formula by 0.03"], ["the same to two decimals"], "below")
     _check(describe_saving(2.2857, 2.3012), ["above the formula by 0.02"], ["the same to two decimals"], "above")
@@ -370,21 +370,21 @@ def _scaling(**kw):
     ("ZeRO-3 no bigger at N=1", {"ddp_total": [9.0] * 4}, ["holds no more than DDP"], ["holds *more*"]),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_lesson06_scaling_conclusions(label, kw, want, avoid):
-    from minizero.experiments.zero3 import describe_scaling
+    from minizero_course.experiments.zero3 import describe_scaling
     _check(describe_scaling(**_scaling(**kw)), want, avoid, label)
 
 
 def test_lesson06_seed_table_sentence_agrees_with_lesson00():
     """Lesson 00 reads the seed's 5 GB ZeRO-3 row as plausible with offload: lesson 06 must
     not call it impossible."""
-    from minizero.experiments.zero3 import describe_scaling
+    from minizero_course.experiments.zero3 import describe_scaling
     _check(describe_scaling(**_scaling()),
            ["at most 4", "offload its config turns on", "lesson 00"], ["cannot be right"],
            "seed table")
 
 
 def test_lesson06_persistence_conclusions():
-    from minizero.experiments.zero3 import describe_persistence
+    from minizero_course.experiments.zero3 import describe_persistence
     p0 = {"whole": 0, "calls": 15, "sent": {"all_gather": 1261824, "reduce_scatter": 630912}, "ledger": {"a": 0.8e6}}
     p65 = {"whole": 1664, "calls": 20, "sent": {"all_gather": 1251840, "reduce_scatter": 625920, "all_reduce": 9984},
            "ledger": {"a": 0.9e6}}
@@ -398,7 +398,7 @@ def test_lesson06_persistence_conclusions():
 
 
 def test_lesson10_tp_against_dp():
-    from minizero.experiments.tensor import describe_tp_vs_dp
+    from minizero_course.experiments.tensor import describe_tp_vs_dp
     _check(describe_tp_vs_dp(124_032, 180_480, 12, 3, 7),
            ["0.69× DP's bytes here (fewer", "12 collectives against DP's 3",
                                                           "9 more latencies", "tp_comm_overlap", "Domino"],
@@ -421,7 +421,7 @@ BREAK_EVEN = [  # step_ratio, extra (s), saved (B), ZeRO-3 step (s)
 
 @pytest.mark.parametrize("label,figures,want,avoid", BREAK_EVEN, ids=[c[0] for c in BREAK_EVEN])
 def test_lesson08_break_even_conclusions(label, figures, want, avoid):
-    from minizero.experiments.zeropp import describe_break_even
+    from minizero_course.experiments.zeropp import describe_break_even
     ratio, extra, saved, step = figures
     _check(describe_break_even(ratio, extra, saved, step, 40, 30), want, avoid, label)
 
@@ -446,7 +446,7 @@ def _sparse_rows(sdpa_saved=4.0, n=2048):
      ["no more than the leanest"]),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_lesson15_memory_conclusions(label, sdpa_saved, want, avoid):
-    from minizero.experiments.sparse import describe_memory
+    from minizero_course.experiments.sparse import describe_memory
     _check(describe_memory(_sparse_rows(sdpa_saved), 2048), want, avoid, label)
 
 
@@ -463,7 +463,7 @@ def test_lesson15_memory_conclusions(label, sdpa_saved, want, avoid):
      ["fits no longer", "stays below 10×"]),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_lesson15_longest_conclusions(label, longest, want, avoid):
-    from minizero.experiments.sparse import describe_longest
+    from minizero_course.experiments.sparse import describe_longest
     _check(describe_longest(longest, 16 * 2**20), want, avoid, label)
 
 
@@ -492,7 +492,7 @@ def _times(fixed2048=0.434, bigbird1024=0.043, sdpa2048=0.302):
      ["fixed 4.0× faster than the naive dense, 2.1× faster than SDPA"], ["the speed of SDPA"]),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_lesson15_speed_conclusions(label, times, want, avoid):
-    from minizero.experiments.sparse import describe_speed
+    from minizero_course.experiments.sparse import describe_speed
     _check(describe_speed(times, {"fixed": 0.308, "bigbird": 0.115}), want, avoid, label)
 
 
@@ -517,7 +517,7 @@ def _curve(start=4.0, end=1.1, steps=150, lag=0.0, freeze=30):
      ["catches up", "throughout"]),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_lesson14_gap_conclusions(label, lag, tail_shift, want, avoid):
-    from minizero.experiments.onebit import describe_gap
+    from minizero_course.experiments.onebit import describe_gap
     adam = _curve()
     onebit = [x + (tail_shift if k >= 140 else 0) for k, x in enumerate(_curve(lag=lag))]
     _check(describe_gap(adam, onebit, 30, 0.06), want, avoid, label)
@@ -540,12 +540,12 @@ def _v(after20, before20=0.2):
      ["moving more before"]),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_lesson14_v_conclusions(label, after, before, want, avoid):
-    from minizero.experiments.onebit import describe_v
+    from minizero_course.experiments.onebit import describe_v
     _check(describe_v(_v(after, before)), want, avoid, label)
 
 
 def test_lesson14_ablation_conclusions():
-    from minizero.experiments.onebit import COMPRESSED_ADAM, describe_ablations
+    from minizero_course.experiments.onebit import COMPRESSED_ADAM, describe_ablations
     adam = _curve()
     nan = float("nan")
     conv = {"Adam": {"loss": adam},
@@ -561,7 +561,7 @@ def test_lesson14_ablation_conclusions():
 
 
 def test_lesson14_time_conclusions():
-    from minizero.experiments.onebit import describe_time, step_model
+    from minizero_course.experiments.onebit import describe_time, step_model
     adam, one = step_model(340_000_000, 64, 50e-6, 5e9, 0.145, elem_bytes=2)
     assert 2.4 < adam / one < 2.6                              # 0.42 s against 0.17 s
     models = {"BERT-Large": (adam, one)}

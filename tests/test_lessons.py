@@ -21,7 +21,7 @@ BUDGET_S = 90  # the target is 60 s on 2 idle cores; over it -> a warning naming
 
 def solution_text_in(text: str) -> list[str]:
     """What of a lab's solution `text` shows: a region's marker or one of its code lines (labgen.solution_lines)."""
-    from minizero.autograde.labgen import solution_lines
+    from minizero_course.grader.labgen import solution_lines
     found = [marker for marker in ("BEGIN SOLUTION", "END SOLUTION") if marker in text]
     return found + [f"lab {n}: {line}" for n, lines in solution_lines().items() for line in sorted(lines)
                     if line in text]
@@ -43,7 +43,7 @@ def test_the_solution_scan_finds_a_printed_solution():
     """The scan below would see a lesson that prints a lab's function from the package (its solution)."""
     import inspect
 
-    from minizero.autograde import HANDOUT
+    from minizero_course.grader import HANDOUT
     from minizero.moe import dispatch
     if HANDOUT:
         pytest.skip("a handout has no marked solution to look for")

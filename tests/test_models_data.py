@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from minizero.experiments.references import train_single
+from minizero_course.experiments.references import train_single
 from minizero.data import SyntheticTokens, regression_batch, shard
 from minizero.models import MLP, EdgeCaseModel, GPTConfig, TinyGPT, build_model
 

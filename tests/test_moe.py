@@ -77,7 +77,7 @@ def test_uneven_loads_drop_exactly_the_overflow(case):
 def test_dropped_tokens_against_capacity_factor():
     """One process: dropped = sum_e max(0, n_e - C) at every capacity factor, never more as C grows,
     and none once C >= the busiest expert's load."""
-    from minizero.experiments.experts import dropped_vs_capacity
+    from minizero_course.experiments.experts import dropped_vs_capacity
     for k, skew in ((1, 0.0), (2, 1.0)):
         rows = dropped_vs_capacity(factors=(0.5, 1.0, 1.5, 2.0, 4.0), k=k, skew=skew)
         for row in rows:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from minizero.autograde import LABS, REPO
+from minizero_course.grader import LABS, REPO
 
 MUTANT_DIR = Path(__file__).resolve().parent / "mutants"
 MIN_PER_LAB = 6
@@ -100,7 +100,7 @@ def test_mutant_loses_marks(number, mutant, graded_mutants):
 def test_stretch_points_never_make_up_for_a_failed_main_check(number, mutant, graded_mutants):
     """The mutant's own failing entry, every other check of its lab at full marks (the best a student with
     this bug can reach) and the stretch task passed: the lab stays below full marks and grade exits 1."""
-    from minizero.autograde import _result, stretch_policy
+    from minizero_course.grader import _result, stretch_policy
     checks = LABS[number].checks()
     entry = graded_mutants(number, mutant)
     entries = [dict(entry) if c.fn.__name__ == mutant.check else

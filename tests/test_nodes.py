@@ -23,7 +23,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from minizero.comm import Mesh, MeshError
 from minizero.comm.launcher import LOCAL_SIZE_ENV, local_world_size, node_name
 from minizero.comm.mesh import nodes_from_launcher
-from minizero.experiments.zeropp import formula, measured_per_node
+from minizero_course.experiments.zeropp import formula, measured_per_node
 from minizero.zero.hybrid import cross_node_bytes_per_node
 from tests.test_faults import _job
 

@@ -15,7 +15,7 @@ import torch
 from minizero import launch
 from minizero.compression import (OneBitAdam, bytes_compressed, compress, end_to_end_reduction, pack_signs,
                                   padded_numel, unpack_signs)
-from minizero.experiments.onebit import tail_loss
+from minizero_course.experiments.onebit import tail_loss
 
 N = 3
 _cache = {}

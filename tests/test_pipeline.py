@@ -8,7 +8,7 @@ Schedules as data (complete, deadlock-free, bubble formulas) are in test_pipelin
 import pytest
 
 from minizero import launch
-from minizero.experiments.pipeline import GPT
+from minizero_course.experiments.pipeline import GPT
 from minizero.models import GPTConfig, TinyGPT
 from minizero.pipeline import SCHEDULES, in_flight_formula, make_schedule
 
@@ -223,12 +223,12 @@ def test_3d_dp_pp_tp_with_zero1_trains_like_one_process(nprocs):
 
 
 def test_3d_bytes_by_group_and_link_on_8_ranks_as_two_nodes():
-    """minizero/experiments/three_d.py (lesson 11, `bench 3d`): dp 8 and dp 2 x pp 2 x tp 2, both ZeRO-1, on 8
+    """minizero_course/experiments/three_d.py (lesson 11, `bench 3d`): dp 8 and dp 2 x pp 2 x tp 2, both ZeRO-1, on 8
     ranks as 2 simulated nodes of 4, one global batch. Every rank's bytes per group equal the planner's for its
     stage up to the engine's one-element collectives; in 3D the dp bytes are exactly what crosses nodes (tp and
     pp pairs sit inside a node); in the dp ring only the last rank of each node sends across, all of its
     bytes; both layouts give the same losses."""
-    ranks = launch.run("minizero.experiments.three_d:run", nprocs=8, timeout=400, args={"steps": 1})
+    ranks = launch.run("minizero_course.experiments.three_d:run", nprocs=8, timeout=400, args={"steps": 1})
     for rank, (dp8, three_d) in enumerate(ranks):
         for r in (dp8, three_d):
             for group, planned in r["planned"]["by_group"].items():

@@ -1,9 +1,9 @@
 """The planner's 1-bit Adam bytes, sparse attention activations and MoE stage-0 gradients against real runs:
-ONE 2-rank launch (minizero/experiments/planner_features.py)."""
+ONE 2-rank launch (minizero_course/experiments/planner_features.py)."""
 import pytest
 
 from minizero import launch
-from minizero.experiments.planner_features import FREEZE_STEP, GPT, SPARSE, STEPS
+from minizero_course.experiments.planner_features import FREEZE_STEP, GPT, SPARSE, STEPS
 from minizero.planner import ModelShape, PlanError, Strategy, plan
 
 N = 2
@@ -12,7 +12,7 @@ CATEGORIES = ("parameters", "master_params", "gradients", "optimizer_state")
 
 @pytest.fixture(scope="module")
 def runs():
-    return launch.run("minizero.experiments.planner_features:validate", nprocs=N, timeout=600)
+    return launch.run("minizero_course.experiments.planner_features:validate", nprocs=N, timeout=600)
 
 
 def test_onebit_bytes_per_step_and_over_the_run_equal_the_planners(runs):

@@ -1,6 +1,6 @@
 """The planner against real runs: 30 small configurations (ZeRO 0-3, activation checkpointing,
 ZeRO-Offload, TP 2 with and without SP, two TinyGPT shapes, tied and untied, accumulation) in ONE 2-rank launch
-(minizero/experiments/planner.py, tests/planner_job.py). Per configuration and rank:
+(minizero_course/experiments/planner.py, tests/planner_job.py). Per configuration and rank:
   * model-state bytes by category and location == the ledger, up to the padding of the flat shards
     (at most dp - 1 elements per flat buffer and per ZeRO-3 unit, 4 bytes each);
   * bytes sent in a step == comm.stats, exactly;
@@ -9,7 +9,7 @@ ZeRO-Offload, TP 2 with and without SP, two TinyGPT shapes, tied and untied, acc
 Not validated here: PP and ZeRO++ (not on main yet)."""
 import pytest
 
-from minizero.experiments.planner import SHAPES, configurations
+from minizero_course.experiments.planner import SHAPES, configurations
 from tests.planner_job import N, results
 
 CATEGORIES = ("parameters", "master_params", "gradients", "optimizer_state")

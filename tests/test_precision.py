@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from minizero import launch, memory, precision
-from minizero.experiments import mixed_precision
-from minizero.experiments.mixed_precision import loss_tolerance
+from minizero_course.experiments import mixed_precision
+from minizero_course.experiments.mixed_precision import loss_tolerance
 from minizero.comm import ring_bytes_sent
 from minizero.data import SyntheticTokens
 from minizero.models import TinyGPT

@@ -1,4 +1,4 @@
-"""`python -m minizero bench scale --quick`: the largest-model search on 2 ranks under a small memory cap
+"""`python -m minizero_course bench scale --quick`: the largest-model search on 2 ranks under a small memory cap
 (0.2 GB above the first probe's job: torch DDP grows ~0.3 GB from s 4 to 6, ZeRO-3 ~0.1), torch DDP against minizero
 ZeRO-3 + zero.Init, checked against
 independent counts: the watcher's kill, the ledger against memory.estimate, sharding's 1/N."""
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from minizero.bench.scale import grow, plot, search
-from minizero.bench.scale_probe import CANDIDATES, count, gpt
+from minizero_course.bench.scale import grow, plot, search
+from minizero_course.bench.scale_probe import CANDIDATES, count, gpt
 
 
 def test_size_rule_and_search_without_jobs():
@@ -31,7 +31,8 @@ def quick(tmp_path_factory):
     d = tmp_path_factory.mktemp("scale")
     tmp = d / "tmp"  # the probes' folders go here: none may be left
     tmp.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "minizero", "bench", "scale", "--quick", "--json", str(d / "s.json")],
+    proc = subprocess.run([sys.executable, "-m", "minizero_course", "bench", "scale", "--quick",
+                           "--json", str(d / "s.json")],
                           check=False, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stdout + proc.stderr

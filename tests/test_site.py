@@ -238,7 +238,7 @@ def test_search_finds_the_lessons(visited):
 
 def test_the_site_has_every_section_and_screenshots(visited):
     names = set(visited["pages"])
-    from minizero.autograde import LABS
+    from minizero_course.grader import LABS
     expected = {"index.html", "design.html", "bench.html", "api/index.html", "labs/index.html"}
     expected |= {f"labs/{lab.filename[:-3]}.html" for lab in LABS.values()}
     expected |= {f"{page.stem}.html" for page in (ROOT / "docs").glob("*.md")}  # the guide: every docs/ page

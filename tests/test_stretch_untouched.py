@@ -3,8 +3,8 @@ extra: the stretch stub's NotImplementedError is recorded by its own check, neve
 main checks share (which would fail them all). The file: the solution with only the stretch regions stubbed."""
 import pytest
 
-from minizero.autograde import LABS, run_check
-from minizero.autograde.labgen import BEGIN, END, joined, sources, transform
+from minizero_course.grader import LABS, run_check
+from minizero_course.grader.labgen import BEGIN, END, joined, sources, transform
 
 
 def main_solved_stretch_stubbed(lab) -> str:

@@ -18,7 +18,7 @@ def test_the_page_shows_the_rendering_of_the_measured_times():
 def test_every_lesson_and_lab_was_measured():
     """A new or renamed lesson or lab needs a new measurement: the JSON names each one, with a time and the
     load it ran at, and each lab's reference solution graded without an error."""
-    from minizero.autograde import LABS
+    from minizero_course.grader import LABS
     data = json.loads(syllabus.TIMES.read_text())
     assert sorted(data["lessons"]) == sorted(p.stem for p in (ROOT / "lessons").glob("*.ipynb"))
     assert sorted(data["labs"]) == [f"{n:02d}" for n in sorted(LABS)]

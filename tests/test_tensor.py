@@ -215,13 +215,13 @@ def test_engine_config_errors_before_any_collective(tmp_path):
 
 # ------------------------------------------------------------------------ bench --tp, against torch DTensor TP
 def test_bench_tp_against_dtensor(monkeypatch, tmp_path, capsys):
-    """`python -m minizero bench --tp` end to end on the shared job's results (its launch.run returns
+    """`python -m minizero_course bench --tp` end to end on the shared job's results (its launch.run returns
     them): the same model under torch's DTensor TP (parallelize_module, loss_parallel) gives the same
     first loss (a ground-truth check of minizero's TP), the same parameter bytes per rank, 2 all-reduces
     per layer per pass in both (DTensor's loss takes 3, minizero's 2), and the report, JSON and plot."""
     import json
 
-    from minizero.bench import bench
+    from minizero_course.bench import bench
     if not _job:
         results(CASES[0])
     per_rank = [out["bench"] for out in _job[0]]

@@ -1,4 +1,4 @@
-"""`python -m minizero bench --trace DIR`: one 2-rank job, 2 traced steps of minizero DDP and of ZeRO-3 with its
+"""`python -m minizero_course bench --trace DIR`: one 2-rank job, 2 traced steps of minizero DDP and of ZeRO-3 with its
 optimizer state on disk; each rank's Chrome trace is valid JSON whose minizero labels agree with what
 minizero.comm counted in the same steps, and the disk tier's reads show up on their own threads."""
 import json
@@ -15,7 +15,7 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     d = tmp_path_factory.mktemp("trace")
-    proc = subprocess.run([sys.executable, "-m", "minizero", "bench", "--trace", str(d), "--nprocs", "2",
+    proc = subprocess.run([sys.executable, "-m", "minizero_course", "bench", "--trace", str(d), "--nprocs", "2",
                            "--trace-steps", str(STEPS), "--warmup", "1", "--candidates", *CANDIDATES,
                            "--json", str(d / "counts.json")],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(d)})

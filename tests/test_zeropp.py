@@ -16,7 +16,7 @@ import torch
 
 import minizero
 from minizero import launch
-from minizero.experiments.zeropp import VARIANTS, formula, measured_per_node
+from minizero_course.experiments.zeropp import VARIANTS, formula, measured_per_node
 from minizero.models import build_model
 from minizero.runtime.config import ConfigError, load_config
 from minizero.zero.zeropp import ZeroPP
@@ -276,7 +276,7 @@ def test_the_planner_predicts_each_variants_bytes_and_hpz_memory(res, key, dtype
     on the units it derives from the shape) equal comm.stats of every rank and variant exactly, the
     cross-node share included; its parameter bytes (fp32 shards and hpZ's partition) equal the ledger's up
     to the shards' padding."""
-    from minizero.experiments.zeropp import LESSON_GPT
+    from minizero_course.experiments.zeropp import LESSON_GPT
     from minizero.models import GPTConfig
     from minizero.planner import ModelShape, Strategy, plan
     g = GPTConfig(**LESSON_GPT)

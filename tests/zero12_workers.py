@@ -14,11 +14,11 @@ import hashlib
 import torch
 
 from minizero import memory
-from minizero.experiments.references import train_single
+from minizero_course.experiments.references import train_single
 from minizero.data import shard
 from minizero.dp.ddp import DDP
 from minizero.models import build_model
-from minizero.experiments.references import flat_params, global_batches, make_optimizer
+from minizero_course.experiments.references import flat_params, global_batches, make_optimizer
 from minizero.zero.sharded_optimizer import ShardedOptimizer
 from minizero.zero.shard_grad_op import ShardGradOp
 from minizero.zero.sharded_grad import is_placeholder

@@ -11,11 +11,11 @@ import torch
 import torch.nn as nn
 
 from minizero import memory
-from minizero.experiments.references import train_single
+from minizero_course.experiments.references import train_single
 from minizero.data import shard
 from minizero.dp.ddp import DDP
 from minizero.models import build_model
-from minizero.experiments.references import flat_params, global_batches, make_optimizer
+from minizero_course.experiments.references import flat_params, global_batches, make_optimizer
 from minizero.zero.fsdp import FSDP
 from minizero.zero.fsdp_optimizer import FSDPOptimizer
 

@@ -10,8 +10,8 @@ import torch
 
 from minizero.comm import Mesh
 from minizero.data import shard
-from minizero.experiments import zeropp as experiment
-from minizero.experiments.references import global_batches
+from minizero_course.experiments import zeropp as experiment
+from minizero_course.experiments.references import global_batches
 from minizero.models import build_model
 from minizero.runtime.engine import build_engine
 from minizero.zero.fsdp import FSDP

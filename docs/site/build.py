@@ -9,7 +9,7 @@ Stages build/site-src/ and runs sphinx-build on it with docs/site/conf.py:
   * lessons/*.ipynb: every lessons/*.ipynb as it ran on this machine: the copy tests/test_lessons.py
     left in build/lessons/ when it is current, else executed here (docs/site/notebooks.py); a line
     at the top says when, on how many cores, with or without a GPU, at what load;
-  * labs/*.md: one page per lab from its registry entry (minizero.autograde), its TODOs and their
+  * labs/*.md: one page per lab from its registry entry (minizero_course.grader), its TODOs and their
     hints (labs/labNN_*.py), its checks, and its stretch tasks (docs/site/stretch.md);
   * api/*.md: automodule of every minizero module, grouped by subpackage;
   * design.md (docs/design.md), gpu.md (docs/gpu.md: `make test-gpu`'s report) and bench.md: `python -m minizero
@@ -112,7 +112,7 @@ def stretch_tasks() -> dict[int, str]:
 
 
 def stage_labs(dest: Path, lessons: list[str]) -> int:
-    from minizero.autograde import LABS
+    from minizero_course.grader import LABS
     dest.mkdir(parents=True)
     stretch = stretch_tasks()
     rows = []
@@ -142,7 +142,7 @@ def stage_labs(dest: Path, lessons: list[str]) -> int:
                   "TODO's "
                  "`NotImplementedError`."), "",
                  "## Grade it", "", "```bash",
-                 f"python -m minizero grade --lab {lab.number} --impl labs      # the score table",
+                 f"python -m minizero_course grade --lab {lab.number} --impl labs      # the score table",
                  f"pytest -m lab{lab.number} --impl labs                        # the same checks as tests",
                  "```", "", "| check | points |", "|---|---|"]
         page += [f"| {check.name} | {check.max_score:g}{' extra credit' if getattr(check, 'extra', False) else ''} |"
@@ -194,30 +194,31 @@ def _is_package(name: str) -> bool:
 
 
 def stage_bench(dest: Path, bench_args=()) -> None:
-    """bench.md from build/bench/: `python -m minizero bench [bench_args]`, run here once (1.5-3 min on 2 cores)."""
+    """bench.md from build/bench/: `python -m minizero_course bench [bench_args]`, run here once
+    (1.5-3 min on 2 cores)."""
     report = BENCH / "report.txt"
     if not report.exists():
-        print("  running `python -m minizero bench` into build/bench/ (kept for later builds)", flush=True)
+        print("  running `python -m minizero_course bench` into build/bench/ (kept for later builds)", flush=True)
         BENCH.mkdir(parents=True, exist_ok=True)
         started, before, t0 = datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), time.time()
         # its progress (stderr) shows as it runs; its report (stdout) goes to the page
-        proc = subprocess.run([sys.executable, "-m", "minizero", "bench", *bench_args, "--json",
+        proc = subprocess.run([sys.executable, "-m", "minizero_course", "bench", *bench_args, "--json",
                                str(BENCH / "bench.json"),
                                "--plot", str(BENCH / "bench.png")], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                               check=False)
         if proc.returncode:
-            raise SystemExit(f"python -m minizero bench failed:\n{proc.stdout[-3000:]}")
+            raise SystemExit(f"python -m minizero_course bench failed:\n{proc.stdout[-3000:]}")
         (BENCH / "run.json").write_text(json.dumps(
             {"started_utc": started.strftime("%Y-%m-%d %H:%M UTC"), "seconds": round(time.time() - t0, 1),
              "load_before": [round(x, 2) for x in before], "load_after": [round(x, 2) for x in os.getloadavg()],
-             "machine": machine(), "command": " ".join(["python -m minizero bench", *bench_args])}))
+             "machine": machine(), "command": " ".join(["python -m minizero_course bench", *bench_args])}))
         report.write_text(proc.stdout)
     shutil.copy(BENCH / "bench.png", dest / "bench.png")
     run = json.loads((BENCH / "run.json").read_text())
     (dest / "bench.md").write_text("\n".join([
         "# Benchmark run: minizero vs torch DDP, FSDP2 and DeepSpeed", "", run_stamp(run), "",
         (f"`{run['command']} --json bench.json --plot bench.png`: how it measures is in the [Benchmark](benchmark.md) "
-        "page and `minizero/bench/bench.py`'s docstring. DeepSpeed takes part only where it is installed "
+        "page and `minizero_course/bench/bench.py`'s docstring. DeepSpeed takes part only where it is installed "
         "(`pip install -e \".[peers]\"`)."), "",
         "![step time per candidate and paired ratio to torch DDP](bench.png)", "", "The bench's own report:", "",
         "```text", report.read_text().rstrip(), "```", ""]))
@@ -251,7 +252,8 @@ def stage_docs(dest: Path) -> list[str]:
 
 
 # What a build reads: a site newer than all of it is up to date (`make site-test` reuses it).
-SOURCES = ["lessons", "build/lessons", "build/bench", "labs", "minizero", "docs", "README.md", "configs"]
+SOURCES = ["lessons", "build/lessons", "build/bench", "labs", "minizero", "minizero_course", "docs", "README.md",
+           "configs"]
 
 
 def stale(out: Path) -> str | None:
@@ -315,7 +317,8 @@ def main(argv=None) -> int:
     from minizero.cli import checks
     ap = checks.Parser(prog="python -m docs.site.build", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "site"), help="where the HTML goes (default: site/)")
-    ap.add_argument("--bench-args", default="", help="extra arguments of `python -m minizero bench` when it runs")
+    ap.add_argument("--bench-args", default="",
+                    help="extra arguments of `python -m minizero_course bench` when it runs")
     ap.add_argument("--if-stale", action="store_true", help="build only when a source changed after the last build")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()

@@ -4,7 +4,7 @@
     python -m docs.site.syllabus write                                         # TIMES -> the table in docs/syllabus.md
 
 `measure` executes each lesson as tests/test_lessons.py does (a fresh kernel, cwd = repo root) and grades
-each lab's reference solution (`python -m minizero grade --lab N --impl solutions`: a full-marks submission
+each lab's reference solution (`python -m minizero_course grade --lab N --impl solutions`: a full-marks submission
 runs every check to the end), one at a time, and records the seconds, the 1-minute load average before and
 after, and the machine. `write` renders docs/syllabus_times.json into docs/syllabus.md between the two
 marker lines; tests/test_syllabus.py checks the page's table is that rendering, so no figure is typed."""
@@ -29,7 +29,7 @@ def _load() -> list[float]:
 
 
 def measure(lessons: list[int] | None, labs: list[int] | None) -> dict:
-    from minizero.autograde import LABS
+    from minizero_course.grader import LABS
     data = json.loads(TIMES.read_text()) if TIMES.exists() else {"lessons": {}, "labs": {}}
     data["machine"] = machine()
     for path in sorted((ROOT / "lessons").glob("*.ipynb")):
@@ -46,8 +46,8 @@ def measure(lessons: list[int] | None, labs: list[int] | None) -> dict:
             continue
         print(f"lab {number:02d} ...", flush=True)
         before, t0 = _load(), time.time()
-        proc = subprocess.run([sys.executable, "-m", "minizero", "grade", "--lab", str(number), "--impl", "solutions"],
-                              cwd=ROOT, capture_output=True, text=True, check=False)
+        proc = subprocess.run([sys.executable, "-m", "minizero_course", "grade", "--lab", str(number),
+                               "--impl", "solutions"], cwd=ROOT, capture_output=True, text=True, check=False)
         seconds = time.time() - t0
         score = re.findall(r"(\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)", proc.stdout)
         data["labs"][f"{number:02d}"] = {"seconds": round(seconds, 1), "load_before": before, "load_after": _load(),
@@ -61,8 +61,8 @@ def measure(lessons: list[int] | None, labs: list[int] | None) -> dict:
 def lab_size(number: int) -> tuple[int, int]:
     """(tasks, lines of reference code) of lab `number`: its BEGIN/END SOLUTION regions in the package and the
     code lines inside them (comments and blank lines left out)."""
-    from minizero.autograde import LABS, REPO
-    from minizero.autograde.labgen import BEGIN, END
+    from minizero_course.grader import LABS, REPO
+    from minizero_course.grader.labgen import BEGIN, END
     lab = LABS[number]
     tasks = lines = 0
     for source in (lab.source if isinstance(lab.source, tuple) else (lab.source,)):
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     sub.add_parser("write", help="render the times into docs/syllabus.md")
     args = ap.parse_args(argv)
     if args.command == "measure":
-        from minizero.autograde import LABS
+        from minizero_course.grader import LABS
         lessons = sorted(int(p.name[:2]) for p in (ROOT / "lessons").glob("*.ipynb"))
         for flag, given, known in (("--lessons", args.lessons, lessons), ("--labs", args.labs, sorted(LABS))):
             if given and set(given) - set(known):

@@ -153,12 +153,26 @@ def train_worker(comm, strategies=("ddp", "zero1", "zero2", "zero3"), steps=40, 
     runs = [_run_strategy(comm, s, steps, global_batch, lr, seed, progress) for s in strategies]
     reference = None
     if comm.rank == 0:  # ground truth: one process, the full global batch, same init and data
-        from minizero.experiments.references import train_single
         ref_model = TinyGPT(GPTConfig(**DEMO_CONFIG), seed=seed)
         ref_opt = torch.optim.Adam(ref_model.parameters(), lr=lr)
         data = SyntheticTokens(DEMO_CONFIG["vocab_size"], DEMO_CONFIG["block_size"], seed=seed)
-        reference = train_single(ref_model, ref_opt, (data.batch(s, global_batch) for s in range(steps)))
+        batches = (data.batch(s, global_batch) for s in range(steps))
+        reference = _train_single(ref_model, ref_opt, batches)
     return {"rank": comm.rank, "runs": runs, "single_process_losses": reference}
+
+
+def _train_single(model, optimizer, batches) -> list[float]:
+    """The course's ground truth (minizero_course/experiments/references.train_single), here
+    because the library never imports the course: one step per global batch, each loss."""
+    losses = []
+    for batch in batches:
+        loss = model(*batch)[1]
+        loss.backward()
+        optimizer.step()
+        # set_to_none: a parameter without a gradient is skipped, as in the sharded strategies
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
 
 
 def _mb(x):

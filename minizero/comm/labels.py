@@ -10,13 +10,14 @@ mz.fsdp.gather (ZeRO-3 starting a unit's all-gather), mz.offload.d2h / mz.offloa
 
 Cost. With no profiler running, a label is one check of torch's profiler flag and a nullcontext
 (about 1.5 us on this CPU); torch's record_function alone costs about 30 us even then (measured in
-python -m minizero.bench.trace --overhead), which is why it is only entered while a profiler records.
+python -m minizero_course.bench.trace --overhead), which is why it is only entered while a profiler
+records.
 
 Threads. torch's profiler records record_function on the thread that started it only; ZeRO-Offload's
 DPU thread and ZeRO-Infinity's I/O pool would vanish from the trace. While `collect` is a list
-(minizero/bench/trace.py sets it), a label on any other thread appends (name, thread id, start, end
-in time.time_ns(), the clock the profiler's CPU timestamps use) to it, and the trace driver writes
-those ranges into the exported trace.
+(minizero_course/bench/trace.py sets it), a label on any other thread appends (name, thread id,
+start, end in time.time_ns(), the clock the profiler's CPU timestamps use) to it, and the trace
+driver writes those ranges into the exported trace.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import time
 
 import torch
 
-collect = None  # a list while minizero/bench/trace.py traces: ranges recorded on threads the profiler misses
+# a list while minizero_course/bench/trace.py traces: ranges recorded on threads the profiler misses
+collect = None
 
 
 @contextlib.contextmanager

@@ -19,6 +19,10 @@ from __future__ import annotations
 import os
 import socket
 
+# env.py checks the variables before anything starts and must name rank 0 without importing comm/
+# (the layers flow one way): the launched rank is read there
+from minizero.env import launched_rank  # noqa: F401  (comm.launched_rank())
+
 MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")  # set by mpirun / mpiexec
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")   # set by torchrun (all four)
 
@@ -39,15 +43,6 @@ def local_rank() -> int:
     for var in ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK"):
         if var in os.environ:
             return int(os.environ[var])
-    return 0
-
-
-def launched_rank() -> int:
-    """This process's rank as the launcher announced it (PMI_RANK, OMPI_COMM_WORLD_RANK, RANK), read
-    WITHOUT creating a communicator: lets rank 0 alone report an input error every rank finds."""
-    for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "RANK"):
-        if v in os.environ:
-            return int(os.environ[v])
     return 0
 
 

@@ -10,7 +10,8 @@
                        shards, local attention, and back
 Everything outside attention (LayerNorm, MLP, projections) acts on each token alone and runs on the
 rank's s/cp tokens as it is; its parameter gradients are partial sums over the tokens, reduced over
-the cp group as over dp (Megatron reduces them over dp x cp). Measured: minizero/experiments/context.py.
+the cp group as over dp (Megatron reduces them over dp x cp).
+Measured: minizero_course/experiments/context.py.
 
 Every function takes the context-parallel Communicator explicitly (mesh.cp).
 """

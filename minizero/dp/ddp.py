@@ -3,7 +3,7 @@
 Every rank holds the whole model and a 1/N slice of the global batch. After backward,
 each rank has the gradient of ITS mean loss; all-reducing (sum) and dividing by N gives
 the gradient of the mean over the global batch, so every rank takes the same optimizer
-step and the replicas never drift apart (experiments/references.py has the one-line proof).
+step and the replicas never drift apart (minizero_course/experiments/references.py has the proof).
 
     model = DDP(TinyGPT(), mode="overlap", bucket_numel=6_250_000)
     logits, loss = model(x_shard, y_shard)

@@ -470,7 +470,7 @@ PP_ZERO_MSG = (
     "keeping the full gradients until the last backward instead holds ZeRO-1's memory plus the shard, ZeRO-3 also "
     "re-gathers the stage's parameters for every micro-batch, and the tied embedding's gradient must then be summed "
     "over its shards, which this engine does not do (lesson 09 section 9 measures all of it: "
-    "minizero.experiments.pp_zero). Use stage 0 or 1 with a pipeline, or ZeRO-3 without one.")
+    "minizero_course.experiments.pp_zero). Use stage 0 or 1 with a pipeline, or ZeRO-3 without one.")
 
 
 def _data_parallel_size(cfg: dict, world_size: int) -> int:

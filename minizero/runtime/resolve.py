@@ -284,8 +284,9 @@ def _expert_parallel_size(model, cfg: dict, world_size: int) -> int:
 def _pipeline_stages(config, model):
     """A deepspeed.pipe.PipelineModule says its stage count (num_stages), as in DeepSpeed, whose config has no
     pipeline.stages to give: it becomes the config's, before the batch arithmetic that depends on it."""
-    from minizero.pipe import PipelineModule
-    if not isinstance(model, PipelineModule):
+    # Asked, not imported: minizero.pipe sits above the engine and imports its ConfigError
+    stages = getattr(model, "num_stages", None)
+    if not (hasattr(model, "pipeline_parts") and isinstance(stages, int)):
         return config
     if isinstance(config, CheckedConfig):
         if config["pipeline"]["stages"] != model.num_stages:

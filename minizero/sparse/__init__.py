@@ -6,7 +6,7 @@
     attention.py       block_sparse_attention: only the kept blocks are gathered and computed, never an
                        n x n score matrix (lab 14); its score-byte and FLOP formulas; the dense reference
     self_attention.py  a model's attention switched to it: apply_sparse_attention(model, config)
-Measured: minizero/experiments/sparse.py.
+Measured: minizero_course/experiments/sparse.py.
 """
 from minizero.sparse.attention import (attention_flops, block_sparse_attention, dense_attention_flops, dense_mask,
                                        dense_score_bytes, kept_blocks, masked_dense_attention, score_bytes)

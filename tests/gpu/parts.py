@@ -25,7 +25,7 @@ import time
 import torch
 
 from minizero.data import shard
-from minizero.experiments.references import global_batches, train_single
+from minizero_course.experiments.references import global_batches, train_single
 from minizero.models import GPTConfig, TinyGPT
 
 
@@ -148,10 +148,10 @@ def memory_row(comm, name, ledger, stage_plan, shape, cats=CATS) -> dict:
 # ----------------------------------------------------------------------------- the parts
 def ring(comm, quick, corrupt=False):
     """Lab 01: the ring all-reduce from isend/recv equals the backend's all-reduce, and sends 2(N-1)/N*S."""
-    from minizero.autograde import lab01
+    from minizero_course.grader import lab01
     from minizero.comm import ring_bytes_sent
     from minizero.comm.ring import ring_all_reduce
-    from minizero.experiments.timed_comm import TimedComm
+    from minizero_course.experiments.timed_comm import TimedComm
 
     def ring_fn(c, t):
         ring_all_reduce(c, t)
@@ -220,7 +220,7 @@ def loss_scaling(comm, quick):
     """Lab 03 / lesson 03's loop (experiments.mixed_precision.train): fp16 with the loss scaler tracks fp32
     (within one fp16 unit roundoff of the loss), and an inf in one rank's gradient skips that step on every
     rank and halves the scale."""
-    from minizero.experiments.mixed_precision import loss_tolerance, train
+    from minizero_course.experiments.mixed_precision import loss_tolerance, train
     steps, bad = (5, 2) if quick else (12, 5)
     fp32 = train(comm, "fp32", steps=steps, batch_size=2 * comm.size)
     fp16 = train(comm, "fp16", steps=steps, batch_size=2 * comm.size, fp16={"initial_scale_power": 8})
@@ -386,7 +386,7 @@ def offload_one(comm, quick):
     """ZeRO-Offload at a world of one (the paper's single-GPU case), fp16 ZeRO-2: the same losses as without;
     the ledger by location against the estimator; the bytes moved each way, 2 B/element (16-bit)."""
     from minizero import initialize, memory
-    from minizero.experiments.mixed_precision import loss_tolerance
+    from minizero_course.experiments.mixed_precision import loss_tolerance
     shape, steps = gpt(quick), steps_of(quick)
     out = {}
     for off in (False, True):

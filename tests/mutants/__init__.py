@@ -13,5 +13,5 @@ class Mutant:
     name: str    # the student bug, in words ("divides by N twice")
     old: str     # text of solutions/labNN_*.py, found there exactly once
     new: str     # what the student wrote instead
-    check: str   # the check that must fail: its function name in minizero/autograde/labNN.py
+    check: str   # the check that must fail: its function name in minizero_course/grader/labNN.py
     expect: str  # words the failure message must contain (case-insensitive): it names the cause
