@@ -597,6 +597,31 @@ class FSDP(nn.Module):
         a, n = unit.layout.offsets[j], unit.layout.numels[j]
         return unit.layout.to_compute(full)[a:a + n].view(unit.entries[j][0]).clone()
 
+    def flat_parts(self):
+        """This rank's flat tensors, unit by unit: (unit, part, tensor, numel, pieces), part "shard"
+        (its piece of the unit's sharded buffer) or "whole" (the persistent parameters, kept whole);
+        pieces [(name, lo, hi, offset)]: elements lo:hi of parameter `name`, at `offset` in tensor."""
+        rank = self.comm.rank
+        for u in self.units:
+            first = [fqns[0] for _, _, fqns in u.entries]
+            if u.shard is not None:
+                yield u, "shard", u.shard, u.layout.shard_numel, [
+                    (first[pc.index], pc.lo, pc.hi, pc.shard_lo) for pc in u.layout.pieces(rank)]
+            if u.whole is not None:
+                pieces, off = [], 0
+                for (shape, _, _), name in zip(u.entries[u.n_sharded:], first[u.n_sharded:]):
+                    pieces.append((name, 0, math.prod(shape), off))
+                    off += math.prod(shape)
+                yield u, "whole", u.whole, off, pieces
+
+    def sharded_numel(self) -> int:
+        """Elements all-gathered per forward (sharded + padding), over every unit: 0 when every
+        parameter is below the persistence threshold and stays whole on every rank."""
+        return sum(unit.gathered_numel for unit in self.units)
+
+    def largest_tensor_numel(self) -> int:
+        return max((n for unit in self.units for n in unit.sizes), default=0)
+
     def unit_grad(self, unit, part: str):
         """The flat fp32 gradient of unit's shard ("shard") or persistent part ("whole"), or None once
         no local parameter's .grad views it any more (zero_grad), even if someone else still holds it."""
