@@ -1,5 +1,7 @@
+import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -40,24 +42,55 @@ def pytest_runtest_setup(item):
         dump_stacks_after(item.config, guard(limit))
 
 
-_STARTS_PROCESSES = ("launch.", "subprocess", "nbclient", "mpirun", "torchrun", "run_check(")
-_module_starts = {}
-
-
 def pytest_collection_modifyitems(config, items):
-    """Mark `launches` every test that starts ranks or processes (its module calls minizero.launch, subprocess,
-    a notebook client, a launcher or a lab check, or it uses the grader's fixture): the slow part of the suite.
-    Tests that start them through a helper are marked `launches` in their file (the lessons, the site).
-    `make check` runs the rest (python -m pytest -m "not launches")."""
-    marker = pytest.mark.launches
+    """A test that starts ranks or processes is marked `launches` in its file (pytestmark or a
+    decorator): the slow part of the suite, left out of `make check` (-m "not launches"). The
+    grader's fixture starts them too, so a test that uses it is marked here."""
     for item in items:
-        path = str(item.fspath)
-        if path not in _module_starts:
-            with open(path) as f:
-                text = f.read()
-            _module_starts[path] = any(s in text for s in _STARTS_PROCESSES)
-        if _module_starts[path] or "graded" in getattr(item, "fixturenames", ()):
-            item.add_marker(marker)
+        if "graded" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.launches)
+
+
+class ProcessStarted(RuntimeError):
+    """A test not marked `launches` started a process."""
+
+
+@contextlib.contextmanager
+def no_process_unless_marked(item):
+    """Around a test's setup, call and teardown: Popen raises where the test is not marked
+    `launches`, naming the test and the mark to add, so the marks cannot fall behind the code."""
+    if item.get_closest_marker("launches") is not None:
+        yield
+        return
+    real = subprocess.Popen.__init__
+
+    def refuse(self, args, *a, **k):
+        raise ProcessStarted(f"{item.nodeid} starts a process ({str(args)[:80]}) but is not marked "
+                             "launches: add `pytestmark = pytest.mark.launches` to its file (or "
+                             "@pytest.mark.launches to the test)")
+    subprocess.Popen.__init__ = refuse
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = real
+
+
+@pytest.hookimpl(hookwrapper=True, specname="pytest_runtest_setup")
+def pytest_no_process_in_setup(item):
+    with no_process_unless_marked(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True, specname="pytest_runtest_call")
+def pytest_no_process_in_call(item):
+    with no_process_unless_marked(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True, specname="pytest_runtest_teardown")
+def pytest_no_process_in_teardown(item):
+    with no_process_unless_marked(item):
+        yield
 
 
 # The time every user waits, from this run (build/test-times.json): each test's seconds (setup + call +

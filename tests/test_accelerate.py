@@ -18,6 +18,8 @@ from minizero.accelerate.data import shard_batches
 from minizero.runtime.config import ConfigError, load_config
 from tests.machine import guard, retry_on_port_collision
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "outside", "accelerate_style_train.py")
 HAVE_ACCELERATE = importlib.util.find_spec("accelerate") is not None

@@ -22,6 +22,8 @@ from minizero.runtime.config import ConfigError, load_config
 from minizero.runtime.engine import build_engine
 from tests.planner_job import results
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 B, T, C = 2, 16, 32
 
 

@@ -17,6 +17,8 @@ from minizero import cli, env
 from minizero_course.grader import LABS
 from minizero.cli import train as train_cli
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MLP_CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}

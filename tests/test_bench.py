@@ -10,6 +10,8 @@ import pytest
 
 from minizero_course.bench.bench import paired_ratio
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 CANDIDATES = ["minizero-ddp", "minizero-zero3", "torch-ddp"]
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from tests.machine import busy_cpu, dump_stacks_after, guard
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 processes importing torch in all: 2-3 minutes beside the load on 2 cores that other jobs share
 # too (with the 3 s rendezvous test of test_launchers.py as well: 6.5 minutes at load 20)

@@ -20,6 +20,8 @@ from minizero.runtime import checkpoint
 from minizero.cli import main as cli
 from minizero.models import build_model
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 W = "tests/checkpoint_workers.py:"
 GPT = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)  # = the workers'
 CASES = [f"{s}/{d}" for d in ("fp32", "fp16") for s in range(4)]

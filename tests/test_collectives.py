@@ -5,6 +5,8 @@ import pytest
 from minizero import launch
 from minizero_course.experiments.collectives import bandwidth_table, fit_alpha_beta, ring_time
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 SIZES = np.array([2.0**k for k in range(10, 24)])
 
 

@@ -4,6 +4,8 @@ import pytest
 from minizero import launch
 from minizero.comm import ring_bytes_sent
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 W = "tests/comm_workers.py:"
 
 

@@ -20,6 +20,8 @@ from minizero.models import EdgeCaseModel, GPTConfig, MLP, TinyGPT
 from minizero.runtime.config import ConfigError
 from tests import composition_workers as W
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 TARGET = "tests/composition_workers.py:"
 
 

@@ -24,6 +24,8 @@ import pytest
 
 from minizero import launch
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 CONFIGS = sorted(glob.glob("configs/*.json"))
 SEED = "ds_config_seed001"
 # ZeRO-3 with nothing sharded at TinyGPT's size under DeepSpeed's threshold (1e5): plain data parallelism

@@ -17,6 +17,8 @@ import torch
 from minizero import launch
 from tests.context_workers import CASES, case_name
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ATOL = 5e-6
 _job = []
 

@@ -20,6 +20,8 @@ import torch
 from minizero import launch
 from minizero.models import build_model
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 W = "tests/conventions_workers.py:"
 _job = []
 

@@ -6,6 +6,8 @@ import torch
 
 from minizero import launch
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

@@ -26,6 +26,8 @@ from minizero.dp.data_parallel import DataParallel
 from minizero.models import build_model
 from minizero_course.experiments.references import flat_params, global_batches, make_optimizer
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 W = "tests/ddp_workers.py:"
 GPT = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)
 MODELS = {"tiny-gpt": GPT, "edge": {}}  # the same as ddp_workers.MODELS

@@ -24,6 +24,8 @@ import torch
 
 from tests.machine import guard, retry_on_port_collision
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "tests/deepspeed_examples/peer_train.py"
 INSTALL = "deepspeed is not installed: pip install -e '.[peers]' (deepspeed==0.19.8; no C++ op is built)"

@@ -9,6 +9,8 @@ import pytest
 
 from minizero import launch
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 _job = []
 WHERE = ["0/none", "1/none", "2/none", "3/none", "1/cpu", "2/cpu", "3/cpu"]  # ZeRO stage / offload_optimizer
 

@@ -22,6 +22,8 @@ from minizero.comm import ring_bytes_sent
 from minizero.launcher import runner
 from minizero.runtime.config import ConfigError
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DS_INSTALL = "deepspeed is not installed: pip install deepspeed==0.19.8 (the peers extra; no C++ ops are built)"
 

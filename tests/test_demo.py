@@ -3,6 +3,9 @@ import subprocess
 import sys
 
 from minizero import launch
+import pytest
+
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
 
 
 def test_demo_cli_prints_table_and_writes_png(tmp_path):

@@ -12,6 +12,9 @@ import tomllib
 
 
 from tests.doc_commands import ROOT, commands
+import pytest
+
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
 
 LAUNCHER_VALUE_FLAGS = {"-n", "-np", "-f", "-ppn", "--hostfile"}
 SKIP = ("apt-get", "srun", "scontrol", "source", "head=")

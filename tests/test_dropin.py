@@ -8,6 +8,8 @@ import pytest
 
 from minizero import launch
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 _job = []
 
 

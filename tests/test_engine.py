@@ -33,6 +33,8 @@ from minizero.runtime.resolve import resolve
 from minizero.zero.flat_layout import FlatLayout
 from minizero.models import build_model
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 W = "tests/engine_workers.py:"
 GPT = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)  # = engine_workers.GPT
 N, ACC, CLIP = 2, 2, 0.5

@@ -21,6 +21,8 @@ from minizero import launch
 from minizero.models import GPTConfig, TinyGPT
 from tests import engine_cp_ep_workers as W
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 RTOL, ATOL = 1e-5, 1e-6
 _job = []
 

@@ -19,6 +19,8 @@ from minizero import launch
 from minizero.zero import infinity
 from tests.machine import free_port, guard
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

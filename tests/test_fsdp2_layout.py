@@ -19,6 +19,8 @@ import pytest
 from minizero import launch
 from minizero.models import build_model
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 W = "tests/fsdp2_workers.py:"
 GPT = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)
 F32 = 4  # bytes per element

@@ -11,6 +11,8 @@ import pytest
 from minizero_course.grader import LABS, REPO
 from minizero_course.grader import labgen
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 LABS_DIR = Path(REPO) / "labs"
 
 

@@ -14,6 +14,8 @@ import pytest
 from minizero_course.grader import LABS, REPO
 from minizero_course.grader import labgen
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 LAB = LABS[1]
 MAX = sum(c.max_score for c in LAB.checks() if not c.extra)
 

@@ -16,6 +16,8 @@ import pytest
 from minizero_course.grader import LABS, REPO, labgen, tree_digest
 from minizero_course.kit import handout
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 
 def in_handout(root: Path, *args, timeout=600):
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}

@@ -12,6 +12,8 @@ from minizero import launch
 from minizero_course.experiments.zeropp import formula
 from minizero.zero.hybrid import cross_node_bytes_per_node
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 SAVE_AT = 3  # tests/hybrid_workers.py saves after this step
 
 _job = []

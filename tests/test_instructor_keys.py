@@ -16,6 +16,8 @@ import pytest
 from docs.site import build as site_build
 from minizero_course.kit import handout
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ROOT / "instructors" / "answers"
 LESSONS = sorted((ROOT / "lessons").glob("*.ipynb"))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ROOT = Path(__file__).resolve().parent.parent
 LESSON = "lessons/00_memory.ipynb"  # the shortest lesson (about 6 s)
 JUPYTER = Path(sys.executable).with_name("jupyter")

@@ -6,6 +6,8 @@ import pytest
 from minizero import launch
 from tests.machine import guard
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 W = "tests/comm_workers.py:"
 
 

@@ -23,6 +23,8 @@ from minizero_course.experiments.references import train_single
 from minizero.models import build_model
 from tests.machine import free_port, guard, retry_on_port_collision
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 MLP_CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,

@@ -14,6 +14,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PKG = ROOT / "minizero"
 COURSE_PKG = ROOT / "minizero_course"

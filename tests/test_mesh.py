@@ -9,6 +9,8 @@ import pytest
 from minizero import launch
 from minizero.comm import Mesh, MeshError, ring_bytes_sent
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 W = "tests/comm_workers.py:"
 
 # (dp, pp, tp, node_size) -> axis -> the groups, as world ranks, written out by hand

@@ -14,6 +14,8 @@ import pytest
 
 from minizero import launch
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ATOL = 2e-7
 CASES = ["ep4/k1", "ep4/k2", "ep2/k1", "ep2/k2", "ep4/k1/uneven", "ep2/k2/uneven"]
 _job = []

@@ -27,6 +27,8 @@ from minizero_course.experiments.zeropp import formula, measured_per_node
 from minizero.zero.hybrid import cross_node_bytes_per_node
 from tests.test_faults import _job
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 K, NODES = 2, 2  # what the command line asks torchrun for
 _cache = {}

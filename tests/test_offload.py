@@ -17,6 +17,8 @@ from minizero.runtime.config import ConfigError, load_config
 from minizero.zero.infinity import DiskError, check_nvme_path
 from minizero.zero.init import Init, built_with_init
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 N = 2
 _job = []
 _job4 = []

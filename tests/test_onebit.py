@@ -17,6 +17,8 @@ from minizero.compression import (OneBitAdam, bytes_compressed, compress, end_to
                                   padded_numel, unpack_signs)
 from minizero_course.experiments.onebit import tail_loss
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 N = 3
 _cache = {}
 

@@ -18,6 +18,8 @@ import pytest
 from minizero import launch
 from tests.machine import free_port, guard
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 TRAINED = ["ddp", "zero1", "zero2", "zero3", "zero1:torch_clip", "zero2:torch_clip", "zero3:torch_clip",

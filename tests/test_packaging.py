@@ -2,6 +2,9 @@
 import re
 import tomllib
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
 
 ROOT = Path(__file__).resolve().parent.parent
 

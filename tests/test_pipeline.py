@@ -12,6 +12,8 @@ from minizero_course.experiments.pipeline import GPT
 from minizero.models import GPTConfig, TinyGPT
 from minizero.pipeline import SCHEDULES, in_flight_formula, make_schedule
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 CONFIGS = [[name, p, m, 2 if name == "interleaved_1f1b" else 1, "ddp"]
            for name in SCHEDULES for p in (2, 4) for m in (1, p, 2 * p)]
 CONFIGS += [["1f1b", 2, 4, 1, "zero1"], ["interleaved_1f1b", 2, 4, 2, "zero1"]]  # PP + ZeRO-1 over the dp axis

@@ -6,6 +6,8 @@ from minizero import launch
 from minizero_course.experiments.planner_features import FREEZE_STEP, GPT, SPARSE, STEPS
 from minizero.planner import ModelShape, PlanError, Strategy, plan
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 N = 2
 CATEGORIES = ("parameters", "master_params", "gradients", "optimizer_state")
 

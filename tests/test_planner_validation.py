@@ -12,6 +12,8 @@ import pytest
 from minizero_course.experiments.planner import SHAPES, configurations
 from tests.planner_job import N, results
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 CATEGORIES = ("parameters", "master_params", "gradients", "optimizer_state")
 
 

@@ -15,6 +15,8 @@ from minizero.accelerate import launch as acc_launch
 from minizero.launcher import runner
 from tests import machine
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "tests/torchrun_script.py"  # 2 ranks, 3 DDP steps, one RESULT line per rank
 # accelerate.launch under torchrun, as where no mpirun is installed (under mpirun, MPI picks its

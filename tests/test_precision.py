@@ -15,6 +15,8 @@ from minizero.data import SyntheticTokens
 from minizero.models import TinyGPT
 from minizero.precision import LossScaler, MinLossScaleError, MixedPrecisionOptimizer
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 
 def trace(scaler, pattern):
     out = []

@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 from tests.progress import NO_ESTIMATE
+import pytest
+
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = re.compile(r"^(tests/test_\w+\.py): (\d+) tests?, ([\d.]+) s, load ([\d.]+) ([\d.]+) "

@@ -12,6 +12,8 @@ import pytest
 from minizero_course.bench.scale import grow, plot, search
 from minizero_course.bench.scale_probe import CANDIDATES, count, gpt
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 
 def test_size_rule_and_search_without_jobs():
     # Ψ ≈ 49152 s³ (12·s·(64 s)² in the blocks) plus embeddings and norms

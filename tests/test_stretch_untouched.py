@@ -6,6 +6,8 @@ import pytest
 from minizero_course.grader import LABS, run_check
 from minizero_course.grader.labgen import BEGIN, END, joined, sources, transform
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 
 def main_solved_stretch_stubbed(lab) -> str:
     """The lab's joined source with its non-stretch regions' markers dropped, so transform stubs the rest."""

@@ -14,6 +14,8 @@ import torch
 from minizero import launch
 from minizero.comm import ring_bytes_sent
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 ATOL = 2e-7
 CASES = [f"t{t}/sp{sp}/tied{tied}" for t in (4, 2) for sp in (0, 1) for tied in (0, 1)]
 _job = []

@@ -13,8 +13,9 @@ import pytest
 from tests.machine import free_port, guard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
-                                reason="torch's torchrun is not installed next to this Python")
+pytestmark = [pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+                                 reason="torch's torchrun is not installed next to this Python"),
+              pytest.mark.launches]  # starts ranks or processes: not in `make check`
 
 
 def _env(tmp_path, **extra):

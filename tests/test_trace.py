@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 CANDIDATES = ["minizero-ddp", "minizero-zero3-nvme"]
 STEPS = 2
 

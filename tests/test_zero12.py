@@ -26,6 +26,8 @@ from minizero import launch
 from minizero.zero.flat_layout import FlatLayout
 from minizero.models import build_model
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 W = "tests/zero12_workers.py:"
 GPT = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)
 MODELS = {"tiny-gpt": GPT, "edge": {}}  # the same as zero12_workers.MODELS

@@ -21,6 +21,8 @@ from minizero.models import build_model
 from minizero.runtime.config import ConfigError, load_config
 from minizero.zero.zeropp import ZeroPP
 
+pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
+
 W = "tests/zeropp_workers.py:"
 _cache = {}
 
