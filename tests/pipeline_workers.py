@@ -141,7 +141,7 @@ def three_d_runs(comm, steps=5, clip=0.05):
     from minizero.data import shard
     from minizero_course.experiments.references import global_batches, make_optimizer
     from minizero.models import GPTConfig, TinyGPT
-    from minizero.planner import ModelShape, Strategy, plan
+    from minizero.planner import ModelShape, ParallelStrategy, plan
     from minizero.planner.plan import SCHEDULES
     from minizero.tensor.layers import unshard
     runs = [({"stage": 1}, {"stages": 2, "schedule": "1f1b"}, True),
@@ -186,7 +186,7 @@ def three_d_runs(comm, steps=5, clip=0.05):
         planned = None
         if pipeline["schedule"] in SCHEDULES:  # the planner's per-rank bytes for this layout
             shape = ModelShape(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size, tied)
-            strategy = Strategy(comm.size, node_size=4, tp=2, pp=2, zero=zero["stage"], micro_batch=2,
+            strategy = ParallelStrategy(comm.size, node_size=4, tp=2, pp=2, zero=zero["stage"], micro_batch=2,
                                 micro_batches=4, schedule=pipeline["schedule"], precision="fp32", optimizer="sgd")
             planned = plan(shape, strategy).stages[engine.mesh.pp_rank].sent
         out.append({"config": [zero, pipeline, tied], "coords": [engine.mesh.dp_rank, engine.mesh.pp_rank,

@@ -77,9 +77,9 @@ def test_lesson07_eightfold_and_tenfold_come_from_the_estimator(spy):
 
 def test_the_planner_uses_the_same_estimator(spy):
     """Lesson 11 prints the planner's model states: plan() takes them from the same function, per stage."""
-    from minizero.planner.plan import STATE_BYTES, ModelShape, Strategy, plan
+    from minizero.planner.plan import STATE_BYTES, ModelShape, ParallelStrategy, plan
     shape = ModelShape.from_params(1.3e9)
-    p = plan(shape, Strategy(world=4, zero=2, offload=True, precision="fp16"))
+    p = plan(shape, ParallelStrategy(world=4, zero=2, offload=True, precision="fp16"))
     assert len(spy) == len(p.stages)
     for stage, states in zip(p.stages, spy):
         assert states == memory.estimate_by_location(stage.params, 4, 2, param_bytes=2, grad_bytes=2,

@@ -7,7 +7,7 @@ import pytest
 
 from minizero.cli.plan import main
 from minizero.models import GPTConfig, TinyGPT
-from minizero.planner import HARDWARE, ModelShape, PlanError, Strategy, fit, plan
+from minizero.planner import HARDWARE, ModelShape, PlanError, ParallelStrategy, fit, plan
 from minizero.planner.fit import candidates
 
 SHAPE = ModelShape(layers=24, hidden=2048, heads=16, seq=1024, vocab=50304)
@@ -21,33 +21,33 @@ def test_parameter_count_is_tinygpts(tied):
                                   tie_weights=tied))
         shape = ModelShape(layers, hidden, heads, seq, vocab, tied)
         assert shape.num_params() == model.num_params()
-        assert plan(shape, Strategy(1)).stages[0].params == model.num_params()
+        assert plan(shape, ParallelStrategy(1)).stages[0].params == model.num_params()
 
 
 def test_pipeline_stages_hold_the_model_once_and_tp_splits_the_matrices():
-    stages = plan(SHAPE, Strategy(8, pp=4, micro_batches=8)).stages
+    stages = plan(SHAPE, ParallelStrategy(8, pp=4, micro_batches=8)).stages
     assert sum(s.params for s in stages) == SHAPE.num_params()
     assert stages[0].params > stages[1].params  # the embeddings
-    two = plan(SHAPE, Strategy(8, tp=2)).stages[0]
+    two = plan(SHAPE, ParallelStrategy(8, tp=2)).stages[0]
     assert SHAPE.num_params() / 2 < two.params < SHAPE.num_params() / 2 + 6 * 2048 * 24 + 1024 * 2048 + 2 * 2048
 
 
 def test_memory_orders_and_activation_levers():
-    totals = [sum(plan(SHAPE, Strategy(8, zero=z)).stages[0].memory[c] for c in
+    totals = [sum(plan(SHAPE, ParallelStrategy(8, zero=z)).stages[0].memory[c] for c in
                   ("parameters", "master_params", "gradients", "optimizer_state")) for z in range(4)]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
-    act = lambda **kw: plan(SHAPE, Strategy(8, micro_batch=4, **kw)).stages[0].memory["activations"]  # noqa: E731
+    act = lambda **kw: plan(SHAPE, ParallelStrategy(8, micro_batch=4, **kw)).stages[0].memory["activations"]  # noqa: E731
     assert act(checkpointing=True) < act() / 10
     assert act(tp=2, sp=True) < act(tp=2) < act()
-    gpipe = plan(SHAPE, Strategy(8, pp=4, micro_batches=8, schedule="gpipe")).stages[0].memory["activations"]
-    f1b1 = plan(SHAPE, Strategy(8, pp=4, micro_batches=8)).stages[0].memory["activations"]
+    gpipe = plan(SHAPE, ParallelStrategy(8, pp=4, micro_batches=8, schedule="gpipe")).stages[0].memory["activations"]
+    f1b1 = plan(SHAPE, ParallelStrategy(8, pp=4, micro_batches=8)).stages[0].memory["activations"]
     assert gpipe == pytest.approx(2 * f1b1)  # 8 micro-batches in flight vs min(p - 0, m) = 4
 
 
 def test_link_classes_follow_the_mesh():
-    st = plan(SHAPE, Strategy(16, node_size=8, tp=8, pp=2, micro_batches=4)).stages[0]
+    st = plan(SHAPE, ParallelStrategy(16, node_size=8, tp=8, pp=2, micro_batches=4)).stages[0]
     assert st.link == {"tp": "intra-node", "pp": "cross-node"}  # tp fills a node; the stages sit on two
-    st = plan(SHAPE, Strategy(16, node_size=8, tp=2, pp=2, micro_batches=4)).stages[0]
+    st = plan(SHAPE, ParallelStrategy(16, node_size=8, tp=2, pp=2, micro_batches=4)).stages[0]
     assert st.link == {"dp": "cross-node", "tp": "intra-node", "pp": "intra-node"}
     assert sum(st.sent_by_link.values()) == pytest.approx(sum(st.sent.values()))
 
@@ -77,7 +77,7 @@ def test_cli_zeropp_moves_bytes_off_the_cross_node_links(capsys):
 def test_cli_json_is_the_plan(capsys):
     main(SHAPE_ARGS + ["--gpus", "8", "--zero", "2", "--checkpointing", "--json"])
     got = json.loads(capsys.readouterr().out)
-    want = plan(SHAPE, Strategy(8, zero=2, checkpointing=True))
+    want = plan(SHAPE, ParallelStrategy(8, zero=2, checkpointing=True))
     assert got["stages"][0]["memory"] == want.stages[0].memory and got["name"] == "dp8-zero2-ckpt"
     assert got["step_time"]["total"] > 0
 
@@ -128,4 +128,4 @@ def test_bad_layouts_are_clear_errors(argv, message, capsys):
 
 def test_strategy_errors_are_plan_errors():
     with pytest.raises(PlanError, match="tp 16 does not fit"):
-        plan(SHAPE, Strategy(16, node_size=8, tp=16))
+        plan(SHAPE, ParallelStrategy(16, node_size=8, tp=16))

@@ -8,7 +8,7 @@ import pytest
 from minizero.cli.plan import main
 from minizero.context import ring_bytes_per_layer, ulysses_bytes_per_layer
 from minizero.moe import Experts, MoELayer, all_to_all_bytes, capacity
-from minizero.planner import HARDWARE, ModelShape, Strategy, fit, plan
+from minizero.planner import HARDWARE, ModelShape, ParallelStrategy, fit, plan
 from minizero.planner.fit import candidates
 
 LONG = ModelShape(layers=2, hidden=64, heads=4, seq=256, vocab=128)
@@ -17,7 +17,7 @@ MOE = ModelShape(layers=2, hidden=32, heads=4, seq=64, vocab=128, experts=8, top
 
 def test_cp_and_ep_of_one_change_nothing():
     for kw in ({"world": 8, "zero": 1}, {"world": 8, "tp": 2, "pp": 2, "micro_batches": 4, "sp": True}):
-        assert plan(LONG, Strategy(**kw, cp=1, ep=1)).as_dict() == plan(LONG, Strategy(**kw)).as_dict()
+        assert plan(LONG, ParallelStrategy(**kw, cp=1, ep=1)).as_dict() == plan(LONG, ParallelStrategy(**kw)).as_dict()
     assert ModelShape(2, 64, 4, 256, 128, experts=0).num_params() == LONG.num_params()
 
 
@@ -25,10 +25,10 @@ def test_cp_holds_the_activations_of_s_over_cp_tokens():
     """cp ranks each hold s/cp tokens: the activations are those of a model whose sequence is s/cp."""
     short = ModelShape(LONG.layers, LONG.hidden, LONG.heads, LONG.seq // 4, LONG.vocab)
     def act(shape, **kw):
-        return plan(shape, Strategy(8, micro_batch=2, **kw)).stages[0].memory["activations"]
+        return plan(shape, ParallelStrategy(8, micro_batch=2, **kw)).stages[0].memory["activations"]
     assert act(LONG, cp=4) == act(short, cp=1) <= act(LONG) / 4
     # the parameters are replicated over cp and reduced over dp x cp: ZeRO-3 shards them 8 ways either way
-    with_cp, without = (plan(LONG, Strategy(8, cp=cp, zero=3)).stages[0].memory for cp in (4, 1))
+    with_cp, without = (plan(LONG, ParallelStrategy(8, cp=cp, zero=3)).stages[0].memory for cp in (4, 1))
     assert {k: v for k, v in with_cp.items() if k != "activations"} == pytest.approx(
         {k: v for k, v in without.items() if k != "activations"})
 
@@ -38,7 +38,7 @@ def test_cp_sends_the_mechanisms_bytes_per_layer(ulysses):
     """b=2, s=256, h=64, bf16, cp=4, 2 layers, 3 micro-batches. Ring: (cp-1) blocks forward, (2cp-1) backward,
     each 2·b·(s/cp)·h·w; Ulysses: 8 all-to-alls of (cp-1)/cp·b·(s/cp)·h·w: the formulas tests/test_context.py
     measures (ring_bytes_per_layer, ulysses_bytes_per_layer)."""
-    s = Strategy(8, node_size=4, cp=4, ulysses=ulysses, micro_batch=2, micro_batches=3)
+    s = ParallelStrategy(8, node_size=4, cp=4, ulysses=ulysses, micro_batch=2, micro_batches=3)
     block = 2 * 2 * (256 // 4) * 64 * 2
     per_layer = 8 * 3 / 4 * block / 2 if ulysses else (3 + 7) * block
     layer = (ulysses_bytes_per_layer if ulysses else ring_bytes_per_layer)(2, 256, 64, 4, 2)
@@ -46,7 +46,7 @@ def test_cp_sends_the_mechanisms_bytes_per_layer(ulysses):
     stage = plan(LONG, s).stages[0]
     assert stage.sent["cp"] == 3 * 2 * per_layer
     assert stage.link["cp"] == "intra-node" and stage.link["dp"] == "cross-node"  # cp 4 x dp 2 on nodes of 4
-    ckpt = plan(LONG, Strategy(8, cp=4, ulysses=ulysses, micro_batch=2, micro_batches=3, checkpointing=True))
+    ckpt = plan(LONG, ParallelStrategy(8, cp=4, ulysses=ulysses, micro_batch=2, micro_batches=3, checkpointing=True))
     assert ckpt.stages[0].sent["cp"] == 3 * 2 * (per_layer + layer["forward"])  # the recompute's forward again
 
 
@@ -57,9 +57,9 @@ def test_ep_holds_e_over_ep_experts_and_sends_the_all_to_alls():
     moe_layer = sum(p.numel() for p in MoELayer(h, 4 * h, MOE.experts).parameters())
     assert MOE.block_params() == 12 * h * h + 13 * h - (8 * h * h + 5 * h) + moe_layer
     local = sum(p.numel() for p in Experts(MOE.experts, h, 4 * h, ep_rank=0, ep_size=4).parameters())
-    dense = plan(MOE, Strategy(8, ep=1)).stages[0].params
+    dense = plan(MOE, ParallelStrategy(8, ep=1)).stages[0].params
     assert dense == MOE.num_params()
-    sharded = plan(MOE, Strategy(8, ep=4, micro_batch=2, micro_batches=3))
+    sharded = plan(MOE, ParallelStrategy(8, ep=4, micro_batch=2, micro_batches=3))
     assert dense - sharded.stages[0].params == MOE.layers * (moe_layer - MOE.hidden * MOE.experts - local)
     slots = math.ceil(2 * (2 * 64) * 1.0 / 8)  # k T cf / E, T = b·s = 128 tokens
     assert slots == capacity(2 * 64, 8, 2, 1.0)

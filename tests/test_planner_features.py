@@ -4,7 +4,7 @@ import pytest
 
 from minizero import launch
 from minizero_course.experiments.planner_features import FREEZE_STEP, GPT, SPARSE, STEPS
-from minizero.planner import ModelShape, PlanError, Strategy, plan
+from minizero.planner import ModelShape, PlanError, ParallelStrategy, plan
 
 pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
 
@@ -56,7 +56,7 @@ def test_moe_stage0_gradients_are_one_copy_after_backward(runs, ep):
 def test_onebit_run_reduction_follows_freeze_step_and_run_length():
     shape = ModelShape(layers=24, hidden=2048, heads=16, seq=1024, vocab=50304)
     def run(freeze, steps):
-        return plan(shape, Strategy(64, precision="fp32", optimizer="onebitadam", freeze_step=freeze,
+        return plan(shape, ParallelStrategy(64, precision="fp32", optimizer="onebitadam", freeze_step=freeze,
                                     steps=steps)).stages[0].onebit
     phases = run(15, 100)
     assert 31 < phases["step_reduction"] < 32  # 32 bits -> 1 bit + the scales
@@ -78,7 +78,7 @@ def test_onebit_run_reduction_follows_freeze_step_and_run_length():
 def test_bad_onebit_or_sparse_plans(kw, shape_kw, message):
     shape = ModelShape(2, 32, 2, 16, 64, **shape_kw)
     with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        plan(shape, Strategy(**{"world": 2, "optimizer": "onebitadam", **kw}))
+        plan(shape, ParallelStrategy(**{"world": 2, "optimizer": "onebitadam", **kw}))
 
 
 def test_cli_prints_onebit_phases_and_the_sparse_layouts_fraction(capsys):

@@ -1,7 +1,7 @@
 """The library's size, stated truly: the README's total, docs/design.md's lines per folder and its
 reading paths (the files a topic is read in) are counted here from the files themselves, every
-line (code, docstrings, comments, blank). Figures are stated rounded (the total to 100, the rest
-to 10), so a small edit does not break them and a grown folder does."""
+line (code, docstrings, comments, blank). A stated figure holds while it is within 2% (or 10
+lines) of the count: a small edit does not break it, a folder grown by a module does."""
 import pathlib
 import re
 
@@ -27,6 +27,10 @@ def rounded(n: int, to: int) -> int:
     return int(round(n / to)) * to
 
 
+def holds(stated: int, counted: int) -> bool:
+    return abs(stated - counted) <= max(10, 0.02 * counted)
+
+
 def number(text: str) -> int:
     return int(text.replace(",", ""))
 
@@ -48,7 +52,7 @@ def test_the_readme_states_the_librarys_lines():
     total = sum(library_lines().values())
     found = re.search(r"minizero/ is ([\d,]+) lines of Python", (ROOT / "README.md").read_text())
     assert found, "the README states the library's size as 'minizero/ is N lines of Python'"
-    assert number(found.group(1)) == rounded(total, 100), \
+    assert holds(number(found.group(1)), total), \
         f"README says {found.group(1)}; minizero/ has {total:,} lines: write {rounded(total, 100):,}"
 
 
@@ -57,8 +61,8 @@ def test_design_states_the_lines_per_folder():
     rows = {r[0].strip("`"): number(r[1]) for r in
             table_rows(section(ROOT / "docs" / "design.md", "The library's size"))}
     want = {k: rounded(v, 10) for k, v in counted.items()}
-    assert rows == want, "docs/design.md's size table should read:\n" + "\n".join(
-        f"| `{k}` | {v:,} |" for k, v in want.items())
+    assert rows.keys() == want.keys() and all(holds(rows[k], counted[k]) for k in rows), \
+        "docs/design.md's size table should read:\n" + "\n".join(f"| `{k}` | {v:,} |" for k, v in want.items())
 
 
 def test_each_reading_path_states_its_files_lines():
@@ -69,7 +73,12 @@ def test_each_reading_path_states_its_files_lines():
         missing = [p for p in paths if not p.is_file()]
         assert not missing, f"{topic}: no such file {missing}"
         total = sum(lines(p) for p in paths)
-        assert number(stated) == rounded(total, 10), f"{topic}: {stated} stated, {total} counted"
+        assert holds(number(stated), total), f"{topic}: {stated} stated, {total} counted"
+
+
+def test_a_figure_holds_within_2_percent_or_10_lines():
+    assert holds(20_900, 20_909) and holds(1_240, 1_250) and holds(170, 162)
+    assert not holds(20_900, 21_400) and not holds(1_240, 1_290) and not holds(170, 185)
 
 
 def test_the_count_sees_every_line_and_folder(tmp_path):

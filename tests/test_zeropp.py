@@ -280,14 +280,14 @@ def test_the_planner_predicts_each_variants_bytes_and_hpz_memory(res, key, dtype
     to the shards' padding."""
     from minizero_course.experiments.zeropp import LESSON_GPT
     from minizero.models import GPTConfig
-    from minizero.planner import ModelShape, Strategy, plan
+    from minizero.planner import ModelShape, ParallelStrategy, plan
     g = GPTConfig(**LESSON_GPT)
     shape = ModelShape(g.n_layer, g.n_embd, g.n_head, g.block_size, g.vocab_size, g.tie_weights)
     t = [r[key] for r in res]
     N, k = t[0]["N"], t[0]["k"]
     for name in t[0]["variants"]:
         flags = VARIANTS[name] or {}
-        strategy = Strategy(N, node_size=k, zero=3, micro_batch=2, precision=dtype, optimizer="sgd",
+        strategy = ParallelStrategy(N, node_size=k, zero=3, micro_batch=2, precision=dtype, optimizer="sgd",
                             qwz=flags.get("quantized_weights", False), hpz=flags.get("hpz", False),
                             qgz=flags.get("quantized_gradients", False))
         stage = plan(shape, strategy).stages[0]

@@ -27,7 +27,7 @@ import sys
 from dataclasses import replace
 
 from minizero.memory import PAPER_TABLE1, estimate, inference_bytes, zero_paper_table1
-from minizero.planner import HARDWARE, ModelShape, PlanError, Strategy, fit, plan, step_time
+from minizero.planner import HARDWARE, ModelShape, PlanError, ParallelStrategy, fit, plan, step_time
 from minizero.planner.plan import FREEZE_STEP
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -212,7 +212,7 @@ def _planner(args, parser) -> int:
             cp = f" x cp {args.cp}" if args.cp > 1 else ""
             raise PlanError(f"dp {args.dp} x pp {args.pp}{cp} x tp {args.tp} = {args.dp * args.pp * args.cp * args.tp} "
                             f"is not the world size {world} (--gpus)")
-        p = plan(shape, Strategy(world, args.node_size, args.tp, args.pp, args.sp, args.zero or 0, args.offload,
+        p = plan(shape, ParallelStrategy(world, args.node_size, args.tp, args.pp, args.sp, args.zero or 0, args.offload,
                                  args.micro_batch, args.micro_batches, args.schedule or "1f1b", args.checkpointing,
                                  args.precision, args.optimizer, qwz=args.qwz, hpz=args.hpz, qgz=args.qgz,
                                  cp=args.cp, ulysses=args.ulysses, ep=args.ep,

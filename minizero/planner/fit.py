@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from minizero.planner.plan import DTYPES, FREEZE_STEP, ModelShape, Plan, PlanError, Strategy, plan
+from minizero.planner.plan import DTYPES, FREEZE_STEP, ModelShape, Plan, PlanError, ParallelStrategy, plan
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def step_time(p: Plan, hw: Hardware) -> dict:
     return {"compute": compute, "comm": comm, "offload": offload, "total": compute + comm + offload}
 
 
-def _calls(group, s: Strategy, shape: ModelShape) -> int:
+def _calls(group, s: ParallelStrategy, shape: ModelShape) -> int:
     m = s.micro_batches
     if group == "tp":
         return m * (4 * shape.layers // s.pp + 4)
@@ -110,9 +110,9 @@ def candidates(shape: ModelShape, world: int, node_size: int, global_batch: int,
         eps = [e for e in divisors if dp % e == 0 and shape.experts % e == 0] if shape.experts else [1]
         for ep, zero, offload, ckpt, sp in itertools.product(eps, range(4), (False, True), (False, True),
                                                              (False, True)):
-            s = Strategy(world, node_size, tp, pp, sp, zero, offload, micro_batch, global_batch // (micro_batch * dp),
-                         "1f1b", ckpt, precision, optimizer, cp=cp, ulysses=ulysses, ep=ep, freeze_step=freeze_step,
-                         steps=steps)
+            s = ParallelStrategy(world, node_size, tp, pp, sp, zero, offload, micro_batch,
+                                 global_batch // (micro_batch * dp), "1f1b", ckpt, precision, optimizer,
+                                 cp=cp, ulysses=ulysses, ep=ep, freeze_step=freeze_step, steps=steps)
             try:
                 yield plan(shape, s)
             except PlanError:

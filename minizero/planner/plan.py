@@ -1,7 +1,7 @@
 """The planner: what one rank holds and sends for a model shape, a batch, a world and a strategy.
 
     shape = ModelShape(layers=24, hidden=2048, heads=16, seq=1024, vocab=50257)
-    p = plan(shape, Strategy(world=16, node_size=8, tp=2, pp=2, zero=1, micro_batch=4, micro_batches=8))
+    p = plan(shape, ParallelStrategy(world=16, node_size=8, tp=2, pp=2, zero=1, micro_batch=4, micro_batches=8))
     p.stages[0].memory["activations"], p.stages[0].sent_by_link["cross-node"]
 
 Everything is a formula of minizero's own layouts, so a run of the same configuration can check it
@@ -120,7 +120,7 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class Strategy:
+class ParallelStrategy:
     world: int
     node_size: int = 8            # ranks per node: groups inside one are "intra-node"
     tp: int = 1                   # tensor-parallel size (Megatron), inside a node
@@ -187,7 +187,7 @@ class StagePlan:
 @dataclass
 class Plan:
     shape: ModelShape
-    strategy: Strategy
+    strategy: ParallelStrategy
     stages: list
 
     @property
@@ -202,7 +202,7 @@ class Plan:
                            for s in self.stages]}
 
 
-def check(shape: ModelShape, s: Strategy) -> None:
+def check(shape: ModelShape, s: ParallelStrategy) -> None:
     """Every reason this layout cannot run, as one PlanError naming the sizes."""
     for name, value in (("world", s.world), ("node_size", s.node_size), ("tp", s.tp), ("pp", s.pp),
                         ("micro_batch", s.micro_batch), ("micro_batches", s.micro_batches), ("cp", s.cp), ("ep", s.ep)):
@@ -276,7 +276,7 @@ def _link(ranks: list, node_size: int) -> str:
     return "intra-node" if len({r // node_size for r in ranks}) == 1 else "cross-node"
 
 
-def plan(shape: ModelShape, s: Strategy) -> Plan:
+def plan(shape: ModelShape, s: ParallelStrategy) -> Plan:
     check(shape, s)
     h, v, t, w = shape.hidden, shape.vocab, s.tp, DTYPES[s.precision]
     b, sq, m, tokens = s.micro_batch, shape.seq, s.micro_batches, shape.seq // s.cp  # tokens: this rank's
@@ -331,18 +331,18 @@ def plan(shape: ModelShape, s: Strategy) -> Plan:
     return Plan(shape, s, stages)
 
 
-def _capacity(shape: ModelShape, s: Strategy) -> int:
+def _capacity(shape: ModelShape, s: ParallelStrategy) -> int:
     from minizero.moe import capacity
     return capacity(s.micro_batch * shape.seq // s.cp, shape.experts, shape.top_k, shape.capacity_factor)
 
 
-def _dp_bytes(s: Strategy, params, group) -> float:
+def _dp_bytes(s: ParallelStrategy, params, group) -> float:
     f, w, m = (group - 1) / group, DTYPES[s.precision], s.micro_batches
     return {0: 2 * f * params * w, 1: f * params * 2 * w, 2: (m + 1) * f * params * w,
             3: 3 * m * f * params * w}[s.zero]
 
 
-def _comm(sp: StagePlan, s: Strategy, params, experts, stage, first, last, layers, shape):
+def _comm(sp: StagePlan, s: ParallelStrategy, params, experts, stage, first, last, layers, shape):
     """Bytes this stage's ranks send per optimizer step, by group, and each group's link class."""
     from minizero.context import ring_bytes_per_layer, ulysses_bytes_per_layer
     from minizero.moe import all_to_all_bytes
@@ -387,7 +387,7 @@ def _comm(sp: StagePlan, s: Strategy, params, experts, stage, first, last, layer
             sp.link["tied"] = _link([at(0, 0, 0, 0), at(0, s.pp - 1, 0, 0)], s.node_size)
 
 
-def _onebit_bytes(s: Strategy, params, warmup_step) -> dict:
+def _onebit_bytes(s: ParallelStrategy, params, warmup_step) -> dict:
     """1-bit Adam's data-parallel bytes (compression/onebit_adam.py, one flat buffer as OneBitAdamStrategy): the
     warm-up's fp32 all-reduce of the gradients, then the momentum's compressed all-reduce (1 bit per padded element
     and a 4-byte scale per chunk, twice); over a run of `steps` with min(freeze_step, steps) warm-up steps."""
@@ -402,7 +402,7 @@ def _onebit_bytes(s: Strategy, params, warmup_step) -> dict:
     return out
 
 
-def _zeropp_units(shape: ModelShape, s: Strategy) -> list:
+def _zeropp_units(shape: ModelShape, s: ParallelStrategy) -> list:
     """ZeRO-3's units (FSDP: one per block, the root holds the rest), each padded to a multiple of the
     world: the elements each all-gather carries."""
     block = 12 * shape.hidden ** 2 + 13 * shape.hidden
@@ -410,7 +410,7 @@ def _zeropp_units(shape: ModelShape, s: Strategy) -> list:
     return [-(-u // s.world) * s.world for u in [root] + [block] * shape.layers]
 
 
-def _tp_bytes(s: Strategy, shape: ModelShape, layers, first, last) -> float:
+def _tp_bytes(s: ParallelStrategy, shape: ModelShape, layers, first, last) -> float:
     """The tp group's bytes per step, from the tensor package's own count of its collectives
     (tensor.parallel_gpt.collectives_per_step, ring model as comm.stats): per layer and pass, plus the
     embedding (first stage) and the LM head and loss (last stage). Checkpointing repeats each layer's

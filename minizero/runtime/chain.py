@@ -1,4 +1,4 @@
-"""The engine's chain, one function per link, each a function of the resolved Plan (runtime/resolve.py).
+"""The engine's chain, one function per link, each a function of the resolved EnginePlan (runtime/resolve.py).
 docs/design.md draws it; runtime/engine.py calls it in this order:
 
     mesh  = build_mesh(plan, world)                     # dp x cp x tp (ep slices of dp), or None
@@ -14,7 +14,7 @@ The pipeline engine (runtime/pipeline_engine.py) cuts the model into its stage b
 """
 from __future__ import annotations
 
-from minizero.runtime.resolve import Plan
+from minizero.runtime.resolve import EnginePlan
 from minizero.runtime.strategies import (
     DDPStrategy,
     HybridShardStrategy,
@@ -27,7 +27,7 @@ from minizero.runtime.strategies import (
 )
 
 
-def build_mesh(plan: Plan, world):
+def build_mesh(plan: EnginePlan, world):
     """A dp x cp x tp Mesh (ep slices of dp) when the plan splits the model, else None."""
     if plan.tp_size == 1 and plan.cp_size == 1 and plan.ep_size == 1:
         return None
@@ -35,7 +35,7 @@ def build_mesh(plan: Plan, world):
     return Mesh(world, tp=plan.tp_size, cp=plan.cp_size, ep=plan.ep_size)
 
 
-def apply_tensor_parallel(model, plan: Plan, mesh):
+def apply_tensor_parallel(model, plan: EnginePlan, mesh):
     """The model split over mesh.tp (tensor.TensorParallelGPT, with sequence parallelism if asked)."""
     if plan.tp_size == 1:
         return model
@@ -43,14 +43,14 @@ def apply_tensor_parallel(model, plan: Plan, mesh):
     return TensorParallelGPT(model, mesh.tp, plan.sequence_parallel)
 
 
-def apply_sparse_attention(model, plan: Plan):
+def apply_sparse_attention(model, plan: EnginePlan):
     """Every attention runs the plan's block-sparse layout (sparse/; DeepSpeed's sparse_attention section)."""
     if plan.sparse_attention is not None:
         from minizero.sparse import apply_sparse_attention as apply
         apply(model, plan.sparse_attention)
 
 
-def apply_context_parallel(model, plan: Plan, mesh):
+def apply_context_parallel(model, plan: EnginePlan, mesh):
     """The model's hook (TinyGPT's) takes whole sequences and keeps this rank's s/cp tokens: Ulysses or ring."""
     if plan.cp_size > 1 and plan.cp_attention == "ring":
         model.set_context_parallel(mesh.cp, attention="ring")  # chunks r and 2cp-1-r, ring attention
@@ -58,7 +58,7 @@ def apply_context_parallel(model, plan: Plan, mesh):
         model.set_context_parallel(mesh.cp)  # contiguous s/cp tokens, Ulysses (a model may know only this)
 
 
-def apply_expert_parallel(model, plan: Plan, mesh):
+def apply_expert_parallel(model, plan: EnginePlan, mesh):
     """Each MoE layer keeps E/ep experts and exchanges tokens over mesh.ep."""
     if plan.ep_size > 1:
         from minizero.runtime.resolve import moe_layers
@@ -66,7 +66,7 @@ def apply_expert_parallel(model, plan: Plan, mesh):
             layer.set_expert_parallel(mesh.ep)
 
 
-def apply_activation_checkpointing(model, plan: Plan) -> list:
+def apply_activation_checkpointing(model, plan: EnginePlan) -> list:
     """Every block of every nn.ModuleList recomputes in backward (activation_checkpointing.py)."""
     if not plan.activation_checkpointing:
         return []
@@ -74,7 +74,7 @@ def apply_activation_checkpointing(model, plan: Plan) -> list:
     return checkpoint_blocks(model)
 
 
-def apply_precision(model, plan: Plan, device):
+def apply_precision(model, plan: EnginePlan, device):
     """The model in its training dtype on the device (zero.Init's recorder rounds as model.to(dtype) would)."""
     if plan.zero_init is not None:
         plan.zero_init.dtype = plan.dtype if plan.mixed_precision else None
@@ -82,7 +82,7 @@ def apply_precision(model, plan: Plan, device):
         model.to(device, plan.dtype if plan.mixed_precision else None)
 
 
-def strategy_spec(plan: Plan, node_mesh=None, runtime_syncs: bool = False) -> StrategySpec:
+def strategy_spec(plan: EnginePlan, node_mesh=None, runtime_syncs: bool = False) -> StrategySpec:
     """The plan's fields a strategy is built from."""
     return StrategySpec(optimizer_cls=plan.optimizer_cls, optimizer_kwargs=plan.optimizer_kwargs, groups=plan.groups,
                         dtype=plan.dtype, bucket_numel=plan.bucket_numel, overlap=plan.overlap_comm,
@@ -92,7 +92,7 @@ def strategy_spec(plan: Plan, node_mesh=None, runtime_syncs: bool = False) -> St
                         master_dtype=plan.master_dtype)
 
 
-def select_strategy(plan: Plan, model, comm, mesh=None, node_mesh=None, runtime_syncs: bool = False) -> Strategy:
+def select_strategy(plan: EnginePlan, model, comm, mesh=None, node_mesh=None, runtime_syncs: bool = False) -> Strategy:
     """The one place a plan becomes a data-parallel strategy, keyed by what the plan asks for.
     comm: the ranks that reduce (and shard); mesh: the engine's (experts need mesh.dp and mesh.expert_dp);
     node_mesh: the nodes ZeRO++ uses, if the caller has them (initialize(mesh=...))."""

@@ -12,7 +12,7 @@ Your own loss: an output without a loss (`engine(x)`: TinyGPT returns (logits, N
 it is: `logits, _ = engine(x); engine.backward(my_loss(logits, y))`. `engine.outputs` keeps it too.
 
 What each config key does, with DeepSpeed's meaning: docs/engine.md. The engine is the chain of
-runtime/chain.py over the resolved Plan (runtime/resolve.py); what it shares with the pipeline engine
+runtime/chain.py over the resolved EnginePlan (runtime/resolve.py); what it shares with the pipeline engine
 (the step's clip, measurements, checkpoints, counters) is runtime/trainer.py's BaseEngine.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from minizero import comm as comm_mod
 from minizero.runtime import chain
 from minizero.runtime.pipeline_engine import PipelineEngine
-from minizero.runtime.resolve import Plan, optimizer_spec, resolve  # noqa: F401  (optimizer_spec: tests)
+from minizero.runtime.resolve import EnginePlan, optimizer_spec, resolve  # noqa: F401  (optimizer_spec: tests)
 from minizero.runtime.trainer import BaseEngine
 
 
@@ -69,7 +69,7 @@ _ENGINES = weakref.WeakSet()  # the live engines: one's backward may run through
 
 
 class Engine(BaseEngine):
-    def __init__(self, model: torch.nn.Module, plan: Plan, comm, mesh=None):
+    def __init__(self, model: torch.nn.Module, plan: EnginePlan, comm, mesh=None):
         super().__init__()           # an nn.Module, as DeepSpeed's engine (runtime/trainer.py)
         self.plan = plan             # the resolved config (runtime/resolve.py): the chain below is a function of it
         self.comm = comm             # every rank of the job: votes (fp16 overflow), norms, checkpoints

@@ -44,7 +44,7 @@ import torch
 from minizero.comm import Mesh
 from minizero.pipeline import PipelineModel, PipelineRuntime, PipelineStage
 from minizero.runtime import chain
-from minizero.runtime.resolve import Plan, pipeline_parts
+from minizero.runtime.resolve import EnginePlan, pipeline_parts
 from minizero.runtime.trainer import BaseEngine
 
 
@@ -56,7 +56,7 @@ def _named(model, parts) -> torch.nn.Module:
 
 
 class PipelineEngine(BaseEngine):
-    def __init__(self, model, plan: Plan, comm):
+    def __init__(self, model, plan: EnginePlan, comm):
         super().__init__()                # an nn.Module, as DeepSpeed's engine (runtime/trainer.py)
         self.plan = plan                  # the resolved config (runtime/resolve.py)
         self.comm = comm                  # every rank of the job

@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-class Piece(NamedTuple):
+class SegmentPiece(NamedTuple):
     """Elements [lo, hi) of the flattened parameter `name` are tensor[offset:offset + hi - lo]."""
     name: str
     lo: int
@@ -33,7 +33,7 @@ class Segment(NamedTuple):
     """One fp32 tensor an optimizer steps, and what it holds."""
     tensor: torch.Tensor
     optimizer: object       # whose .state[tensor] is its state
-    pieces: list            # [Piece]
+    pieces: list            # [SegmentPiece]
     replicated: bool        # the same on every data-parallel rank (written once)
 
 
@@ -45,7 +45,7 @@ class Grads(NamedTuple):
 
 
 class StrategySpec(NamedTuple):
-    """What a strategy is built from: runtime/chain.strategy_spec reads it off the resolved Plan."""
+    """What a strategy is built from: runtime/chain.strategy_spec reads it off the resolved EnginePlan."""
     optimizer_cls: type
     optimizer_kwargs: dict
     groups: list | None          # param groups (None: one group of every trainable parameter)
@@ -262,7 +262,7 @@ class DDPStrategy(Strategy):
 
     def segments(self, name_of: dict) -> list:
         inner = self.optimizer.optimizer if self.spec.mixed_precision else self.optimizer
-        return [Segment(t, inner, [Piece(name_of[id(p)], 0, t.numel(), 0, t in inner.state)], True)
+        return [Segment(t, inner, [SegmentPiece(name_of[id(p)], 0, t.numel(), 0, t in inner.state)], True)
                 for p, t in self._trained()]
 
     @torch.no_grad()
@@ -299,7 +299,7 @@ class FlatStrategy(Strategy):
         opt = self.optimizer
         if self.offload is not None:  # the host optimizer steps the whole shard, every element every step
             return [Segment(opt.master, self.offload,
-                            [Piece(name_of[id(opt.params[pc.index])], pc.lo, pc.hi, pc.shard_lo, True)
+                            [SegmentPiece(name_of[id(opt.params[pc.index])], pc.lo, pc.hi, pc.shard_lo, True)
                              for pc in opt.layout.pieces(self.comm.rank)], False)]
         return run_segments(opt, name_of)
 
@@ -368,7 +368,7 @@ class Zero2Strategy(FlatStrategy):
 
 def run_segments(opt, name_of) -> list:
     """The runs of a FlatShardOptimizer's shards (zero/flat_shard_optimizer.py), one state per run."""
-    return [Segment(run.tensor, opt.optim, [Piece(name_of[id(opt.params[i])], lo, hi, off, i in opt.stepped)
+    return [Segment(run.tensor, opt.optim, [SegmentPiece(name_of[id(opt.params[i])], lo, hi, off, i in opt.stepped)
                                             for i, lo, hi, off in run.pieces], run.replicated) for run in opt.runs]
 
 
@@ -446,7 +446,7 @@ class Zero3Strategy(Strategy):
             return run_segments(self.optimizer, name_of)
         # the host optimizer steps whole flat shards, every element every step
         return [Segment(self.offload.master_of(t), self.offload,
-                        [Piece(name, lo, hi, off, True) for name, lo, hi, off in pieces], part == "whole")
+                        [SegmentPiece(name, lo, hi, off, True) for name, lo, hi, off in pieces], part == "whole")
                 for _, part, t, _, pieces in self.wrapped.flat_parts()]
 
     def after_load(self, master_of, stateful, name_of):
@@ -503,7 +503,8 @@ class OneBitAdamStrategy(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
 
     def segments(self, name_of):
-        return [Segment(p, self.optimizer, [Piece(name_of[id(p)], 0, p.numel(), 0, p in self.optimizer.state)], True)
+        return [Segment(p, self.optimizer,
+                        [SegmentPiece(name_of[id(p)], 0, p.numel(), 0, p in self.optimizer.state)], True)
                 for p in self.params]
 
     def check_checkpointable(self):

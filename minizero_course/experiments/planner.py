@@ -1,7 +1,7 @@
 """The planner checked against real runs: many small configurations in ONE launch.
 
 `validate(comm, configs)` trains TinyGPT through minizero.initialize for each configuration (a
-DeepSpeed config built from a planner Strategy) and returns, per configuration, what the planner
+DeepSpeed config built from a planner ParallelStrategy) and returns, per configuration, what the planner
 predicts next to what the run measured on each rank:
   * model states: the ledger (engine.memory(), real tensors) by category and location, after the
     last backward of the second step (gradients and optimizer state both alive);
@@ -22,7 +22,7 @@ from minizero.activation_checkpointing import checkpointed
 from minizero.data import SyntheticTokens, shard
 from minizero.memory import SavedTensors
 from minizero.models import build_model
-from minizero.planner import ModelShape, Strategy, plan
+from minizero.planner import ModelShape, ParallelStrategy, plan
 from minizero.runtime.engine import build_engine
 
 # small enough for 2 cores; two widths, layer counts, vocabularies, tied and untied
@@ -50,8 +50,8 @@ def shape_of(name: str) -> ModelShape:
     return ModelShape(g["n_layer"], g["n_embd"], g["n_head"], g["block_size"], g["vocab_size"], g["tie_weights"])
 
 
-def strategy_of(c: dict, world: int, node_size: int, micro_batch: int) -> Strategy:
-    return Strategy(world, node_size, tp=c.get("tp", 1), sp=c.get("sp", False), zero=c["zero"],
+def strategy_of(c: dict, world: int, node_size: int, micro_batch: int) -> ParallelStrategy:
+    return ParallelStrategy(world, node_size, tp=c.get("tp", 1), sp=c.get("sp", False), zero=c["zero"],
                     offload=c.get("offload", False), micro_batch=micro_batch,
                     micro_batches=c["micro_batches"], checkpointing=c.get("checkpointing", False),
                     precision="fp32", optimizer="sgd")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from minizero.data import SyntheticTokens, shard
 from minizero.memory import SavedTensors
 from minizero.models import build_model
-from minizero.planner import ModelShape, Strategy, plan
+from minizero.planner import ModelShape, ParallelStrategy, plan
 from minizero.runtime.engine import build_engine
 
 GPT = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=False)
@@ -49,7 +49,7 @@ def onebit(comm) -> dict:
         engine.step()
         sent.append(comm.stats.sent())
     errors = sum(e.numel() * e.element_size() for pair in engine.optimizer._error_buffers.values() for e in pair)
-    p = plan(_shape(), Strategy(comm.size, zero=0, micro_batch=MICRO, precision="fp32", optimizer="onebitadam",
+    p = plan(_shape(), ParallelStrategy(comm.size, zero=0, micro_batch=MICRO, precision="fp32", optimizer="onebitadam",
                                 freeze_step=FREEZE_STEP, steps=STEPS)).stages[0]
     return {"measured": {"sent": sent, "ledger": ledger, "errors": errors},
             "planned": {"onebit": p.onebit, "sent": p.sent, "memory": p.memory}}
@@ -70,8 +70,9 @@ def sparse(comm) -> dict:
     fraction = score_bytes(layout, 1, SPARSE["block"], 1, causal=True) / (GPT["n_head"] * GPT["block_size"] ** 2)
     planned = {}
     for name, density in (("sparse", fraction), ("dense", 1.0)):
-        p = plan(_shape(attention_density=density), Strategy(comm.size, zero=0, micro_batch=MICRO, precision="fp32",
-                                                             optimizer="sgd"))
+        p = plan(_shape(attention_density=density),
+                 ParallelStrategy(comm.size, zero=0, micro_batch=MICRO, precision="fp32",
+                                  optimizer="sgd"))
         planned[name] = p.stages[0].memory["activations"]
     return {"measured": {"activations": peaks["sparse"], "dense_activations": peaks["dense"],
                          "nnz": int(layout.tril().sum())},
@@ -89,7 +90,8 @@ def moe(comm) -> dict:
                 ledger = engine.memory().detail
             engine.step()
         shape = _shape(experts=MOE["num_experts"], top_k=MOE["moe_top_k"], capacity_factor=MOE["moe_capacity_factor"])
-        p = plan(shape, Strategy(comm.size, zero=0, micro_batch=MICRO, precision="fp32", optimizer="sgd", ep=ep))
+        p = plan(shape, ParallelStrategy(comm.size, zero=0, micro_batch=MICRO, precision="fp32",
+                                         optimizer="sgd", ep=ep))
         out[f"ep{ep}"] = {"measured": ledger, "planned": p.stages[0].memory}
     return out
 

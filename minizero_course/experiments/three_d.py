@@ -23,7 +23,7 @@ import torch
 from minizero.data import shard
 from minizero_course.experiments.references import global_batches
 from minizero.models import GPTConfig, TinyGPT
-from minizero.planner import ModelShape, Strategy, plan
+from minizero.planner import ModelShape, ParallelStrategy, plan
 from minizero.runtime.engine import build_engine
 
 # the lesson's default: 8 ranks as 2 nodes of 4; 3D = dp 2 x pp 2 x tp 2 against dp 8, both ZeRO-1
@@ -50,7 +50,7 @@ def _planned(model_cfg: dict, layout: dict, comm, node_size: int, global_batch: 
     g = GPTConfig(**model_cfg)
     shape = ModelShape(g.n_layer, g.n_embd, g.n_head, g.block_size, g.vocab_size, g.tie_weights)
     dp = comm.size // (layout["pp"] * layout["tp"])
-    strategy = Strategy(comm.size, node_size=node_size, tp=layout["tp"], pp=layout["pp"], zero=layout["zero"],
+    strategy = ParallelStrategy(comm.size, node_size=node_size, tp=layout["tp"], pp=layout["pp"], zero=layout["zero"],
                         micro_batch=micro, micro_batches=global_batch // dp // micro,
                         schedule=layout.get("schedule", "1f1b"), precision="fp32", optimizer="sgd")
     st = plan(shape, strategy).stages[stage]

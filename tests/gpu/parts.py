@@ -107,11 +107,11 @@ def loss_row(comm, name, losses, reference, tol, against="one process") -> dict:
 
 def planned_memory(shape: dict, comm_size: int, **strategy):
     """The planner's model states for this configuration (fp32, SGD with momentum, as the engine runs)."""
-    from minizero.planner import ModelShape, Strategy, plan
+    from minizero.planner import ModelShape, ParallelStrategy, plan
     g = GPTConfig(**shape)
     s = ModelShape(g.n_layer, g.n_embd, g.n_head, g.block_size, g.vocab_size, g.tie_weights, g.num_experts, g.moe_top_k,
                    g.moe_capacity_factor)
-    return plan(s, Strategy(comm_size, precision="fp32", optimizer="sgd", **strategy))
+    return plan(s, ParallelStrategy(comm_size, precision="fp32", optimizer="sgd", **strategy))
 
 
 CATS = ("parameters", "master_params", "gradients", "optimizer_state")
