@@ -52,7 +52,7 @@ browser:
 test: setup $(SITE_STAMP) browser
 	$(PY) -m pytest -q -p tests.progress --durations=15
 
-# the fast part of the suite for everyday work: no test that starts ranks or processes (about 15 s)
+# the fast part of the suite for everyday work: no test that starts ranks or processes (about 35 s)
 check: setup
 	$(PY) -m pytest -q -m "not launches" --durations=5
 	$(PY) -m minizero_course labs --check
