@@ -124,6 +124,25 @@ def test_the_grade_command_writes_results_json_and_prints_each_check(tmp_path):
     assert f"wrote {out}" in proc.stdout
 
 
+def test_a_lab_scores_each_task_it_finished(tmp_path):
+    """Lab 14 with its layout written and the block-sparse forward left as its stub: the layout's check
+    scores its 3 points, and each check that needs the forward fails with the forward's own TODO (one
+    unfinished task used to end the shared run and zero the lab)."""
+    source = (Path(REPO) / "labs" / LABS[14].filename).read_text()
+    stub = "raise NotImplementedError('lab 14: not implemented yet: the fixed layout of head h')"
+    assert stub in source
+    finished = source.replace(stub, "return _Fixed.head_layout(self, h, nb, generator)  # written")
+    (tmp_path / LABS[14].filename).write_text(
+        finished + "\nfrom minizero.sparse.layout import FixedSparsityConfig as _Fixed  # noqa: E402\n")
+    out = tmp_path / "results.json"
+    _grade("--lab", "14", "--impl", str(tmp_path), "--json", str(out))
+    tests = {t["name"].removeprefix("lab 14: "): t for t in json.loads(out.read_text())["tests"]}
+    layout, forward, cost = (tests[c.name] for c in LABS[14].checks()[:3])
+    assert (layout["score"], layout["max_score"]) == (3, 3), layout
+    for t in (forward, cost):
+        assert t["score"] == 0 and t["output"].startswith("lab 14: not implemented yet: block-sparse forward"), t
+
+
 def test_unknown_lab_lists_the_labs():
     proc = _grade("--lab", "99")
     assert proc.returncode != 0

@@ -59,6 +59,17 @@ def _phase(comm, fn):
     return {"error": errors[0]} if errors else out
 
 
+def _phase_or_todo(comm, fn):
+    """_phase, but a TODO left becomes this phase's error: the checks of the other phases still grade
+    (a lab's tasks earn their points one by one)."""
+    def run():
+        try:
+            return fn()
+        except NotImplementedError as e:
+            raise RuntimeError(f"NotImplementedError: {e}") from None
+    return _phase(comm, run)
+
+
 # ------------------------------------------------------------------------------ the phases
 def _fg_pass(comm, mod, dtype, base, watch):
     """f and g over `comm` on data that depends on the rank in `base` (the job's ranks): values
