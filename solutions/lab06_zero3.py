@@ -600,7 +600,8 @@ class FSDP(nn.Module):
     def flat_parts(self):
         """This rank's flat tensors, unit by unit: (unit, part, tensor, numel, pieces), part "shard"
         (its piece of the unit's sharded buffer) or "whole" (the persistent parameters, kept whole);
-        pieces [(name, lo, hi, offset)]: elements lo:hi of parameter `name`, at `offset` in tensor."""
+        pieces [(name, lo, hi, offset)]: elements lo:hi of parameter `name`, at `offset` in
+        tensor."""
         rank = self.comm.rank
         for u in self.units:
             first = [fqns[0] for _, _, fqns in u.entries]

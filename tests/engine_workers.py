@@ -68,7 +68,8 @@ def run_engine(comm, cfg, steps=STEPS, double=False):
         losses.append(loss.item())
         norms.append(engine.get_global_grad_norm())
     by_op = {k: v["sent_bytes"] for k, v in engine.comm_stats().items()}  # the last step's
-    return engine, {"losses": losses, "norms": norms, "sent": sent, "by_op": by_op, "startup": startup}
+    return engine, {"losses": losses, "norms": norms, "sent": sent, "by_op": by_op,
+                    "startup": startup}
 
 
 def by_hand(comm, stage, opt, clip=0.0, steps=STEPS):

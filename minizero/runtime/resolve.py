@@ -421,29 +421,31 @@ def resolve(config, world_size: int, model=None, model_parameters=None, node_siz
     if cfg["bf16"]["bf16_master_weights_and_grads"] and ep > 1:
         raise ConfigError("bf16.bf16_master_weights_and_grads with MoE layers of ep_size > 1 is not implemented: the "
                           "expert strategy keeps fp32 masters; remove the key or use ep_size 1")
-    return EnginePlan(cfg, world_size, world_size // (pipe["stages"] * tp * cp), pipe["stages"], tp,
-                      zero["stage"], dtype,
-                      cls, kw, groups, zero_init, offload, cp, ep,
-                      bucket_numel=int(zero["reduce_bucket_size"]), overlap_comm=zero["overlap_comm"],
-                      prefetch=zero["overlap_comm"] and zero["stage3_prefetch_bucket_size"] > 0,
-                      persistence_threshold=int(zero["stage3_param_persistence_threshold"]),
-                      zeropp=zeropp if zeropp.enabled else None, mics_shard_size=mics,
-                      shard_layout=zero["shard_layout"],
-                      sequence_parallel=cfg["tensor_parallel"]["sequence_parallel"],
-                      cp_attention=cfg["context_parallel"]["attention"],
-                      activation_checkpointing=cfg["activation_checkpointing"] is not None,
-                      loss_scaler=({k: v for k, v in cfg["fp16"].items() if k != "enabled"}
-                                   if cfg["fp16"]["enabled"] else None),
-                      gradient_clipping=cfg["gradient_clipping"], train_batch_size=cfg["train_batch_size"],
-                      micro_batch_size=cfg["train_micro_batch_size_per_gpu"],
-                      gradient_accumulation_steps=cfg["gradient_accumulation_steps"], scheduler=cfg["scheduler"],
-                      seed=cfg["seed"], pipeline=PipelineSpec(pipe["stages"], pipe["schedule"], pipe["chunks"]),
-                      sparse_attention=sparse,
-                      master_dtype=torch.bfloat16 if cfg["bf16"]["bf16_master_weights_and_grads"] else torch.float32,
-                      offload_optimizer=zero["offload_optimizer"] if offload is not None else None,
-                      offload_param=(zero["offload_param"] if offload is not None and offload.params != "none"
-                                     else None),
-                      steps_per_print=cfg["steps_per_print"], wall_clock_breakdown=bool(cfg["wall_clock_breakdown"]))
+    return EnginePlan(
+        cfg, world_size, world_size // (pipe["stages"] * tp * cp), pipe["stages"], tp,
+        zero["stage"], dtype, cls, kw, groups, zero_init, offload, cp, ep,
+        bucket_numel=int(zero["reduce_bucket_size"]), overlap_comm=zero["overlap_comm"],
+        prefetch=zero["overlap_comm"] and zero["stage3_prefetch_bucket_size"] > 0,
+        persistence_threshold=int(zero["stage3_param_persistence_threshold"]),
+        zeropp=zeropp if zeropp.enabled else None, mics_shard_size=mics,
+        shard_layout=zero["shard_layout"],
+        sequence_parallel=cfg["tensor_parallel"]["sequence_parallel"],
+        cp_attention=cfg["context_parallel"]["attention"],
+        activation_checkpointing=cfg["activation_checkpointing"] is not None,
+        loss_scaler=({k: v for k, v in cfg["fp16"].items() if k != "enabled"}
+                     if cfg["fp16"]["enabled"] else None),
+        gradient_clipping=cfg["gradient_clipping"], train_batch_size=cfg["train_batch_size"],
+        micro_batch_size=cfg["train_micro_batch_size_per_gpu"],
+        gradient_accumulation_steps=cfg["gradient_accumulation_steps"], scheduler=cfg["scheduler"],
+        seed=cfg["seed"], pipeline=PipelineSpec(pipe["stages"], pipe["schedule"], pipe["chunks"]),
+        sparse_attention=sparse,
+        master_dtype=(torch.bfloat16 if cfg["bf16"]["bf16_master_weights_and_grads"]
+                      else torch.float32),
+        offload_optimizer=zero["offload_optimizer"] if offload is not None else None,
+        offload_param=(zero["offload_param"] if offload is not None and offload.params != "none"
+                       else None),
+        steps_per_print=cfg["steps_per_print"],
+        wall_clock_breakdown=bool(cfg["wall_clock_breakdown"]))
 
 
 def _sparse_attention(model, cfg: dict):

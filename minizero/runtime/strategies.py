@@ -85,7 +85,8 @@ class Strategy(ABC):
 
     shards: bool = True
     has_replicated: bool = False
-    broadcasts_buffers: bool = False  # no wrapper does it: rank 0's buffers before a training forward
+    # no wrapper does it: rank 0's buffers before a training forward
+    broadcasts_buffers: bool = False
 
     def __init__(self, model: torch.nn.Module, comm, spec: StrategySpec):
         self.model = model
@@ -176,7 +177,8 @@ class Strategy(ABC):
 
     def unsharded_largest(self) -> int | None:
         """ZeRO-3 that shards nothing (every tensor under the persistence threshold): the largest
-        tensor's elements, for the user's note; None where something is sharded or nothing shards."""
+        tensor's elements, for the user's note; None where something is sharded or nothing
+        shards."""
         return None
 
     def check_checkpointable(self):
@@ -262,7 +264,8 @@ class DDPStrategy(Strategy):
 
     def segments(self, name_of: dict) -> list:
         inner = self.optimizer.optimizer if self.spec.mixed_precision else self.optimizer
-        return [Segment(t, inner, [SegmentPiece(name_of[id(p)], 0, t.numel(), 0, t in inner.state)], True)
+        return [Segment(t, inner, [SegmentPiece(name_of[id(p)], 0, t.numel(), 0, t in inner.state)],
+                        True)
                 for p, t in self._trained()]
 
     @torch.no_grad()
@@ -299,7 +302,8 @@ class FlatStrategy(Strategy):
         opt = self.optimizer
         if self.offload is not None:  # the host optimizer steps the whole shard, every element every step
             return [Segment(opt.master, self.offload,
-                            [SegmentPiece(name_of[id(opt.params[pc.index])], pc.lo, pc.hi, pc.shard_lo, True)
+                            [SegmentPiece(name_of[id(opt.params[pc.index])], pc.lo, pc.hi, pc.shard_lo,
+                                          True)
                              for pc in opt.layout.pieces(self.comm.rank)], False)]
         return run_segments(opt, name_of)
 
@@ -368,8 +372,10 @@ class Zero2Strategy(FlatStrategy):
 
 def run_segments(opt, name_of) -> list:
     """The runs of a FlatShardOptimizer's shards (zero/flat_shard_optimizer.py), one state per run."""
-    return [Segment(run.tensor, opt.optim, [SegmentPiece(name_of[id(opt.params[i])], lo, hi, off, i in opt.stepped)
-                                            for i, lo, hi, off in run.pieces], run.replicated) for run in opt.runs]
+    return [Segment(run.tensor, opt.optim,
+                    [SegmentPiece(name_of[id(opt.params[i])], lo, hi, off, i in opt.stepped)
+                     for i, lo, hi, off in run.pieces], run.replicated)
+            for run in opt.runs]
 
 
 # ---------------------------------------------------------------------------------------- ZeRO-3
@@ -379,7 +385,8 @@ class Zero3Strategy(Strategy):
     def __init__(self, model, comm, spec):
         super().__init__(model, comm, spec)
         from minizero.zero.fsdp_optimizer import FSDPOptimizer
-        # rank 0's model reaches every rank once, in FSDP (sync_module_states), after its debug check
+        # rank 0's model reaches every rank once, in FSDP (sync_module_states), after its debug
+        # check
         self.wrapped = self._wrap(model, comm, spec, dict(
             compute_dtype=spec.dtype if spec.mixed_precision else None, prefetch=spec.prefetch,
             persistence_threshold=spec.persistence_threshold, shard_layout=spec.shard_layout))
@@ -446,7 +453,8 @@ class Zero3Strategy(Strategy):
             return run_segments(self.optimizer, name_of)
         # the host optimizer steps whole flat shards, every element every step
         return [Segment(self.offload.master_of(t), self.offload,
-                        [SegmentPiece(name, lo, hi, off, True) for name, lo, hi, off in pieces], part == "whole")
+                        [SegmentPiece(name, lo, hi, off, True) for name, lo, hi, off in pieces],
+                        part == "whole")
                 for _, part, t, _, pieces in self.wrapped.flat_parts()]
 
     def after_load(self, master_of, stateful, name_of):

@@ -107,7 +107,7 @@ class BaseEngine(torch.nn.Module):
     def was_step_applied(self) -> bool:
         return not self.overflow
 
-    # ------------------------------------------------------------------ the step's counters and clip
+    # ---------------------------------------------------------------- the step's counters and clip
     def _clip_by_global_norm(self, grads, weights, shard_comm, model_comms) -> float:
         """Clip the reduced gradients (strategies.Grads) by the global norm; returns it (module docstring)."""
         norm = clip_grad_norm_(grads.sharded, self.plan.gradient_clipping, shard_comm, replicated=grads.replicated,

@@ -59,6 +59,20 @@ def _phase(comm, fn):
     return {"error": errors[0]} if errors else out
 
 
+def measure_phases(comm, impls: list[str], table: dict, phases, run=_phase) -> dict:
+    """{impl: {phase: result}}: each file loaded, then each phase of `table` asked for, run by
+    `run` (_phase: a stub ends the job; _phase_or_todo: it fails only its phase)."""
+    torch.set_num_threads(1)
+    out = {}
+    for impl in impls:
+        mod = _phase(comm, lambda: load(impl))
+        if isinstance(mod, dict):
+            out[impl] = {p: mod for p in phases}
+            continue
+        out[impl] = {name: run(comm, lambda fn=table[name]: fn(comm, mod)) for name in phases}
+    return out
+
+
 def _phase_or_todo(comm, fn):
     """_phase, but a TODO left becomes this phase's error: the checks of the other phases still grade
     (a lab's tasks earn their points one by one)."""
@@ -230,7 +244,8 @@ def measure_worker(comm, impls: list[str], phases=tuple(PHASES)) -> dict:
 
 def measured(impl: str) -> list:
     """One 4-rank run per file, shared by the checks (a stub's error is shared too)."""
-    return [r[impl] for r in launched_once("minizero_course.grader.lab10:measure_worker", 4, {"impls": [impl]}, 180)]
+    return [r[impl] for r in
+            launched_once("minizero_course.grader.lab10:measure_worker", 4, {"impls": [impl]}, 180)]
 
 
 # ------------------------------------------------------------------------------ the judges

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from minizero_course.grader import Check, CheckFailed, Lab, first_phase, judged_check, launched_once
-from minizero_course.grader.lab10 import _ops, _phase, load
+from minizero_course.grader.lab10 import _ops, measure_phases
 
 LAB = Lab(12, "moe_dispatch", "MoE dispatch and combine with all-to-all", "minizero/moe/dispatch.py")
 
@@ -181,15 +181,9 @@ UNITS = ("positions", "alltoall", "local", "exchange")  # the parts: one job (se
 
 def measure_worker(comm, impls: list[str], phases=tuple(PHASES)) -> dict:
     """{impl: {phase: result}} for each file, for the phases asked."""
-    torch.set_num_threads(1)
-    out = {}
-    for impl in impls:
-        mod = _phase(comm, lambda: load(impl))
-        if isinstance(mod, dict):
-            out[impl] = {p: mod for p in phases}
-            continue
-        out[impl] = {name: _phase(comm, lambda fn=PHASES[name]: fn(comm, mod)) for name in phases}
-    return out
+    return measure_phases(comm, impls, PHASES, phases)
+
+
 def measured(impl: str, phases=UNITS) -> list:
     """One 4-rank run per file and phase set, shared by the checks (a stub's error is shared too): the four
     checks of the parts share one, the layer check has its own (so a mutant of a part never waits for it)."""

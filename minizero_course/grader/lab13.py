@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from minizero_course.grader import Check, CheckFailed, Lab, first_phase, judged_check, launched_once
-from minizero_course.grader.lab10 import _ops, _phase, load
+from minizero_course.grader.lab10 import _ops, measure_phases
 
 LAB = Lab(13, "onebit", "1-bit Adam: error-compensated 1-bit compression and its all-reduce",
           ("minizero/compression/onebit.py", "minizero/compression/zero_one_adam.py"))
@@ -208,15 +208,7 @@ MAIN = ("compress", "allreduce", "feedback", "adam")  # the stretch task's phase
 
 def measure_worker(comm, impls: list[str], phases=tuple(PHASES)) -> dict:
     """{impl: {phase: result}} for each file, for the phases asked."""
-    torch.set_num_threads(1)
-    out = {}
-    for impl in impls:
-        mod = _phase(comm, lambda: load(impl))
-        if isinstance(mod, dict):
-            out[impl] = {p: mod for p in phases}
-            continue
-        out[impl] = {name: _phase(comm, lambda fn=PHASES[name]: fn(comm, mod)) for name in phases}
-    return out
+    return measure_phases(comm, impls, PHASES, phases)
 
 
 def measured(impl: str, phases=MAIN) -> list:

@@ -21,7 +21,7 @@ import math
 import torch
 
 from minizero_course.grader import Check, CheckFailed, Lab, first_phase, judged_check, launched_once
-from minizero_course.grader.lab10 import _phase, _phase_or_todo, load
+from minizero_course.grader.lab10 import _phase_or_todo, measure_phases
 from minizero.sparse import attention as ref_attention
 from minizero.sparse import layout as ref_layout
 
@@ -184,22 +184,15 @@ PHASES = {"layout": layout_phase, "forward": forward_phase, "cost": cost_phase, 
 
 
 def measure_worker(comm, impls: list[str], phases=tuple(PHASES)) -> dict:
-    """{impl: {phase: result}} for each file, for the phases asked."""
-    torch.set_num_threads(1)
-    out = {}
-    for impl in impls:
-        mod = _phase(comm, lambda: load(impl))
-        if isinstance(mod, dict):
-            out[impl] = {p: mod for p in phases}
-            continue
-        # each task graded on its own: a stub or a crash in one fails only the checks that need it
-        out[impl] = {name: _phase_or_todo(comm, lambda fn=PHASES[name]: fn(comm, mod)) for name in phases}
-    return out
+    """{impl: {phase: result}} for each file, for the phases asked: each task graded on its own
+    (a stub or a crash in one fails only the checks that need it)."""
+    return measure_phases(comm, impls, PHASES, phases, run=_phase_or_todo)
 
 
 def measured(impl: str) -> list:
     """One 2-rank run per file, shared by the checks (each phase's error is its own check's)."""
-    return [r[impl] for r in launched_once("minizero_course.grader.lab14:measure_worker", 2, {"impls": [impl]}, 240)]
+    return [r[impl] for r in
+            launched_once("minizero_course.grader.lab14:measure_worker", 2, {"impls": [impl]}, 240)]
 
 
 # ------------------------------------------------------------------------------ the judges
