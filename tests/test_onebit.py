@@ -134,3 +134,51 @@ def test_convergence_against_adam(res):
     no_warmup = tail_loss(runs["no warm-up"]["loss"])
     assert not math.isfinite(no_warmup) or no_warmup > tail_loss(adam) + 0.5   # v = 0 frozen: m / eps
     assert runs["1-bit Adam"]["bytes_warmup"] / runs["1-bit Adam"]["bytes_compressed"] > 25
+
+
+class _Pair:
+    """Rank 0 of 2 whose peer holds the same gradients: the average is the input, and every
+    all-reduce is recorded (the tensor it was given)."""
+    size, rank = 2, 0
+
+    def __init__(self):
+        self.reduced = []
+
+    def broadcast_tensors(self, tensors):
+        pass
+
+    def all_reduce(self, tensor, op="sum"):
+        self.reduced.append(tensor)
+        if op == "sum":
+            tensor.mul_(2)
+
+
+def test_the_engines_warm_up_reduces_the_gradients_in_place():
+    """OneBitAdamStrategy's warm-up: .grad is a view of one flat buffer, all-reduced as it is (no
+    concatenation, no copy back); the buffer is freed when compression starts."""
+    from minizero.runtime.strategies import OneBitAdamStrategy, StrategySpec
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    spec = StrategySpec(optimizer_cls=OneBitAdam, optimizer_kwargs={"lr": 1e-2, "freeze_step": 2},
+                        groups=None, dtype=torch.float32, bucket_numel=0, overlap=False, prefetch=False,
+                        persistence_threshold=0, zeropp=None, node_mesh=None, zero_init=None,
+                        offload=None, runtime_syncs=False, shard_layout=None, master_dtype=None)
+    comm = _Pair()
+    strategy = OneBitAdamStrategy(model, comm, spec)
+    x = torch.randn(5, 4)
+    for step in range(2):
+        model(x).square().sum().backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        grads = strategy.reduced_grads().replicated
+        (flat,) = comm.reduced[step:]
+        assert flat.numel() == sum(p.numel() for p in model.parameters())
+        for p, g, e in zip(model.parameters(), grads, expected):
+            assert g is p.grad and g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            torch.testing.assert_close(g, e, rtol=0, atol=0)  # the average of equal gradients
+        assert strategy.memory_objects()[-1].tensor is flat  # the ledger sees the buffer
+        strategy.apply()
+        strategy.zero_grad()
+    assert strategy.optimizer.compressing
+    model(x).square().sum().backward()
+    strategy.reduced_grads()
+    assert strategy._flat_grad is None and len(strategy.memory_objects()) == 2

@@ -37,6 +37,15 @@ class Segment(NamedTuple):
     replicated: bool        # the same on every data-parallel rank (written once)
 
 
+class _Held(NamedTuple):
+    """A buffer a strategy holds outside its module and optimizer, for the ledger (memory.measure)."""
+    category: str
+    tensor: torch.Tensor
+
+    def memory_tensors(self):
+        yield self.category, self.tensor, None
+
+
 class Grads(NamedTuple):
     """The averaged fp32 gradients a rank holds for the step: `sharded` ones are this rank's piece
     (their squares add up over the data-parallel ranks), `replicated` ones are equal on every rank."""
@@ -488,16 +497,37 @@ class OneBitAdamStrategy(Strategy):
         super().__init__(model, comm, spec)
         comm.broadcast_tensors([*model.parameters(), *model.buffers()])  # one start on every rank, as DDP's
         self.params = self.trainable(model)
-        self.optimizer = spec.optimizer_cls(spec.groups or self.params, comm, per_tensor=False, grads_averaged=True,
-                                            **spec.optimizer_kwargs)
+        self.optimizer = spec.optimizer_cls(spec.groups or self.params, comm, per_tensor=False,
+                                            grads_averaged=True, **spec.optimizer_kwargs)
+        # The warm-up's gradients live in one flat buffer (as DDP's gradient_as_bucket_view): a hook
+        # moves each new .grad into its slot and makes .grad the slot, so the boundary all-reduces the
+        # buffer in place, with no concatenation and no copy back. Freed once compression starts.
+        self._flat_grad = None
+        if comm.size > 1 and self.params:
+            self._flat_grad = torch.zeros(sum(p.numel() for p in self.params),
+                                          dtype=self.params[0].dtype, device=self.params[0].device)
+            self._slots = [v.view_as(p) for p, v in
+                           zip(self.params, self._flat_grad.split([p.numel() for p in self.params]))]
+            self._hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: self._into_flat(i))
+                           for i, p in enumerate(self.params)]
+
+    def _into_flat(self, i: int):
+        p, slot = self.params[i], self._slots[i]
+        if self._flat_grad is not None and p.grad.data_ptr() != slot.data_ptr():
+            slot.copy_(p.grad)
+            p.grad = slot  # autograd's own tensor is freed; accumulation adds into the slot
 
     def reduced_grads(self) -> Grads:
         grads = [p.grad for p in self.params if p.grad is not None]
-        if not self.optimizer.compressing and self.comm.size > 1 and grads:  # the warm-up: one flat all-reduce
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.comm.all_reduce(flat, op="avg")
-            for g, v in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(v.view_as(g))
+        if self._flat_grad is not None and self.optimizer.compressing:  # the warm-up is over
+            for h in self._hooks:
+                h.remove()
+            self._flat_grad = self._slots = None
+        if self._flat_grad is not None and grads:  # the warm-up: one flat all-reduce, in place
+            for p, slot in zip(self.params, self._slots):
+                if p.grad is None:
+                    slot.zero_()  # unused this step: zeros, so every rank sends the same buffer
+            self.comm.all_reduce(self._flat_grad, op="avg")
         return Grads([], grads)  # after the warm-up: this rank's own (the momentum is reduced inside the step)
 
     def grad_names(self, name_of):
@@ -506,6 +536,10 @@ class OneBitAdamStrategy(Strategy):
     @torch.no_grad()
     def apply(self):
         self.optimizer.step()
+
+    def memory_objects(self):
+        flat = () if self._flat_grad is None else (_Held("gradients", self._flat_grad),)
+        return (self.wrapped, self.optimizer, *flat)  # the warm-up's buffer, also between steps
 
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
