@@ -7,7 +7,8 @@ test is done, with its test count, its seconds, the load average and an estimate
 The whole suite runs for many minutes with `-q`'s dots only; these lines say where it stands and,
 when it is slow, whether the machine is busy (a load average above the cores). The estimate is the
 last run's seconds for the files still to come (build/test-times.json, each file's seconds,
-tests/conftest.py), times this run's pace so far against that run's on the same files; a file the
+tests/conftest.py; on a fresh clone, with no run yet, tests/test-times.json: the seconds of an idle
+fresh-clone CI run, committed), times this run's pace so far against that run's on the same files; a file the
 last run did not time counts its tests at that run's mean seconds per test. -q's summary and
 closing line are untouched.
 """
@@ -17,7 +18,8 @@ import json
 import os
 
 MIN_PACE_S = 5.0  # fewer seconds done than this: too little to compare with the last run (pace 1)
-NO_ESTIMATE = "no estimate (no earlier times of these files in build/test-times.json)"
+NO_ESTIMATE = ("no estimate (no earlier times of these files in build/test-times.json or "
+               "tests/test-times.json)")
 
 
 def _file(nodeid: str) -> str:
@@ -35,8 +37,9 @@ class Progress:
         self.done: dict = {}  # file -> tests finished
         self.seconds: dict = {}  # file -> seconds so far (setup + call + teardown)
         self.finished: list = []
-        path = os.path.join(str(config.rootpath), "build", "test-times.json")
-        self.earlier = self._earlier(path)
+        root = str(config.rootpath)
+        self.earlier = (self._earlier(os.path.join(root, "build", "test-times.json"))
+                        or self._earlier(os.path.join(root, "tests", "test-times.json")))
 
     @staticmethod
     def _earlier(path: str) -> dict:

@@ -17,7 +17,7 @@ LINE = re.compile(r"^(tests/test_\w+\.py): (\d+) tests?, ([\d.]+) s, load ([\d.]
 SKIPPED = "import pytest\n\n\n@pytest.mark.skip(reason='x')\ndef test_skipped():\n    pass\n"
 
 
-def _suite(tmp_path, earlier=None):
+def _suite(tmp_path, earlier=None, committed=None):
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_a.py").write_text("def test_one():\n    pass\n\n\ndef test_two():\n    pass\n")
@@ -27,6 +27,8 @@ def _suite(tmp_path, earlier=None):
     if earlier is not None:
         (tmp_path / "build").mkdir()
         (tmp_path / "build" / "test-times.json").write_text(json.dumps({"file_s": earlier}))
+    if committed is not None:  # a fresh clone's: the committed times of an idle run
+        (tests / "test-times.json").write_text(json.dumps({"file_s": committed}))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "tests.progress", "-p", "no:cacheprovider",
            "tests"]
     proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT},
@@ -57,6 +59,17 @@ def test_the_time_left_is_the_last_runs_seconds_for_the_files_to_come(tmp_path):
     left = [m[10] for m in lines]
     want = [f"about {60 + 62 / 3:.0f} s left", "about 0 s left", "about 0 s left"]
     assert left == want, proc.stdout
+
+
+def test_a_fresh_clone_estimates_from_the_committed_times(tmp_path):
+    committed = {"tests/test_a.py": 2.0, "tests/test_b.py": 30.0, "tests/test_c.py": 10.0}
+    proc, lines = _suite(tmp_path, committed=committed)
+    assert lines[0][10] == "about 40 s left", proc.stdout  # test_a's 2 s are under the 5 s pace floor
+    with open(os.path.join(ROOT, "tests", "test-times.json")) as f:  # the one this repository ships
+        shipped = json.load(f)
+    suite = {f"tests/{n}" for n in os.listdir(os.path.join(ROOT, "tests")) if n.startswith("test_")}
+    assert set(shipped["file_s"]) <= suite, sorted(set(shipped["file_s"]) - suite)  # no stale name
+    assert sum(shipped["file_s"].values()) > 600, shipped["file_s"]  # a whole run, not a few files
 
 
 def test_make_test_loads_the_plugin_with_q():
