@@ -4,10 +4,12 @@ against by-hand references, then inside the MoE layer against the single-process
 ONE 4-rank job measures everything (`measure_worker`); each check judges its part (`judge_*`), so the
 grader launches once per submission and the mutation suite (tests/mutants/lab12.py) grades all its
 mutants in one job too. Phases, one after the other on every rank:
-  positions  expert_positions on hand-made choices (top-1 and top-2) against slots filled one by one
-  alltoall   AllToAll on rank-dependent blocks: forward and backward values, collectives per pass
+  positions  expert_positions on hand-made choices (top-1 and top-2) against slots filled one by
+             one; the torch ops it dispatches and the lines of the lab file it runs, T and 4T tokens
+  alltoall   AllToAll on rank-dependent blocks: forward and backward values, collectives per pass;
+             bfloat16 blocks: the output's dtype and the bytes each pass sends
   local      dispatch and combine on hand-made routing (drops included): buffer, output, gradients;
-             dispatch of float64 and bfloat16 tokens: the buffer in the tokens' dtype
+             dispatch of float64 and bfloat16 tokens, combine of bfloat16 outputs: in that dtype
   exchange   exchange_to_experts / exchange_from_experts at ep = 4 and ep = 2 on labelled slots
   layer      the MoE model (experiments.experts.side_by_side with your functions): ep 4 top-1 with a
              skewed router (drops), ep 2 x expert-dp 2 top-2; 2 SGD steps each
@@ -43,13 +45,49 @@ def slots_by_hand(choices: list, num_experts: int, capacity: int, choice_major=T
     return slots, [[s < capacity for s in row] for row in slots]
 
 
+COST_TOKENS = (64, 256)  # T and 4T: a vectorised expert_positions does the same work for both
+
+
 # ------------------------------------------------------------------------------ the phases
 def positions_phase(comm, mod):
     out = {}
     for name, (choices, num_experts, cap) in POSITION_CASES.items():
         slots, kept = mod.expert_positions(torch.tensor(choices), num_experts, cap)
         out[name] = {"slots": slots.tolist(), "kept": kept.tolist()}
+    gen, out["cost"] = torch.Generator().manual_seed(5), []
+    for tokens in COST_TOKENS:
+        choices = torch.randint(0, 4, (tokens, 2), generator=gen)
+        count = _cost(mod, lambda: mod.expert_positions(choices, 4, tokens // 2))
+        out["cost"].append([tokens, *count])
     return out
+
+
+def _cost(mod, fn) -> tuple[int, int]:
+    """(torch ops dispatched, lines of the lab file run) by fn(): counts, not seconds, so that a
+    busy machine cannot change the verdict. A Python loop over the tokens makes one or the other
+    grow with T: over tensor elements it dispatches ops per token, over a list it runs lines."""
+    import sys
+    from torch.utils._python_dispatch import TorchDispatchMode
+    counts = {"ops": 0, "lines": 0}
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts["ops"] += 1
+            return func(*args, **(kwargs or {}))
+
+    def line(frame, event, arg):
+        counts["lines"] += event == "line"
+        return line
+
+    before = sys.gettrace()
+    mine = mod.__file__
+    sys.settrace(lambda frame, event, arg: line if frame.f_code.co_filename == mine else None)
+    try:
+        with Ops():
+            fn()
+    finally:
+        sys.settrace(before)
+    return counts["ops"], counts["lines"]
 
 
 def _blocks(seed, rank, size, rows=2, width=3):
@@ -72,7 +110,26 @@ def alltoall_phase(comm, mod):
     want_dx = torch.cat([_blocks(20, j, size).chunk(size)[rank] for j in range(size)])
     return {"forward": forward, "backward": backward, "y": atol_needed(y.detach(), want_y),
             "y_is_x": bool(torch.equal(y.detach(), x.detach())), "dx": atol_needed(x.grad, want_dx),
-            "dx_is_dy": bool(torch.equal(x.grad, dy))}
+            "dx_is_dy": bool(torch.equal(x.grad, dy)), "bf16": _alltoall_bf16(comm, mod)}
+
+
+def _alltoall_bf16(comm, mod) -> dict:
+    """AllToAll of bfloat16 blocks: the output's dtype and each pass's payload bytes (2 per
+    element), or the error it raised (on every rank alike: the same code meets the same dtypes)."""
+    x = _blocks(10, comm.rank, comm.size).to(torch.bfloat16).requires_grad_()
+    try:
+        comm.stats.reset()
+        y = mod.AllToAll.apply(x, comm)
+        forward = comm.stats.as_dict().get("all_to_all", {}).get("payload_bytes", 0)
+        comm.stats.reset()
+        y.backward(_blocks(20, comm.rank, comm.size).to(torch.bfloat16))
+        backward = comm.stats.as_dict().get("all_to_all", {}).get("payload_bytes", 0)
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - all_to_all refuses two dtypes: that is the finding
+        return {"raised": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    return {"y": str(y.dtype).removeprefix("torch."), "forward": forward, "backward": backward,
+            "want": x.numel() * x.element_size()}
 
 
 # hand-made routing: 6 tokens, E = 3, C = 2, top-2: 6 choices dropped (token 4 loses both), and each dropped
@@ -124,16 +181,20 @@ def local_phase(comm, mod):
                 "tokens_with_drops": [t for t in range(tokens_n) if not kept[t].all()],
                 "combine_grads": max(float("inf") if g is None else atol_needed(g, w)
                                      for g, w in zip(grads, want_grads)),
-                "dtypes": {str(dtype).removeprefix("torch."): _dispatch_dtype(mod, tokens.detach().to(dtype), choice,
-                                                                              slots, kept, num_experts, cap)
-                           for dtype in (torch.float64, torch.bfloat16)}})
+                "dtypes": {str(dtype).removeprefix("torch."):
+                           _dtype(mod.dispatch, tokens.detach().to(dtype), choice, slots, kept,
+                                  num_experts, cap)
+                           for dtype in (torch.float64, torch.bfloat16)},
+                "combine_dtypes": {"bfloat16": _dtype(mod.combine, expert_out.detach().bfloat16(),
+                                                      choice, slots, kept,
+                                                      gates.detach().bfloat16())}})
     return out
 
 
-def _dispatch_dtype(mod, tokens, choice, slots, kept, num_experts, cap) -> str:
-    """The dtype dispatch returns for these tokens, or the error it raised."""
+def _dtype(fn, *args) -> str:
+    """The dtype fn returns for these inputs, or the error it raised."""
     try:
-        return str(mod.dispatch(tokens, choice, slots, kept, num_experts, cap).dtype).removeprefix("torch.")
+        return str(fn(*args).dtype).removeprefix("torch.")
     except NotImplementedError:
         raise
     except Exception as e:  # noqa: BLE001 - a buffer of another dtype makes index_add raise: that is the finding
@@ -214,7 +275,17 @@ def judge_positions(results) -> str:
             why = (f"a choice in slot {cap} = C was kept: the slots are 0..C-1, kept = slot < capacity" if at_capacity
                    else "kept must be slot < capacity")
             raise CheckFailed(f"{name} (C={cap}): kept {mine['kept']}, expected {kept}: {why}")
-    return "slots and kept equal slots filled one by one (first choices before second), top-1 and top-2"
+    (small, ops, lines), (large, ops_4t, lines_4t) = res["cost"]
+    if ops_4t > ops or lines_4t > lines:
+        raise CheckFailed(
+            f"expert_positions is right, but its work grows with the tokens: {ops} torch ops and "
+            f"{lines} lines of your file run for T = {small}, {ops_4t} and {lines_4t} for "
+            f"T = {large}: a Python loop over the tokens, whose time grows with T (1e4-1e5 tokens "
+            "per rank). Compute every slot at once: one_hot, then cumsum over the choices laid out "
+            "choice-major")
+    return ("slots and kept equal slots filled one by one (first choices before second), top-1 "
+            f"and top-2; the same {ops} torch ops for T = {small} and {large} (no loop over the "
+            "tokens)")
 
 
 def judge_alltoall(results) -> str:
@@ -236,7 +307,24 @@ def judge_alltoall(results) -> str:
             why = " (it returned the gradient as it came)" if r["dx_is_dy"] else ""
             raise CheckFailed(f"rank {rank}: AllToAll's backward gradient is wrong{why}: block j of the input gradient "
                               f"is rank j's output-gradient block {rank}")
-    return f"AllToAll: 1 all-to-all forward, 1 backward, blocks to and from the right ranks (4 ranks, {size} blocks)"
+        _judge_bf16(r["bf16"])
+    return (f"AllToAll: 1 all-to-all forward, 1 backward, blocks to and from the right ranks (4 "
+            f"ranks, {size} blocks); bfloat16 stays bfloat16, 2 bytes per element each way")
+
+
+def _judge_bf16(b: dict):
+    if "raised" in b:
+        raise CheckFailed(f"AllToAll of bfloat16 blocks raised {b['raised']}: make the buffers in "
+                          "the input's dtype (torch.empty_like), not torch's default float32")
+    if b["y"] != "bfloat16" or b["forward"] != b["want"]:
+        raise CheckFailed(f"AllToAll of bfloat16 blocks returned {b['y']} after sending "
+                          f"{b['forward']} B (the blocks hold {b['want']} B): keep the input's "
+                          "dtype (torch.empty_like(x), no cast): a bf16 model's all-to-all sends 2 "
+                          "bytes per element, not 4")
+    if b["backward"] != b["want"]:
+        raise CheckFailed(f"AllToAll's backward sent {b['backward']} B for a bfloat16 gradient "
+                          f"of {b['want']} B: send the gradient in its own dtype "
+                          "(torch.empty_like(grad), no cast)")
 
 
 def judge_local(results) -> str:
@@ -271,8 +359,15 @@ def judge_local(results) -> str:
                               "must be made in the tokens' dtype (and on their device), not the default float32: a "
                               "bf16 model's all-to-all then sends 2 bytes per element, not 4, and a float64 one "
                               "loses nothing")
+    for dtype, got in r["combine_dtypes"].items():
+        if got != dtype:
+            got = "returned " + got if got in DTYPES else got
+            raise CheckFailed(f"combine of {dtype} expert outputs and gates {got}: weight by "
+                              "the bool kept mask as it is (or cast to the outputs' dtype), never "
+                              ".float(): a float32 factor promotes the tokens, and the bf16 "
+                              "model's next layer gets float32")
     return ("dispatch and combine equal the by-hand buffer and sum over the kept choices (with drops), gradients too; "
-            "dispatch keeps the tokens' dtype (float64, bfloat16)")
+            "dispatch keeps the tokens' dtype (float64, bfloat16), combine bfloat16's")
 
 
 def judge_exchange(results) -> str:

@@ -5,9 +5,11 @@ plain Adam.
 ONE 4-rank job measures everything (`measure_worker`); each check judges its part (`judge_*`), so the
 grader launches once per submission and the mutation suite (tests/mutants/lab13.py) grades all its
 mutants in one job too. Phases, one after the other on every rank:
-  compress   compress on hand-made vectors, with an error buffer and without, beside the reference's
+  compress   compress on hand-made vectors (some elements of c exactly 0), with an error buffer and
+             without, beside the reference's
   allreduce  compressed_allreduce of rank-dependent vectors (odd size, padded) with nonzero error buffers:
-             result and both errors against the reference's, collectives and bytes (comm.stats)
+             result and both errors against the reference's, collectives and bytes (comm.stats); the
+             result of one scale per chunk, simulated
   feedback   the same vector all-reduced again and again: the running mean against the true mean
   adam       OneBitAdam with your all-reduce on TinyGPT (warm-up, then compressed steps) against the
              reference's and against plain Adam
@@ -43,10 +45,14 @@ def _vector(seed, n, shift=0.0):
     return torch.randn(n, generator=torch.Generator().manual_seed(seed)) + shift
 
 
+ZEROS = [3, 17, 40, 41]  # where compress's c = x + error is exactly 0: sign(0) must be +1 there
+
+
 # ------------------------------------------------------------------------------ the phases
 def compress_phase(comm, mod):
     from minizero.compression import onebit as ref
     x, e0 = _vector(1, 64), 0.3 * _vector(2, 64)
+    x[ZEROS], e0[ZEROS] = 0.0, 0.0  # gradients hold exact zeros (unused rows, masked tokens)
     out = {}
     err, ref_err = e0.clone(), e0.clone()
     packed, scale = mod.compress(x.clone(), err)
@@ -57,7 +63,11 @@ def compress_phase(comm, mod):
         "scale": float(scale.reshape(-1)[0]), "want_scale": float(want_scale), "mean_abs": c.abs().mean().item(),
         "max_abs": c.abs().max().item(), "rms_x": (x.norm() / 8).item(),
         "error": _rel(err, ref_err), "error_unchanged": bool(torch.equal(err, e0)),
-        "error_negated": _rel(-err, ref_err), "error_from_x": _rel(err, x - want_scale * ref.unpack_signs(want_packed))}
+        "error_negated": _rel(-err, ref_err),
+        "error_from_x": _rel(err, x - want_scale * ref.unpack_signs(want_packed)),
+        # sign(0) taken as 0 in the error (torch.sign), or as -1 in the signs
+        "error_sign0": _rel(err, c - want_scale * c.sign()),
+        "packed_zero_negative": ref.pack_signs(torch.where(c > 0, 1.0, -1.0)).tolist()}
     packed, scale = mod.compress(x.clone(), None)
     want_packed, want_scale = ref.compress(x.clone(), None)
     out["none"] = {"packed": packed.tolist() == want_packed.tolist(), "scale": float(scale.reshape(-1)[0]),
@@ -65,17 +75,39 @@ def compress_phase(comm, mod):
     return out
 
 
-def _errors(comm, n):
+def _errors(comm, n, rank=None):
     """Nonzero starting error buffers, rank-dependent: a function that ignores them gives another result."""
-    return 0.2 * _vector(30 + comm.rank, n), 0.2 * _vector(40 + comm.rank, n // comm.size)
+    rank = comm.rank if rank is None else rank
+    return 0.2 * _vector(30 + rank, n), 0.2 * _vector(40 + rank, n // comm.size)
+
+
+def _allreduce_input(rank, n):
+    x = torch.zeros(n)
+    x[:NUMEL] = _vector(20 + rank, NUMEL, shift=0.5 * rank)
+    return x
+
+
+def _one_scale_per_chunk(comm, n):
+    """What compressed_allreduce returns when each worker compresses each chunk with a scale of
+    its own (the slip), simulated for every rank here (inputs and errors depend on the rank)."""
+    from minizero.compression import onebit as ref
+    world, chunk = comm.size, n // comm.size
+
+    def decoded(v, error):
+        packed, scale = ref.compress(v, error)
+        return scale * ref.unpack_signs(packed)
+    sent = [[decoded(x_j, e_j) for x_j, e_j in zip(_allreduce_input(r, n).view(world, chunk),
+                                                   _errors(comm, n, r)[0].view(world, chunk))]
+            for r in range(world)]  # sent[r][j]: worker r's chunk j, decoded
+    averages = [torch.stack([sent[r][j] for r in range(world)]).mean(dim=0) for j in range(world)]
+    return torch.cat([decoded(a, _errors(comm, n, j)[1]) for j, a in enumerate(averages)])
 
 
 def allreduce_phase(comm, mod):
     from minizero.compression import onebit as ref
     from minizero_course.experiments.tensor import collective_calls
     n = ref.padded_numel(NUMEL, comm.size)
-    x = torch.zeros(n)
-    x[:NUMEL] = _vector(20 + comm.rank, NUMEL, shift=0.5 * comm.rank)
+    x = _allreduce_input(comm.rank, n)
     worker, server = _errors(comm, n)
     ref_worker, ref_server = _errors(comm, n)
     comm.stats.reset()
@@ -89,6 +121,7 @@ def allreduce_phase(comm, mod):
     return {"calls": calls, "sent": sent, "formula": ref.bytes_compressed(NUMEL, comm.size),
             "result": _rel(got, want), "norm_ratio": (got.float().norm() / want.norm()).item() if got.numel() else 0.0,
             "exact": _rel(got, exact / comm.size), "same_everywhere": all(torch.equal(got, o) for o in everyone),
+            "per_chunk_scale": _rel(got, _one_scale_per_chunk(comm, n)),
             "worker_error": _rel(worker, ref_worker),
             "worker_unchanged": bool(torch.equal(worker, _errors(comm, n)[0])),
             "server_error": _rel(server, ref_server),
@@ -225,6 +258,10 @@ def judge_compress(results) -> str:
     if f["packed"] == f["packed_of_x"] and f["packed"] != f["want_packed"]:
         raise CheckFailed("compress: the signs are those of x alone: the error was not added, compress c = x + error")
     if f["packed"] != f["want_packed"]:
+        if f["packed"] == f["packed_zero_negative"]:
+            raise CheckFailed(f"compress: the elements where c = 0 (positions {ZEROS}) were packed "
+                              "as -1: sign(0) must be +1: the 1-bit code has no zero, and the "
+                              "reference sends c >= 0 as +1 (pack_signs(c) as it is)")
         raise CheckFailed("compress: the packed signs differ from pack_signs(x + error)")
     if abs(f["scale"] - f["want_scale"]) > RTOL * f["want_scale"]:
         named = {"mean_abs": "the mean of |c|", "max_abs": "the largest |c|", "rms_x": "the RMS of x without the error"}
@@ -239,6 +276,12 @@ def judge_compress(results) -> str:
             why = "it is the negative of what was lost: error = c - scale * signs"
         elif f["error_from_x"] <= RTOL:
             why = "it was computed from x instead of c = x + error: error = c - scale * signs"
+        elif f["error_sign0"] <= RTOL:
+            why = (f"where c = 0 (positions {ZEROS}) it kept 0, as if sign(0) were 0 "
+                   "(torch.sign): sign(0) must be +1: the 1-bit code has no zero, the receiver "
+                   "decodes every element as +scale or -scale, so at c = 0 it gets +scale and the "
+                   "error must be -scale; a 0 there drops what was lost from the error feedback "
+                   "(use unpack_signs(packed), the values the receiver decodes)")
         else:
             why = "error must become c - scale * signs, what this compression lost"
         raise CheckFailed(f"compress: the error buffer after the call is wrong: {why}")
@@ -273,6 +316,10 @@ def judge_allreduce(results) -> str:
                 why = "the worker error was not used (compress x with worker_error)"
             elif r["server_error"] > RTOL and r["server_unchanged"]:
                 why = "the server error was not used (compress the average with server_error)"
+            elif r["per_chunk_scale"] <= RTOL:
+                why = ("the worker compressed each chunk with its own scale: it compresses all "
+                       "of x once (one scale, the RMS of x + worker_error over every element) and "
+                       "sends that one scale with each chunk")
             else:
                 why = "chunk j of the signs goes to rank j, which averages the N chunks it gets and compresses that"
             raise CheckFailed(f"rank {rank}: the result differs from the reference (relative {r['result']:.3g}): {why}")
@@ -331,9 +378,18 @@ def judge_zeroone(results) -> str:
             why = "var_interval must double (x2) after var_update_scaler variance steps, not grow by one"
         elif max(var) < max(t[1] for t in want) and var[:frozen].count(2) > frozen // 2:
             why = "var_interval doubled once and stopped: var_counter must start again from 0 after each doubling"
-        elif var[:frozen] != [t[1] for t in want][:frozen]:
-            why = ("var_interval doubled too early: var_counter counts only the variance steps "
-                   "(step % var_interval == 0), not every step")
+        elif var[:frozen] != (want_var := [t[1] for t in want])[:frozen]:
+            at = next(s for s in range(frozen) if var[s] != want_var[s])  # after step at + 1
+            if var[at] > want_var[at]:
+                why = (f"var_interval doubled too early (after step {at + 1} it is {var[at]}, "
+                       f"expected {want_var[at]}): var_counter counts only the variance steps "
+                       "(step % var_interval == 0), not every step")
+            else:
+                late = "one step" if var[at + 1:at + 2] == want_var[at:at + 1] else "too"
+                why = (f"var_interval doubled {late} late (after step {at + 1} it is still "
+                       f"{var[at]}, expected {want_var[at]}): double it in advance(step) as soon "
+                       "as the var_update_scaler-th variance step is counted, so that the very "
+                       "next step reads the new interval")
         elif max(local) > ZO["local_step_clipper"]:
             why = f"local_interval grew past local_step_clipper ({ZO['local_step_clipper']}): clip it with min()"
         elif local[frozen:] != [t[2] for t in want][frozen:]:

@@ -39,6 +39,11 @@ LAYOUT_CASES = {  # name: (FixedSparsityConfig kwargs, seq_len with block 1)
     "horizontal global": ({"num_local_blocks": 2, "horizontal_global_attention": True}, 6),
     "a pattern per head": ({"num_local_blocks": 2, "different_layout_per_head": True,
                             "num_different_global_patterns": 2, "num_heads": 2}, 4),
+    # heads 3 and 4 wrap round to patterns 0 and 1; 11 blocks end in a short window of 3, whose
+    # global block depends on the head (bidirectional: a causal one hides in its window's triangle)
+    "5 heads, 3 patterns, short last window": (
+        {"num_local_blocks": 4, "different_layout_per_head": True,
+         "num_different_global_patterns": 3, "num_heads": 5}, 11),
 }
 FORWARD_CASES = {  # name: (layout config, causal)
     "fixed causal": (ref_layout.FixedSparsityConfig(2, block=4, num_local_blocks=2, attention="unidirectional"), True),
@@ -82,63 +87,75 @@ def _dense(q, k, v, layout, block, causal, scale=None, token_mask=True):
     return ref_attention.masked_dense_attention(q, k, v, mask, scale)
 
 
+# what the usual slips compute: the reference's forward with one step changed (_slipped's switches)
+SLIPS = {"unscaled": {"scale": 1.0}, "scale_twice": {"scale": 1 / SHAPE[3]},
+         "no_token_mask": {"mask": "none"}, "mask_every_block": {"mask": "every"},
+         "keys_at_i": {"keys": "i"}, "values_at_i": {"values": "i"},
+         "rows_without_head": {"row": "no_head"}, "out_at_key_row": {"out_row": "key"},
+         "per_block": {"per_block": True}}
+
+
 def forward_phase(comm, mod):
     out = {}
     for name, (config, causal) in FORWARD_CASES.items():
         layout = config.make_layout(SHAPE[2])
         for scale in (1.0, LARGE):
             (q, k, v), grad = _qkv(3, scale)
-            y = mod.block_sparse_attention(q, k, v, layout, config.block, causal)
+            key, dtype = f"{name}/{scale:g}", str(q.dtype).removeprefix("torch.")
+            try:
+                y = mod.block_sparse_attention(q, k, v, layout, config.block, causal)
+                grads = torch.autograd.grad(y, (q, k, v), grad)
+            except NotImplementedError:
+                raise
+            except Exception as e:  # noqa: BLE001 - e.g. a buffer of another dtype: judged
+                out[key] = {"raised": f"{type(e).__name__}: {str(e).splitlines()[0]}",
+                            "dtype": dtype}
+                continue
             want = _dense(q, k, v, layout, config.block, causal)
-            grads = torch.autograd.grad(y, (q, k, v), grad)
             want_grads = torch.autograd.grad(want, (q, k, v), grad)
             y, want = y.detach(), want.detach()
             with torch.no_grad():
-                d = SHAPE[3]
-                candidates = {  # what the usual slips compute
-                    "unscaled": _dense(q, k, v, layout, config.block, causal, scale=1.0),
-                    "no_token_mask": _dense(q, k, v, layout, config.block, causal, token_mask=False),
-                    "per_block": _per_block_softmax(q, k, v, layout, config.block, causal, 1 / math.sqrt(d)),
-                    "keys_at_i": _keys_at_query_block(q, k, v, layout, config.block, causal, 1 / math.sqrt(d)),
-                }
-            out[f"{name}/{scale:g}"] = {
-                "out": _diff(y, want), "finite": bool(torch.isfinite(y).all()),
+                candidates = {slip: _slipped(q, k, v, layout, config.block, causal, **kw)
+                              for slip, kw in SLIPS.items()}
+            out[key] = {
+                "out": _diff(y, want), "finite": bool(torch.isfinite(y).all()), "scale": scale,
+                "dtype": dtype,
+                "out_dtype": str(y.dtype).removeprefix("torch."),
                 "grads": max(_diff(a, b) for a, b in zip(grads, want_grads)),
                 **{k_: _diff(y, c) for k_, c in candidates.items()}}
     return out
 
 
-def _per_block_softmax(q, k, v, layout, block, causal, scale):
-    """The slip of normalizing each kept block on its own: every block's softmax, summed over the row's blocks."""
+def _slipped(q, k, v, layout, block, causal, scale=None, keys="j", values="j", mask="diagonal",
+             row="query", out_row=None, per_block=False):
+    """The block-sparse forward as the reference computes it, with one step changed: keys / values
+    gathered at block "i" or "j"; the causal token mask on the "diagonal" blocks, on "every" kept
+    block or "none"; the softmax's rows "query" (h * nb + i), "no_head" (i) or "key" (h * nb + j),
+    the output's rows out_row (None: the softmax's); per_block: each block normalized alone."""
     h, i, j = ref_attention.kept_blocks(layout, causal)
     B, H, T, d = q.shape
     nb = T // block
+    scale = 1 / math.sqrt(d) if scale is None else scale
     qb, kb, vb = (t.view(B, H, nb, block, d) for t in (q, k, v))
-    s = (qb[:, h, i] @ kb[:, h, j].transpose(-2, -1)) * scale
-    if causal:
-        n_diag = int((i == j).sum())
-        s[:, :n_diag] = s[:, :n_diag].masked_fill(torch.ones(block, block, dtype=torch.bool).triu(1), float("-inf"))
-    o = s.softmax(-1) @ vb[:, h, j]
-    return torch.zeros(B, H * nb, block, d, dtype=q.dtype).index_add_(1, h * nb + i, o).view(B, H, T, d)
-
-
-def _keys_at_query_block(q, k, v, layout, block, causal, scale):
-    """The slip of gathering the KEY blocks at the query block's index i[n] (values at j[n]): the softmax over
-    each row's kept blocks, as the reference does, but with scores against the wrong keys."""
-    h, i, j = ref_attention.kept_blocks(layout, causal)
-    B, H, T, d = q.shape
-    nb = T // block
-    qb, kb, vb = (t.view(B, H, nb, block, d) for t in (q, k, v))
-    s = (qb[:, h, i] @ kb[:, h, i].transpose(-2, -1)) * scale
-    if causal:
-        n_diag = int((i == j).sum())
-        s[:, :n_diag] = s[:, :n_diag].masked_fill(torch.ones(block, block, dtype=torch.bool).triu(1), float("-inf"))
-    row = h * nb + i
-    top = torch.full((B, H * nb, block), float("-inf"), dtype=q.dtype).index_reduce_(1, row, s.amax(-1), "amax")
-    p = torch.exp(s - top[:, row].unsqueeze(-1))
-    total = torch.zeros(B, H * nb, block, dtype=q.dtype).index_add_(1, row, p.sum(-1))
-    o = (p / total[:, row].unsqueeze(-1)) @ vb[:, h, j]
-    return torch.zeros(B, H * nb, block, d, dtype=q.dtype).index_add_(1, row, o).view(B, H, T, d)
+    at = {"i": i, "j": j}
+    s = (qb[:, h, i] @ kb[:, h, at[keys]].transpose(-2, -1)) * scale
+    if causal and mask != "none":
+        n = int((i == j).sum()) if mask == "diagonal" else len(i)
+        future = torch.ones(block, block, dtype=torch.bool).triu(1)
+        s[:, :n] = s[:, :n].masked_fill(future, float("-inf"))
+    rows = {"query": h * nb + i, "no_head": i, "key": h * nb + j}
+    r = rows[row]
+    if per_block:
+        p = s.softmax(-1)
+    else:
+        top = torch.full((B, H * nb, block), float("-inf"), dtype=q.dtype)
+        top = top.index_reduce_(1, r, s.amax(-1), "amax")
+        p = torch.exp(s - top[:, r].unsqueeze(-1))
+        total = torch.zeros(B, H * nb, block, dtype=q.dtype).index_add_(1, r, p.sum(-1))
+        p = p / total[:, r].unsqueeze(-1)
+    o = p @ vb[:, h, at[values]]
+    out = torch.zeros(B, H * nb, block, d, dtype=q.dtype).index_add_(1, rows[out_row or row], o)
+    return out.view(B, H, T, d)
 
 
 def cost_phase(comm, mod):
@@ -209,15 +226,25 @@ def judge_layout(results) -> str:
         extra = sorted(set(_cells(mine)) - set(_cells(want)))
         missing = sorted(set(_cells(want)) - set(_cells(mine)))
         causal = kwargs.get("attention") == "unidirectional"
+        L, patterns = kwargs["num_local_blocks"], kwargs.get("num_different_global_patterns", 1)
+        short = n - n % L  # the short last window's first block (n when there is none)
         if causal and any(j > i for _, i, j in extra):
             why = ("a unidirectional layout keeps blocks above the diagonal: a window's query block i sees its "
                    "window's blocks up to i only, and a global column starts at the global block's own row")
         elif len(mine) > 1 and mine[0] == mine[1] and want[0] != want[1]:
             why = ("every head got the same global blocks: head h's are (h mod num_different_global_patterns) x "
                    "num_global_blocks earlier in each window")
+        elif len(mine) > patterns > 1 and mine[:patterns] == want[:patterns]:
+            why = (f"heads 0..{patterns - 1} are right, the heads after them are not: head h takes "
+                   f"pattern h mod num_different_global_patterns (head {patterns} repeats head 0's "
+                   "global blocks)")
+        elif patterns > 1 and extra and missing and all(j >= short for _, _, j in extra + missing):
+            why = ("the short last window's global blocks move with the head's pattern as every "
+                   "window's do: head h's start at min(end + offset_h, nb - G), offset_h = "
+                   "L - (1 + h mod patterns) * G")
         elif kwargs.get("horizontal_global_attention") and not any(all(row) for row in mine[0]):
             why = "horizontal_global_attention: the global blocks' rows attend to every block too"
-        elif missing and all(j >= n - n % kwargs["num_local_blocks"] for _, _, j in missing):
+        elif missing and all(j >= short for _, _, j in missing):
             why = ("the short last window has no global block: DeepSpeed gives it one, min(end + offset, nb - G), "
                    "clipped into the sequence")
         else:
@@ -225,29 +252,65 @@ def judge_layout(results) -> str:
                    "windows start at block 0 and do not overlap")
         raise CheckFailed(f"{name} ({n} blocks): your layout keeps {extra or 'no extra'} and misses "
                           f"{missing or 'none'} (head, query block, key block): {why}")
-    return "the fixed layout equals DeepSpeed's for 5 configs (uni/bidirectional, short window, horizontal, per head)"
+    return (f"the fixed layout equals DeepSpeed's for {len(LAYOUT_CASES)} configs "
+            "(uni/bidirectional, short window, horizontal, per head, more heads than patterns)")
+
+
+# the slips' causes, in the order they are tried (SLIPS' names)
+SLIP_CAUSES = {
+    "unscaled": "the scores are not scaled by 1/sqrt(head_dim)",
+    "scale_twice": ("the scores are scaled by 1/head_dim: the scale was applied twice; once, "
+                    "1/sqrt(head_dim)"),
+    "no_token_mask": ("the diagonal blocks are not causally masked: a query sees later keys of its "
+                      "own block"),
+    "mask_every_block": ("the causal token mask was applied to every kept block: only the diagonal "
+                         "blocks (the first (i == j).sum() kept blocks) hold later keys; an "
+                         "earlier block's keys are all in the past"),
+    "keys_at_i": ("the key blocks were gathered at the query block's index i[n]: block n's scores "
+                  "are query block i[n] against KEY block j[n] (the values too)"),
+    "values_at_i": ("the value blocks were gathered at the query block's index i[n]: block n's "
+                    "probabilities multiply VALUE block j[n] (the key block's own values)"),
+    "rows_without_head": ("the heads' rows were merged: a kept block's query row is h * nb + i "
+                          "over all heads (row = i shares one softmax among the heads and sends "
+                          "every output to head 0)"),
+    "out_at_key_row": ("each block's P V was added into the key block's row h * nb + j: it belongs "
+                       "to its query block's row h * nb + i, the row its softmax ran over"),
+    "per_block": ("each kept block is normalized on its own: the softmax runs over a query row's "
+                  "kept blocks together (the max and the sum reduced per row h * nb + i)"),
+}
 
 
 def judge_forward(results) -> str:
     res = first_phase(results, "forward")[0]
+    passed = {key.split("/")[0] for key, r in res.items() if "raised" not in r}
     for key, r in res.items():
+        if "raised" in r:
+            dtype = r["dtype"]
+            if dtype != "float32" and key.split("/")[0] in passed or "scalar type" in r["raised"] \
+                    or "dtype" in r["raised"]:
+                raise CheckFailed(f"{key}: with {dtype} q, k, v your forward raised {r['raised']}: "
+                                  "a buffer made without dtype= is float32 (torch's default), and "
+                                  "index_add_/scatter_reduce do not mix dtypes: make every buffer "
+                                  f"in q's dtype (dtype=q.dtype), {dtype} here")
+            raise CheckFailed(f"{key}: your forward raised {r['raised']}")
+        if r["out_dtype"] != r["dtype"]:
+            raise CheckFailed(f"{key}: {r['dtype']} q, k, v gave a {r['out_dtype']} output: make "
+                              "every buffer in q's dtype (dtype=q.dtype), not torch's default "
+                              "float32")
         if not r["finite"]:
+            if r["scale"] == 1.0:
+                raise CheckFailed(f"{key}: the output is not finite at ordinary scores (float32 "
+                                  "q, k ~ N(0, 1): exp() cannot overflow): a query row has every "
+                                  "score masked (-inf, then 0/0): each query keeps its own key and "
+                                  "the earlier ones (the causal mask is triu(1), strictly above the "
+                                  "diagonal)")
             raise CheckFailed(f"{key}: the output is not finite: at large scores exp() overflows; subtract each "
                               "query row's maximum over its kept blocks before exp")
         if r["out"] > ATOL:
-            if r["unscaled"] <= ATOL:
-                why = "the scores are not scaled by 1/sqrt(head_dim)"
-            elif r["no_token_mask"] <= ATOL:
-                why = "the diagonal blocks are not causally masked: a query sees later keys of its own block"
-            elif r["keys_at_i"] <= ATOL:
-                why = ("the key blocks were gathered at the query block's index i[n]: block n's scores are query block "
-                       "i[n] against KEY block j[n] (the values too)")
-            elif r["per_block"] <= ATOL:
-                why = ("each kept block is normalized on its own: the softmax runs over a query row's kept blocks "
-                       "together (the max and the sum reduced per row h * nb + i)")
-            else:
-                why = ("it differs from dense attention under the layout's mask: query block i[n] meets key and "
-                       "value block j[n] of head h[n], and each row's output sums its blocks' P V")
+            why = next((cause for slip, cause in SLIP_CAUSES.items() if r[slip] <= ATOL),
+                       "it differs from dense attention under the layout's mask: query block i[n] "
+                       "meets key and value block j[n] of head h[n], and each row's output sums "
+                       "its blocks' P V")
             raise CheckFailed(f"{key}: the output differs from dense attention (max |diff| {r['out']:.3g}): {why}")
         if r["grads"] > 10 * ATOL:  # float32 at scale 1: 6e-7 measured
             raise CheckFailed(f"{key}: the output is right but the gradients are not (max |diff| {r['grads']:.3g}): "
@@ -289,7 +352,8 @@ def judge_random(results) -> str:
 
 
 CHECKS = [
-    Check("the fixed layout equals DeepSpeed's (5 configs)", 3, judged_check(judge_layout, measured)),
+    Check("the fixed layout equals DeepSpeed's (6 configs)", 3,
+          judged_check(judge_layout, measured)),
     Check("block-sparse forward equals dense attention under the mask", 4, judged_check(judge_forward, measured)),
     Check("only the kept blocks are computed (FLOPs = formula)", 1, judged_check(judge_cost, measured)),
     Check("stretch: BigBird's random blocks, seeded, equal across ranks", 2, judged_check(judge_random, measured),

@@ -65,3 +65,47 @@ MUTANTS += [
            "    buffer = torch.zeros(num_experts * capacity, tokens.shape[1], device=tokens.device)\n"
            "    return buffer.index_add(0, slot, tokens[token].float())", "check_local", "returned float32"),
 ]
+
+# AllToAll and combine keep a bf16 model's dtype too
+MUTANTS += [
+    Mutant("AllToAll's forward sends float32 (the output made with the default dtype, the input "
+           "cast to fit)", A2A_FORWARD, "        out = torch.empty(x.shape, device=x.device)\n"
+           "        comm.all_to_all(out, x.float().contiguous())\n        return out",
+           "check_alltoall", "returned float32"),
+    Mutant("AllToAll's backward sends the gradient as float32", A2A_BACKWARD,
+           "        out = torch.empty(grad.shape, device=grad.device)\n"
+           "        ctx.comm.all_to_all(out, grad.float().contiguous())\n        return out, None",
+           "check_alltoall", "the gradient in its own dtype"),
+    Mutant("combine multiplies by kept.float() (a bf16 output comes back float32)", COMBINE,
+           "return (picked * (gates * kept.float()).unsqueeze(-1)).sum(1)", "check_local",
+           "combine of bfloat16"),
+]
+
+# the slots with a Python loop over the tokens (the docstring forbids it: T is 1e4-1e5 per rank)
+LOOP = '''    tokens, k = expert_index.shape
+    filled = torch.zeros(num_experts, dtype=torch.long)
+    positions = torch.zeros_like(expert_index)
+    for j in range(k):
+        for t in range(tokens):
+            e = expert_index[t, j]
+            positions[t, j] = filled[e]
+            filled[e] += 1
+    return positions, positions < capacity'''
+LOOP_LIST = '''    tokens, k = expert_index.shape
+    filled, choices = [0] * num_experts, expert_index.tolist()
+    slots = [[0] * k for _ in range(tokens)]
+    for j in range(k):
+        for t in range(tokens):
+            slots[t][j] = filled[choices[t][j]]
+            filled[choices[t][j]] += 1
+    positions = torch.tensor(slots, dtype=torch.long).view(tokens, k)
+    return positions, positions < capacity'''
+POSITIONS = '''    one_hot = F.one_hot(expert_index, num_experts)                     # [T, k, E]
+    tokens, k = expert_index.shape
+''' + CHOICE_MAJOR + "\n    return positions, positions < capacity"
+MUTANTS += [
+    Mutant("expert_positions fills the slots in a Python loop over the tokens (tensor indexing)",
+           POSITIONS, LOOP, "check_positions", "a Python loop over the tokens"),
+    Mutant("expert_positions fills the slots in a Python loop over a list of the choices",
+           POSITIONS, LOOP_LIST, "check_positions", "a Python loop over the tokens"),
+]

@@ -54,3 +54,41 @@ MUTANTS = [
                 self.local_interval""", """                self.local_interval""", "check_zeroone",
            "doubled at the wrong steps"),
 ]
+
+# sign(0): the 1-bit code has no zero, every element decodes to +scale or -scale
+MUTANTS += [
+    Mutant("the error uses sign(c), which is 0 at c = 0", ERROR_UPDATE,
+           "error.copy_(c - scale * c.sign())", "check_compress", "sign(0) must be +1"),
+    Mutant("c = 0 packed as -1", "packed = pack_signs(c)",
+           "packed = pack_signs(torch.where(c > 0, 1.0, -1.0))", "check_compress",
+           "sign(0) must be +1"),
+]
+
+# messages that name the real cause
+WORKER_SEND = '''    packed, scale = compress(x, worker_error)
+    outgoing = torch.stack([_message(part, scale) for part in packed.view(world, chunk // 8)])'''
+WORKER_PER_CHUNK = '''    errors = [None] * world
+    if worker_error is not None:
+        errors = worker_error.view(world, chunk)
+    parts = zip(x.view(world, chunk), errors)
+    outgoing = torch.stack([_message(*compress(part, e)) for part, e in parts])'''
+VAR_ON_TIME = """        if not self.frozen(step):
+            if step % self.var_interval == 0:
+                self.var_counter += 1
+                if self.var_counter == self.var_update_scaler:
+                    self.var_counter = 0
+                    self.var_interval *= 2
+"""
+VAR_LATE = """        if not self.frozen(step):
+            if self.var_counter == self.var_update_scaler:
+                self.var_counter = 0
+                self.var_interval *= 2
+            if step % self.var_interval == 0:
+                self.var_counter += 1
+"""
+MUTANTS += [
+    Mutant("the worker compresses each chunk with its own scale", WORKER_SEND, WORKER_PER_CHUNK,
+           "check_allreduce", "its own scale"),
+    Mutant("0/1 Adam: the variance interval doubles one step late", VAR_ON_TIME, VAR_LATE,
+           "check_zeroone", "one step late"),
+]

@@ -47,3 +47,39 @@ MUTANTS = [
     Mutant("causal random blocks drawn over the whole row", "        choices = row + 1 if causal else nb",
            "        choices = nb", "check_random", "above the diagonal"),
 ]
+
+# a layout with more heads than global patterns, over a sequence that ends in a short window
+MUTANTS += [
+    Mutant("head h takes pattern h, not h mod num_different_global_patterns", OFFSET,
+           "        offset = L - (1 + h) * G", "check_layout",
+           "h mod num_different_global_patterns"),
+    Mutant("the short last window's global blocks ignore the head's pattern", SHORT,
+           SHORT.replace("full_windows_end + offset", "full_windows_end + L - G"), "check_layout",
+           "the short last window's global blocks move with the head's pattern"),
+]
+
+# forward slips that dense attention alone cannot tell apart: each against the slip's own result
+MUTANTS += [
+    Mutant("the row index leaves out the head (row = i)", "    row = h * nb + i  #",
+           "    row = i  #", "check_forward", "the heads' rows were merged"),
+    Mutant("the causal token mask applied to every kept block",
+           '        scores[:, :diagonal].masked_fill_(future, float("-inf"))',
+           '        scores.masked_fill_(future, float("-inf"))', "check_forward",
+           "every kept block"),
+    Mutant("the scale applied twice (1/d)", SCORES,
+           "    scores = (qg @ kg.transpose(-2, -1)) * scale ** 2", "check_forward",
+           "scaled by 1/head_dim"),
+    Mutant("value blocks gathered at the query block's index",
+           "as_blocks(k)[:, h, j], as_blocks(v)[:, h, j]  # [B",
+           "as_blocks(k)[:, h, j], as_blocks(v)[:, h, i]  # [B",
+           "check_forward", "the value blocks were gathered at the query block's index"),
+    Mutant("each block's output summed into its key block's row", OUT,
+           "index_add_(1, h * nb + j, p @ vg)\n", "check_forward", "the key block's row"),
+    Mutant("the diagonal's mask hides the query's own key (triu(0))",
+           "dtype=torch.bool, device=q.device).triu(1)",
+           "dtype=torch.bool, device=q.device).triu(0)", "check_forward", "its own key"),
+    Mutant("the output buffer made with the default dtype (float32)",
+           "    out = torch.zeros(B, H * nb, block, d, dtype=q.dtype, device=q.device)",
+           "    out = torch.zeros(B, H * nb, block, d, device=q.device)", "check_forward",
+           "dtype=q.dtype"),
+]
