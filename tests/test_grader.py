@@ -300,3 +300,47 @@ def test_shared_launches_grade_like_single_ones(tmp_path, monkeypatch):
     assert "rank 1 raises for s2" in entries[2]["output"]
     # round 1: one job for the 5 first launches, ended by s2, then one for s3, s4; round 2: one job
     assert [len(c) for c in jobs] == [5, 2, 4], jobs
+
+
+def test_a_deadlock_in_a_shared_job_costs_one_deadline(tmp_path, monkeypatch):
+    """A lab-1 ring that receives from the wrong neighbour hangs in its first recv. Graded in one
+    shared job with the solution's two checks (each launch given the same short timeout, the
+    deadline under test), it costs its own deadline, not the job's sum of timeouts and then a second
+    run alone; its entry names each rank and the receive it was blocked in, and the calls after it
+    keep their results."""
+    import time
+
+    from minizero import launch
+    from minizero_course.grader import Check
+    from minizero_course.grader.batch import run_checks
+    from tests.mutants.lab01 import DEADLOCKS
+    from tests.test_mutants import mutate
+    monkeypatch.setenv("MINIZERO_TIMEOUT_SCALE", "load")  # start-up and deadline grow with the load
+    timeout = 20.0
+
+    def short(check):  # the lab's own check, its launch given `timeout`
+        def fn(impl):
+            recorder = launch.run  # run_checks' recorder while the check runs
+            launch.run = lambda target, **kw: recorder(target, **{**kw, "timeout": timeout})
+            try:
+                return check.fn(impl)
+            finally:
+                launch.run = recorder
+        return Check(check.name, check.max_score, fn)
+    lab = LABS[1]
+    checks = {c.fn.__name__: short(c) for c in lab.checks()}
+    mutate(lab, DEADLOCKS[0], tmp_path)
+    jobs = [(lab, checks["check_equals_allreduce"], str(tmp_path))] + [(lab, c, "solutions")
+                                                                       for c in checks.values()]
+    start = time.perf_counter()
+    hung, *solution = run_checks(jobs)
+    elapsed = time.perf_counter() - start
+    assert [e["status"] for e in solution] == ["passed", "passed"], [e["output"] for e in solution]
+    said = re.search(r"timed out after ([\d.]+)s", hung["output"])
+    assert hung["status"] == "failed" and said, hung["output"]
+    deadline = float(said.group(1))  # the timeout times the load per core (1 to 20) as it ran
+    assert timeout <= deadline <= 20 * timeout, deadline
+    assert re.search(r"rank 0\b.*recv from rank 1", hung["output"]), hung["output"]
+    # one deadline and two jobs' start-up (the hung one, the one after it; a job's start-up is a few
+    # seconds times the load): not the job's sum of timeouts (3 deadlines), then the hung call alone
+    assert deadline < elapsed < 2 * deadline, (elapsed, deadline)
