@@ -205,6 +205,45 @@ def test_every_failure_becomes_that_checks_failing_entry(tmp_path, monkeypatch):
             assert w in entry["output"], (name, w, entry["output"])
 
 
+@pytest.mark.parametrize("worker,said,unsaid", [
+    ("recv_first", ["a point-to-point deadlock: ranks 0, 1", "matching send",
+                    "rank 0: blocked in recv from rank 1 (8 B)",
+                    "rank 1: blocked in recv from rank 0"],
+     ["collective", "n2"]),
+    ("skip_the_all_reduce", ["a deadlock in collectives: rank 0 ", "rank 1: running its own code",
+                             "rank 0: blocked in the collective all_reduce"],
+     ["point-to-point", "recv", "n2"]),
+])
+def test_a_deadlock_says_which_kind_of_operation_hung_and_where(worker, said, unsaid, monkeypatch):
+    """A timeout's entry says whether the ranks hung in point-to-point messages or in a collective,
+    which operation on which rank, with no communicator's name (the grader's sub-group n2)."""
+    monkeypatch.setenv("MINIZERO_TIMEOUT_SCALE", "load")  # the ranks start, then hang: a deadlock
+    from minizero import launch
+    from minizero_course.grader import Check, run_check
+
+    def hangs(impl):
+        return launch.run(f"tests/grader_workers.py:{worker}", nprocs=2, timeout=8)
+    output = run_check(LABS[1], Check(worker, 1, hangs), "solutions")["output"]
+    assert re.match(r"timed out after [\d.]+s: ", output), output
+    for words in said:
+        assert words in output, (words, output)
+    for words in unsaid:
+        assert words not in output, (words, output)
+
+
+def test_a_timeout_names_every_rank_by_its_rank_in_the_job():
+    """A peer in a sub-group is named by its rank in the job (the heartbeat's '(job rank J)'), as the
+    report's lines name the ranks; the groups' names (tp, dp) are left out."""
+    from minizero_course.grader.hints import timeout_message
+    text = timeout_message(9, {2: "in recv from rank 0 of tp (job rank 3) (8 B)",
+                               3: "in all_reduce (4 B) on dp"})
+    assert text.startswith("timed out after 9s: a deadlock: some ranks waited in a send or recv, "
+                           "others in a collective"), text
+    assert "rank 2: blocked in recv from rank 3 (8 B): waiting for a message rank 3 never sent" in text
+    assert "rank 3: blocked in the collective all_reduce (4 B)" in text
+    assert " of tp" not in text and " on dp" not in text, text
+
+
 def test_results_json_is_written_even_if_grading_stops(tmp_path, monkeypatch):
     import minizero_course.grader as grader
 
