@@ -143,6 +143,25 @@ def test_a_lab_scores_each_task_it_finished(tmp_path):
         assert t["score"] == 0 and t["output"].startswith("lab 14: not implemented yet: block-sparse forward"), t
 
 
+@pytest.mark.parametrize("bug", ["one hop too many", "never waited"])
+def test_a_bug_in_lab_11s_ring_loop_costs_only_the_checks_that_need_the_loop(bug, tmp_path):
+    """Lab 11 with its ring loop wrong (one hop too many; the last step's transfer posted and never
+    waited, which can crash the real ring): the ring-loop check fails with its own message,
+    block_attention and merge keep their points (one run of every task, ended by the crash, zeroed
+    all four)."""
+    from minizero_course.grader.batch import run_checks
+    from tests.mutants.lab11 import MUTANTS
+    from tests.test_mutants import mutate
+    mutate(LABS[11], next(m for m in MUTANTS if bug in m.name), tmp_path)
+    checks = LABS[11].checks()
+    block, merge, loop, ring = run_checks([(LABS[11], c, str(tmp_path)) for c in checks])
+    assert block["score"] == checks[0].max_score, block
+    assert merge["score"] == checks[1].max_score, merge
+    assert loop["score"] == 0 and "cp - 1 hops bring every block" in loop["output"], loop
+    if ring["score"] == 0:  # the real ring's fate, a crash or not, is the ring check's own
+        assert "ring" in ring["name"] and ring["output"] != loop["output"], ring
+
+
 def test_unknown_lab_lists_the_labs():
     proc = _grade("--lab", "99")
     assert proc.returncode != 0
