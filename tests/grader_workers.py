@@ -23,3 +23,20 @@ def echo(comm, impl, again=False):
     t = torch.ones(1)
     comm.all_reduce(t)
     return {"text": text, "ranks": int(t.item()), "comm": comm.name, "again": again}
+
+
+def recv_first(comm):
+    """Both ranks of a sub-group receive before they send: a point-to-point deadlock."""
+    import torch
+    group = comm.split(0, name="n2")  # a grader's sub-group, as lab 1's: not the student's name
+    group.recv(torch.zeros(2), 1 - group.rank)
+
+
+def skip_the_all_reduce(comm):
+    """Rank 1 never calls the second all-reduce rank 0 waits in: a deadlock in a collective."""
+    import torch
+    group = comm.split(0, name="n2")
+    group.all_reduce(torch.ones(3))
+    if group.rank == 0:
+        group.all_reduce(torch.ones(3))
+    time.sleep(3600)

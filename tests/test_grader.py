@@ -143,6 +143,25 @@ def test_a_lab_scores_each_task_it_finished(tmp_path):
         assert t["score"] == 0 and t["output"].startswith("lab 14: not implemented yet: block-sparse forward"), t
 
 
+@pytest.mark.parametrize("bug", ["one hop too many", "never waited"])
+def test_a_bug_in_lab_11s_ring_loop_costs_only_the_checks_that_need_the_loop(bug, tmp_path):
+    """Lab 11 with its ring loop wrong (one hop too many; the last step's transfer posted and never
+    waited, which can crash the real ring): the ring-loop check fails with its own message,
+    block_attention and merge keep their points (one run of every task, ended by the crash, zeroed
+    all four)."""
+    from minizero_course.grader.batch import run_checks
+    from tests.mutants.lab11 import MUTANTS
+    from tests.test_mutants import mutate
+    mutate(LABS[11], next(m for m in MUTANTS if bug in m.name), tmp_path)
+    checks = LABS[11].checks()
+    block, merge, loop, ring = run_checks([(LABS[11], c, str(tmp_path)) for c in checks])
+    assert block["score"] == checks[0].max_score, block
+    assert merge["score"] == checks[1].max_score, merge
+    assert loop["score"] == 0 and "cp - 1 hops bring every block" in loop["output"], loop
+    if ring["score"] == 0:  # the real ring's fate, a crash or not, is the ring check's own
+        assert "ring" in ring["name"] and ring["output"] != loop["output"], ring
+
+
 def test_unknown_lab_lists_the_labs():
     proc = _grade("--lab", "99")
     assert proc.returncode != 0
@@ -203,6 +222,45 @@ def test_every_failure_becomes_that_checks_failing_entry(tmp_path, monkeypatch):
         assert entry["status"] == "failed" and entry["score"] == 0, (name, entry)
         for w in words:
             assert w in entry["output"], (name, w, entry["output"])
+
+
+@pytest.mark.parametrize("worker,said,unsaid", [
+    ("recv_first", ["a point-to-point deadlock: ranks 0, 1", "matching send",
+                    "rank 0: blocked in recv from rank 1 (8 B)",
+                    "rank 1: blocked in recv from rank 0"],
+     ["collective", "n2"]),
+    ("skip_the_all_reduce", ["a deadlock in collectives: rank 0 ", "rank 1: running its own code",
+                             "rank 0: blocked in the collective all_reduce"],
+     ["point-to-point", "recv", "n2"]),
+])
+def test_a_deadlock_says_which_kind_of_operation_hung_and_where(worker, said, unsaid, monkeypatch):
+    """A timeout's entry says whether the ranks hung in point-to-point messages or in a collective,
+    which operation on which rank, with no communicator's name (the grader's sub-group n2)."""
+    monkeypatch.setenv("MINIZERO_TIMEOUT_SCALE", "load")  # the ranks start, then hang: a deadlock
+    from minizero import launch
+    from minizero_course.grader import Check, run_check
+
+    def hangs(impl):
+        return launch.run(f"tests/grader_workers.py:{worker}", nprocs=2, timeout=8)
+    output = run_check(LABS[1], Check(worker, 1, hangs), "solutions")["output"]
+    assert re.match(r"timed out after [\d.]+s: ", output), output
+    for words in said:
+        assert words in output, (words, output)
+    for words in unsaid:
+        assert words not in output, (words, output)
+
+
+def test_a_timeout_names_every_rank_by_its_rank_in_the_job():
+    """A peer in a sub-group is named by its rank in the job (the heartbeat's '(job rank J)'), as the
+    report's lines name the ranks; the groups' names (tp, dp) are left out."""
+    from minizero_course.grader.hints import timeout_message
+    text = timeout_message(9, {2: "in recv from rank 0 of tp (job rank 3) (8 B)",
+                               3: "in all_reduce (4 B) on dp"})
+    assert text.startswith("timed out after 9s: a deadlock: some ranks waited in a send or recv, "
+                           "others in a collective"), text
+    assert "rank 2: blocked in recv from rank 3 (8 B): waiting for a message rank 3 never sent" in text
+    assert "rank 3: blocked in the collective all_reduce (4 B)" in text
+    assert " of tp" not in text and " on dp" not in text, text
 
 
 def test_results_json_is_written_even_if_grading_stops(tmp_path, monkeypatch):
@@ -300,3 +358,47 @@ def test_shared_launches_grade_like_single_ones(tmp_path, monkeypatch):
     assert "rank 1 raises for s2" in entries[2]["output"]
     # round 1: one job for the 5 first launches, ended by s2, then one for s3, s4; round 2: one job
     assert [len(c) for c in jobs] == [5, 2, 4], jobs
+
+
+def test_a_deadlock_in_a_shared_job_costs_one_deadline(tmp_path, monkeypatch):
+    """A lab-1 ring that receives from the wrong neighbour hangs in its first recv. Graded in one
+    shared job with the solution's two checks (each launch given the same short timeout, the
+    deadline under test), it costs its own deadline, not the job's sum of timeouts and then a second
+    run alone; its entry names each rank and the receive it was blocked in, and the calls after it
+    keep their results."""
+    import time
+
+    from minizero import launch
+    from minizero_course.grader import Check
+    from minizero_course.grader.batch import run_checks
+    from tests.mutants.lab01 import DEADLOCKS
+    from tests.test_mutants import mutate
+    monkeypatch.setenv("MINIZERO_TIMEOUT_SCALE", "load")  # start-up and deadline grow with the load
+    timeout = 20.0
+
+    def short(check):  # the lab's own check, its launch given `timeout`
+        def fn(impl):
+            recorder = launch.run  # run_checks' recorder while the check runs
+            launch.run = lambda target, **kw: recorder(target, **{**kw, "timeout": timeout})
+            try:
+                return check.fn(impl)
+            finally:
+                launch.run = recorder
+        return Check(check.name, check.max_score, fn)
+    lab = LABS[1]
+    checks = {c.fn.__name__: short(c) for c in lab.checks()}
+    mutate(lab, DEADLOCKS[0], tmp_path)
+    jobs = [(lab, checks["check_equals_allreduce"], str(tmp_path))] + [(lab, c, "solutions")
+                                                                       for c in checks.values()]
+    start = time.perf_counter()
+    hung, *solution = run_checks(jobs)
+    elapsed = time.perf_counter() - start
+    assert [e["status"] for e in solution] == ["passed", "passed"], [e["output"] for e in solution]
+    said = re.search(r"timed out after ([\d.]+)s", hung["output"])
+    assert hung["status"] == "failed" and said, hung["output"]
+    deadline = float(said.group(1))  # the timeout times the load per core (1 to 20) as it ran
+    assert timeout <= deadline <= 20 * timeout, deadline
+    assert re.search(r"rank 0\b.*recv from rank 1", hung["output"]), hung["output"]
+    # one deadline and two jobs' start-up (the hung one, the one after it; a job's start-up is a few
+    # seconds times the load): not the job's sum of timeouts (3 deadlines), then the hung call alone
+    assert deadline < elapsed < 2 * deadline, (elapsed, deadline)

@@ -220,7 +220,8 @@ class Communicator:
         self._count("send", self._nbytes(tensor), peer=dst)
         with label("mz.send"):
             work = self._impl.isend(tensor, dst, tag)
-        work._op = f"send to rank {dst} of {self.name} ({self._nbytes(tensor)} B)"
+        peer = f"{dst} of {self.name}{self._job_rank(dst)}"
+        work._op = f"send to rank {peer} ({self._nbytes(tensor)} B)"
         heartbeat.beat(f"idle (in flight: {work._op})")
         return work
 
@@ -230,7 +231,8 @@ class Communicator:
         self._count("recv", self._nbytes(tensor))
         with label("mz.recv"):
             work = self._impl.irecv(tensor, src, tag)
-        work._op = f"recv from rank {src} of {self.name} ({self._nbytes(tensor)} B)"
+        peer = f"{src} of {self.name}{self._job_rank(src)}"
+        work._op = f"recv from rank {peer} ({self._nbytes(tensor)} B)"
         heartbeat.beat(f"idle (in flight: {work._op})")
         return work
 
@@ -268,6 +270,14 @@ class Communicator:
                 raise ValueError(f"{who}(debug=True): parameter {bad[0]!r} differs between rank {self.rank} and "
                                  f"rank {r} at construction. Each rank wraps its OWN copy, so the ranks would train "
                                  "different (or mixed) models: build it with the same seed everywhere.")
+
+    def _job_rank(self, r) -> str:
+        """' (job rank J)' when member r of this group is rank J of the job and J != r, else '': a
+        timeout's report names every rank by its job rank (its heartbeat file's)."""
+        c, job = self, r
+        while c.parent is not None and c.parent_ranks is not None:
+            job, c = c.parent_ranks[job], c.parent
+        return f" (job rank {job})" if job != r else ""
 
     def _check_rank(self, op, r):
         if not 0 <= r < self.size:

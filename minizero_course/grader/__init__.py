@@ -208,7 +208,7 @@ def run_check(lab: Lab, check: Check, impl: str) -> dict:
     import traceback
 
     from minizero import launch
-    from minizero_course.grader.hints import with_hint
+    from minizero_course.grader.hints import timeout_message, with_hint
     t0 = time.time()
     try:
         path = impl_file(lab, impl)
@@ -224,7 +224,9 @@ def run_check(lab: Lab, check: Check, impl: str) -> dict:
         else:
             output = with_hint(f"{e.args[0].splitlines()[0]}\n\n{e.rank_traceback[-3000:]}")
         ok = False
-    except launch.LaunchError as e:  # a timeout, a rank that died in native code, mpirun failing
+    except launch.LaunchTimeout as e:  # which rank was blocked in what, in the student's words
+        output, ok = timeout_message(e.timeout, e.where), False
+    except launch.LaunchError as e:  # a rank that died in native code, mpirun failing
         output, ok = with_hint(str(e)[-4000:]), False
     except Exception as e:  # noqa: BLE001 - e.g. the student's file breaks the check's own code
         output = with_hint(f"the check could not run on this submission: {type(e).__name__}: {e}\n\n"

@@ -16,14 +16,25 @@ torch's global settings (default dtype, seed) are reset between calls. A call th
 crashes ends the job (the launcher aborts it, as for a single launch): its ranks may be
 stuck in different collectives. Its error is that call's result, the calls before it keep
 theirs (each writes its result, then the ranks pass a barrier before the next one starts),
-and the calls after it go on in a new job. A job that times out is not blamed on one call:
-each of its unfinished calls runs alone, with its own timeout.
+and the calls after it go on in a new job.
+
+Each call keeps its own deadline inside the job: its launch's timeout times
+MINIZERO_TIMEOUT_SCALE (the load per core when it is `load`, read again while the call runs), as
+generous as the call's own launch would have been (that one paid start-up inside its timeout too).
+A rank-0 thread watches the time; a call past its deadline is hung (a deadlock, an endless loop):
+the thread writes where every rank was (the heartbeats launch.run reads on a timeout) and aborts
+the job, the call gets the LaunchTimeout its own launch would have raised, and the calls after it
+go on in a new job. So a deadlock costs one call's deadline, not the sum of the job's. The job's
+own timeout, the sum, stays as a backstop: a job that reaches it (no deadline fired: slow, not
+hung) is blamed on no call, each unfinished call runs alone with its own timeout.
 """
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+import threading
+import time
 from contextlib import contextmanager
 
 from minizero import launch
@@ -34,16 +45,47 @@ class Deferred(BaseException):
     own `except Exception` that keep a failed launch for later do not keep this one)."""
 
 
+def _deadline_watch(comm, calls, out, now: dict):
+    """Rank 0's thread: the call running past its deadline is reported in {i}.hung.json, and the job
+    aborted (the other calls go on in a new job)."""
+    from minizero import env as mz_env
+    from minizero.comm.backends import describe_ranks
+    start_scale = launch.timeout_scale()
+    while True:
+        time.sleep(0.2)
+        i, t0 = now["call"]
+        if i >= len(calls):
+            return
+        # the scale read again: a load that rose during the call is the machine's, not the call's
+        limit = calls[i][2] * max(start_scale, launch.timeout_scale())
+        if time.monotonic() - t0 <= limit:
+            continue
+        where = describe_ranks(mz_env.get("MINIZERO_HEARTBEAT_DIR"), comm.size)
+        for r in range(comm.size):
+            if os.path.exists(os.path.join(out, f"{i}.{r}.json")):  # its part done, in the barrier
+                where[r] = "had returned from this call and waited for the others"
+        path = os.path.join(out, f"{i}.hung.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"timeout": round(limit, 1), "where": where}, f)
+        os.replace(path + ".tmp", path)
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)  # every rank of the job ends now, wherever it is blocked
+
+
 def worker(comm, calls, out):
-    """Runs on every rank of a shared job: each call's (target, args), in turn."""
+    """Runs on every rank of a shared job: each call's (target, args, timeout), in turn."""
     import torch
 
     from minizero import memory
     fns: dict = {}
     dtype, rng = torch.get_default_dtype(), torch.get_rng_state()
-    for i, (target, args) in enumerate(calls):
+    now = {"call": (0, time.monotonic())}
+    if comm.rank == 0:
+        threading.Thread(target=_deadline_watch, args=(comm, calls, out, now), daemon=True).start()
+    for i, (target, args, _) in enumerate(calls):
         if target not in fns:
             fns[target] = launch.load_target(target)
+        now["call"] = (i, time.monotonic())
         memory.transient.reset()
         torch.set_default_dtype(dtype)  # as a fresh process has them: what a call sets, it sets for itself
         torch.set_rng_state(rng)
@@ -54,6 +96,7 @@ def worker(comm, calls, out):
             json.dump(result, f)
         os.replace(path + ".tmp", path)
         comm.barrier()  # call i is complete on every rank before call i + 1 starts anywhere
+    now["call"] = (len(calls), time.monotonic())
     return len(calls)
 
 
@@ -68,8 +111,11 @@ def _launch_shared(nprocs, backend, env, calls: list[tuple[str, str, dict, float
         with tempfile.TemporaryDirectory(prefix="minizero-batch-") as out:
             try:
                 launch.run(f"{__name__}:worker", nprocs=nprocs, backend=backend, env=env,
-                           args={"calls": [[target, args] for _, target, args, _ in todo], "out": out},
-                           timeout=sum(t for *_, t in todo))
+                           args={"calls": [[target, args, t] for _, target, args, t in todo],
+                                 "out": out},
+                           # each call's deadline starts after the job's start-up: one more of
+                           # them as headroom, so a hung call meets its deadline, not this backstop
+                           timeout=sum(t for *_, t in todo) + max(t for *_, t in todo))
                 error = None
             except launch.LaunchError as e:
                 error = e
@@ -80,6 +126,15 @@ def _launch_shared(nprocs, backend, env, calls: list[tuple[str, str, dict, float
                     break
                 results[key] = [json.load(open(p)) for p in files]
                 done += 1
+            hung = os.path.join(out, f"{done}.hung.json")
+            if error is not None and os.path.exists(hung):  # past its own deadline: this call hung
+                with open(hung) as f:
+                    report = json.load(f)
+                where = {int(r): w for r, w in report["where"].items()}
+                error = launch.LaunchTimeout(report["timeout"], where, error.output)
+                results[todo[done][0]] = error
+                todo = todo[done + 1:]
+                continue
         if error is None and done < len(todo):
             error = launch.LaunchError(f"the shared job ended after {done} of {len(todo)} calls")
         if error is None:

@@ -69,6 +69,92 @@ HINTS = [
 ]
 
 
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
+               "barrier", "allgather_object")
+# what a rank's heartbeat said (comm/backends.describe_ranks), the op's words and group name apart
+_P2P = re.compile(r"(send to|recv from) rank (\d+) of \S+(?: \(job rank (\d+)\))? \((\d+) B\)")
+_COLLECTIVE = re.compile(r"(\w+)(?: \((\d+) B\))? on \S+$")
+
+
+def _operation(text: str) -> tuple[str, str]:
+    """('p2p' | 'collective' | '', the op in a student's words) of one heartbeat op text."""
+    text = re.sub(r" \[during .*\]$", "", text)
+    if m := _P2P.match(text):
+        peer = m.group(3) or m.group(2)  # the job's rank, as the report names every rank
+        what = (f"recv from rank {peer} ({m.group(4)} B)" if m.group(1) == "recv from"
+                else f"send to rank {peer} ({m.group(4)} B)")
+        return "p2p", what
+    if (m := _COLLECTIVE.match(text)) and m.group(1) in COLLECTIVES:
+        size = f" ({m.group(2)} B)" if m.group(2) else ""
+        return "collective", f"the collective {m.group(1)}{size}"
+    if m and m.group(1) in ("send", "recv"):  # posting it (before its peer is written down)
+        return "p2p", m.group(1) + (f" ({m.group(2)} B)" if m.group(2) else "")
+    return "", text
+
+
+def _rank_line(rank: int, where: str) -> tuple[str, str]:
+    """(the kind it was blocked in or '', a line on what rank `rank` did when time ran out)."""
+    during = re.search(r" \[during (.*)\]\)?$", where)
+    context = f", during {during.group(1)}" if during else ""
+    if where.startswith("in "):
+        kind, what = _operation(where[3:])
+        if kind == "p2p" and what.startswith("recv from"):
+            peer = what.split()[3]
+            return kind, (f"rank {rank}: blocked in {what}{context}: waiting for a message "
+                          f"rank {peer} never sent")
+        if kind == "p2p" and what.startswith("send to"):
+            peer = what.split()[3]
+            return kind, f"rank {rank}: blocked in {what}{context}: rank {peer} never received it"
+        return kind, f"rank {rank}: blocked in {what}{context}"
+    if m := re.search(r"\(idle \(in flight: (.*)\)\)$", where):
+        return "", (f"rank {rank}: running its own code, not communicating, with a "
+                    f"{_operation(m.group(1))[1]} posted and never waited for")
+    if m := re.search(r"\(idle \(last: (?:wait )?(.*)\)\)$", where):
+        return "", (f"rank {rank}: running its own code, not communicating (its last one: "
+                    f"{_operation(m.group(1))[1]})")
+    if where.startswith("had not reached"):
+        return "", f"rank {rank}: had not communicated yet (starting up, or in its own code)"
+    return "", f"rank {rank}: {where}"
+
+
+def timeout_message(seconds: float, where: dict) -> str:
+    """A timeout in a student's words: which kind of operation hung (point-to-point or collective,
+    and which), on which rank, then the likely cause. No communicator's name: the grader's own
+    sub-groups mean nothing to the student; every rank is named by its rank in the job."""
+    lines = [_rank_line(r, w) for r, w in sorted(where.items())]
+    kinds = {kind for kind, _ in lines if kind}
+    blocked = [line.split(":")[0].split()[1] for kind, line in lines if kind]
+    ranks = ("rank " if len(blocked) == 1 else "ranks ") + ", ".join(blocked)
+    if kinds == {"p2p"}:
+        head = (f"a point-to-point deadlock: {ranks} waited in a send or recv that no rank "
+                "matched")
+        cause = ("every recv needs the matching send on the rank it names (and every send a recv "
+                 "there), posted before that rank blocks in something else; post sends with isend "
+                 "and wait() on each handle only after the recv, so no rank blocks first (the list "
+                 "below says which message each rank waited for).")
+    elif kinds == {"collective"}:
+        head = (f"a deadlock in collectives: {ranks} waited in a collective that not every rank "
+                "called")
+        cause = ("a deadlock: the ranks wait in different collectives, or one rank never calls the "
+                 "collective the others wait in (the list below says where each rank was). Every "
+                 "rank must issue the same collectives in the same order, also for a parameter it "
+                 "did not use (send its zeros).")
+    elif kinds:
+        head = "a deadlock: some ranks waited in a send or recv, others in a collective"
+        cause = ("the ranks' communication went out of step: a rank blocked in a collective "
+                 "while another waits for its message (or the reverse). Every send needs its recv "
+                 "before either rank enters a collective, and every rank must issue the same "
+                 "collectives in the same order.")
+    else:
+        head = "no rank was blocked in communication"
+        cause = ("no rank was waiting in a collective when time ran out: every rank was running "
+                 "its own code. An endless loop (a `while` whose condition never becomes false, an "
+                 "index that never advances) or code far too slow for the check's time limit; not "
+                 "a collective deadlock.")
+    return (f"timed out after {seconds:g}s: {head}\nlikely cause: {cause}\n"
+            + "\n".join(f"  {line}" for _, line in lines))
+
+
 def likely_cause(text: str) -> str | None:
     """The hint for the first known signature in `text`, or None."""
     for pattern, hint in HINTS:

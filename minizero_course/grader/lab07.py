@@ -185,6 +185,35 @@ def _results(impl):
     return _cache[impl]
 
 
+# A method that runs its copy the wrong way (the zip's two lists swapped, or copy_'s two
+# tensors), as the per-method probe (tier_probe) sees it. The training run only sees its effect
+# further on (masters that do not move), so every check that meets it names the method instead.
+WRONG_WAY = {
+    "device_grads_written": (
+        "grads_to_host wrote INTO the device gradients (the copy runs the wrong way: host and "
+        "device swapped, in the zip or in copy_): copy from each device gradient into its host "
+        "buffer, host.copy_(device gradient)"),
+    "grad_on_buffers": (
+        "cpu_step gave the gradient buffers a .grad (the masters as their gradient): the masters "
+        "are what the optimizer steps, each gets its buffer as .grad (zip(self.masters, grads), "
+        "in that order)"),
+    "masters_written": (
+        "params_to_device wrote INTO the host masters (the copy runs the wrong way: masters and "
+        "device tensors swapped, in the zip or in copy_), so the step just taken is lost: copy "
+        "each master into its device tensor"),
+}
+
+
+def _wrong_way(res) -> str:
+    """WRONG_WAY's words for the first method the probe saw copy the wrong way, else ''."""
+    for probe in res["tiers"].values():
+        for s in probe["steps"]:
+            for flag, words in WRONG_WAY.items():
+                if s[flag]:
+                    return words
+    return ""
+
+
 def _broken_part(rank, r):
     """The first part of the offloaded step that did not do its job, in the order they run."""
     for step, s in enumerate(r["steps"]):
@@ -211,8 +240,10 @@ def check_matches_ddp(impl):
         if r["cpu_steps"] != STEPS:
             raise CheckFailed(f"rank {rank}: {r['cpu_steps']} CPU steps for {STEPS} training steps")
         broken = _broken_part(rank, r)
-        if broken:
-            raise CheckFailed(f"N={N}: your offloaded step differs from DDP. {broken}")
+        if broken:  # a copy the wrong way, if the probe saw one, is the cause of what broke
+            wrong = _wrong_way(res)
+            raise CheckFailed(f"N={N}: your offloaded step differs from DDP. "
+                              + (f"rank {rank}: {wrong}" if wrong else broken))
         name, excess = r["worst"]
         if excess > ATOL:
             raise CheckFailed(f"N={N}: rank {rank} parameter `{name}` differs from DDP after {STEPS} SGD steps (|diff| "
@@ -289,9 +320,7 @@ def check_every_tensor(impl):
                                       "DPU alternates between two of them, and a new pinned buffer per step is an "
                                       "allocation on every step)")
                 if s["device_grads_written"]:
-                    raise CheckFailed(f"{where}: grads_to_host wrote INTO the device gradients (the copy runs "
-                                      "the wrong way: host and device swapped, in the zip or in copy_): copy from each "
-                                      "device gradient into its host buffer, host.copy_(device gradient)")
+                    raise CheckFailed(f"{where}: {WRONG_WAY['device_grads_written']}")
                 if not s["host_exact"]:
                     raise CheckFailed(f"{where}: after grads_to_host the host buffers do not hold the device "
                                       "gradients: "
@@ -302,9 +331,7 @@ def check_every_tensor(impl):
                                               "rebinding a name copies nothing" if s["host_untouched"] else
                                          "each buffer must receive its own device gradient, flattened"))
                 if s["grad_on_buffers"]:
-                    raise CheckFailed(f"{where}: cpu_step gave the gradient buffers a .grad (the masters as their "
-                                      "gradient): the masters are what the optimizer steps, each gets its buffer as "
-                                      ".grad (zip(self.masters, grads), in that order)")
+                    raise CheckFailed(f"{where}: {WRONG_WAY['grad_on_buffers']}")
                 if s["stepped_self_grads"] and not s["masters_right"]:
                     raise CheckFailed(f"{where}: the masters stepped with self.grads, not with the `grads` cpu_step "
                                       "was given (under DPU self.grads is already the next backward's buffer, here "
@@ -317,9 +344,7 @@ def check_every_tensor(impl):
                     raise CheckFailed(f"{where}: the masters after cpu_step differ from torch SGD (momentum) on the "
                                       "given gradients: one optimizer step, on every master, with its own gradient")
                 if s["masters_written"]:
-                    raise CheckFailed(f"{where}: params_to_device wrote INTO the host masters (the copy runs the "
-                                      "wrong way: masters and device tensors swapped, in the zip or in copy_), so the "
-                                      "step just taken is lost: copy each master into its device tensor")
+                    raise CheckFailed(f"{where}: {WRONG_WAY['masters_written']}")
                 if not s["device_kept"] or s["aliases_master"]:
                     raise CheckFailed(f"{where}: params_to_device rebound the device tensors (p.data = ...) instead of "
                                       "copying into them: the model's weights are views of the device memory and keep "

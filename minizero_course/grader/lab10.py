@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -201,17 +202,52 @@ def gpt_phase(comm, mod):
     return {"t4": side_by_side(Mesh(comm, tp=4), steps=GPT_STEPS, **classes)}
 
 
+COLLECTIVE_METHODS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
+                      "all_to_all")
+
+
+@contextmanager
+def _called_on(groups, calls: dict):
+    """Counts in `calls` the collectives called on `groups` themselves (a sub-group's calls are
+    its own: its methods are not these), by wrapping their methods for the block."""
+    def counted(group, name):
+        method = getattr(group, name)
+
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return method(*args, **kwargs)
+        return call
+    for group in groups:
+        for name in COLLECTIVE_METHODS:
+            setattr(group, name, counted(group, name))
+    try:
+        yield calls
+    finally:
+        for group in groups:
+            for name in COLLECTIVE_METHODS:
+                delattr(group, name)
+
+
 def sp_phase(comm, mod):
     """The stretch task: TinyGPT at tp 2 with sequence parallelism (tied embeddings) x DDP over dp 2.
-    Its stub is recorded, not raised: an untouched stretch task costs the main checks nothing."""
+    Its stub is recorded, not raised: an untouched stretch task costs the main checks nothing. Every
+    collective must run on the tp (or dp) group of 2: one on the 4 ranks, or the job's world, is
+    recorded with what it led to (a reduce-scatter over 4 ranks cuts the sequence in 4, and the
+    shapes then fail somewhere else: the group is the cause)."""
     from minizero.comm import Mesh
     from minizero_course.experiments.tensor import side_by_side
     classes = {"column_cls": mod.ColumnParallelLinear, "row_cls": mod.RowParallelLinear}
+    mesh, elsewhere = Mesh(comm, tp=2), {}
     try:
-        return {"t2-sp-ddp": side_by_side(Mesh(comm, tp=2), sequence_parallel=True, tied=True, steps=GPT_STEPS,
-                                          **classes)}
+        with _called_on((comm, *_others(comm)), elsewhere):
+            run = side_by_side(mesh, sequence_parallel=True, tied=True, steps=GPT_STEPS, **classes)
     except NotImplementedError as e:  # the same stub on every rank, at the same point: no collective is left waiting
         return {"stub": str(e)}
+    except Exception as e:  # noqa: BLE001 - what a collective on the wrong group led to
+        if not elsewhere:
+            raise
+        return {"elsewhere": elsewhere, "then": f"{type(e).__name__}: {e}"}
+    return {"elsewhere": elsewhere} if elsewhere else {"t2-sp-ddp": run}
 
 
 def _has_error(result) -> bool:
@@ -402,6 +438,14 @@ def judge_gpt(results) -> str:
 def judge_sp(results) -> str:
     if "stub" in results[0]["sp"]:
         raise CheckFailed(results[0]["sp"]["stub"])
+    for rank, r in enumerate(results):
+        if "elsewhere" in r["sp"]:
+            then = f" (and then: {r['sp']['then']})" if "then" in r["sp"] else ""
+            ran = _ops(r["sp"]["elsewhere"])
+            raise CheckFailed(f"rank {rank} (tp 2 x dp 2 on 4 ranks): the layers ran {ran} on "
+                              "another group than their tp group (the world group?): pass "
+                              "self.comm, the tensor-parallel group, to the sequence all-gather "
+                              "and reduce-scatter too" + then)
     for rank, r in enumerate(results):
         if "error" in r["sp"]:
             raise CheckFailed(f"rank {rank}: {r['sp']['error']}\nwith sequence parallelism the column layer takes this "

@@ -3,9 +3,10 @@ against torch's scaled_dot_product_attention and torch.logsumexp, your ring loop
 are computed, who sends which block to whom and when: layout.pair_kind, ring_attention's exchange
 and forward loop), then your ring attention whole.
 
-ONE 4-rank job measures everything (`measure_worker`); each check judges its part (`judge_*`), so
-the grader launches once per submission and the mutation suite (tests/mutants/lab11.py) grades all
-its mutants in one job too. Phases:
+Each check launches a 4-rank job (`measure_worker`) that runs only the phases it grades
+(`judge_*` judges them): a stub or a crash in one task (a transfer never waited for, in the real
+ring) fails only the checks that need that task, with their own messages, and the others keep
+their points. The grader's shared jobs (grader.batch) put many such launches in one job. Phases:
   block   block_attention on one block, causal (diagonal) and not, at ordinary and at large scores
           (|s| ~ 1e3, where exp(s) overflows float32): o_B and L_B against softmax and logsumexp;
           once in bfloat16: o_B must come back in v's dtype and L_B stay float32
@@ -252,9 +253,10 @@ def measure_worker(comm, impls: list[str], phases=PHASES) -> dict:
     return out
 
 
-def measured(impl: str) -> list:
-    """One 4-rank run per file, shared by the checks (a stub's error is shared too)."""
-    return [r[impl] for r in launched_once("minizero_course.grader.lab11:measure_worker", 4, {"impls": [impl]}, 180)]
+def measured(impl: str, phases: tuple) -> list:
+    """One 4-rank run per file and set of phases: a check's run holds only the tasks it grades."""
+    return [r[impl] for r in launched_once("minizero_course.grader.lab11:measure_worker", 4,
+                                           {"impls": [impl], "phases": list(phases)}, 180)]
 
 
 # ------------------------------------------------------------------------------ the judges
@@ -484,13 +486,14 @@ def judge_ring(results) -> str:
 
 CHECKS = [
     Check("block_attention: o_B and L_B of one block, causal and not, stable at large scores, dtypes kept", 2,
-          judged_check(judge_block, measured)),
+          judged_check(judge_block, measured, ("block",))),
     Check("merge: the online-softmax rescaling, any order, stable, not in place, dtypes kept", 3,
-          judged_check(judge_merge, measured)),
+          judged_check(judge_merge, measured, ("merge",))),
     Check("the ring loop: pair_kind, who sends which block to whom and when, which blocks are computed", 3,
-          judged_check(judge_ring_loop, measured)),
+          judged_check(judge_ring_loop, measured, ("loop",))),
+    # the loop phase first: a ring whose transfers do not pair up is not run on the real ranks
     Check("ring attention (cp=4), your loop and kernels, equals torch's attention, output and gradients", 2,
-          judged_check(judge_ring, measured)),
+          judged_check(judge_ring, measured, ("loop", "ring"))),
 ]
 
 

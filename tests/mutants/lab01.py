@@ -25,3 +25,12 @@ MUTANTS = [
            "    for s in range(n):\n        send_idx, recv_idx = (rank + 1 - s) % n, (rank - s) % n",
            "check_bytes", "2(N-1)/N*S"),
 ]
+
+# Bugs that hang the ring: each costs its check's whole deadline (90 s times the load), so
+# tests/test_grader.py's deadlock test grades them, not every run of the mutation suite.
+DEADLOCKS = [
+    Mutant("phase 1 receives from the right neighbour, which sends to its own right "
+           "(a recv never matched)",
+           "        comm.recv(incoming, left)\n", "        comm.recv(incoming, right)\n",
+           "check_equals_allreduce", "recv from rank"),
+]

@@ -85,6 +85,11 @@ MUTANTS = [
            "y = linear_with_sequence_gather(x, self.weight, self.bias, self.comm)",
            "y = F.linear(copy_to_tensor_parallel(x, self.comm), self.weight, self.bias)",
            "check_sp", "all-gather, f_bar"),
+    Mutant("SP: the row layer reduce-scatters over the world group, not its tp group",
+           "y = reduce_scatter_to_sequence_parallel(F.linear(x, self.weight), self.comm)",
+           "y = reduce_scatter_to_sequence_parallel(F.linear(x, self.weight), "
+           "__import__('minizero.comm').comm.get())",
+           "check_sp", "on another group than their tp group"),
     Mutant("SP: the row layer adds its bias before the reduce-scatter (counted t times)",
            "y = reduce_scatter_to_sequence_parallel(F.linear(x, self.weight), self.comm)",
            "y = reduce_scatter_to_sequence_parallel(F.linear(x, self.weight, self.bias), self.comm)",

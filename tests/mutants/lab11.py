@@ -104,3 +104,10 @@ MUTANTS += [
     Mutant("loop: each block replaces the running output (no merge)", FOLD,
            "            outs[qi], lses[qi] = block\n", "check_ring_loop", "fold each block into"),
 ]
+# one task's bug in a check that needs it only: the other tasks' checks keep their points
+MUTANTS += [
+    Mutant("loop: one hop too many (a transfer posted and waited at the last step too)", LOOP,
+           LOOP.replace("if step < cp - 1:", "if step < cp:"), "check_ring_loop", "cp - 1 hops"),
+    Mutant("loop: the last step's transfer posted and never waited", POST,
+           POST.replace("cp - 1", "cp"), "check_ring_loop", "cp - 1 hops"),
+]
