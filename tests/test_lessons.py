@@ -18,8 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "lessons").glob("*.ipynb"))
 BUDGET_S = 90  # the target is 60 s on 2 idle cores; over it -> a warning naming the load
-# Every lesson's title, as the site's navigation lists it: "NN · Topic: what the lesson does", NN its
-# file's number, the topic capitalised, what follows the colon in lower case (or a number, `code`).
+# Every lesson's title, as the site's navigation lists it: "NN · Topic: what the lesson does", NN
+# its file's number, the topic capitalised, what follows the colon in lower case (or a number,
+# `code`).
 LESSON_TITLE = re.compile(r"(\d\d) · ([A-Z0-9][^:·]*[^:· ]): ([a-z0-9`][^·]*)")
 
 
@@ -84,7 +85,8 @@ def test_lesson_title_has_the_one_style(path):
     """The first cell's heading is the page's title on the site: one style for all of them."""
     first = json.loads(path.read_text())["cells"][0]
     line = "".join(first["source"]).split("\n")[0]
-    assert first["cell_type"] == "markdown" and line.startswith("# "), f"{path.name}: no title first"
+    assert first["cell_type"] == "markdown" and line.startswith("# "), \
+        f"{path.name}: no title first"
     problem = title_problem(path.stem, line[2:])
     assert problem is None, problem
 

@@ -5,13 +5,13 @@ reused, so in a full run this file's build executes no notebook), unless MINIZER
 `make site` already built (`make site-test`). Every page is opened from file://, as a reader without a
 network would: no console error and no failed request, every image decoded and not blank, every
 internal link and anchor resolves, every lesson page shows the numbers its notebook printed and a
-title in the lessons' one style, no code block is cut at its column's edge, and search (in a browser
-that refuses fetch() on file://, as a reader's does) finds a lesson with an excerpt. Screenshots go to
-build/site-test/: start.png, lesson-04_*-top.png (title and run stamp), lesson-04_*.png (its first
-plot) and search.png, and report.json (pages, images per lesson page, and for its own build the
-lessons it executed and its seconds).
-Skipped, with the reason, where the site's packages (`pip install -e ".[site]"`) or Chromium are missing:
-this test installs nothing."""
+title in the lessons' one style, no code block is cut at its column's edge, and search (in a
+browser that refuses fetch() on file://, as a reader's does) finds a lesson with an excerpt.
+Screenshots go to build/site-test/: start.png, lesson-04_*-top.png (title and run stamp),
+lesson-04_*.png (its first plot) and search.png, and report.json (pages, images per lesson page,
+and for its own build the lessons it executed and its seconds).
+Skipped, with the reason, where the site's packages (`pip install -e ".[site]"`) or Chromium are
+missing: this test installs nothing."""
 import json
 import os
 import re
@@ -52,9 +52,10 @@ MISSING = _missing()
 pytestmark = [pytest.mark.skipif(MISSING is not None, reason=MISSING or ""), pytest.mark.launches]
 
 
-# The bench run for this test's own build (build/bench/test/, kept): tests/test_bench.py's tiny run (2 ranks,
-# 3 timed steps, 3 candidates; ~12 s of CPU where --steps 10 over every candidate took ~60 s): the page, its
-# plot and its report are what this test checks, not the figures (make site runs the short or full bench).
+# The bench run for this test's own build (build/bench/test/, kept): tests/test_bench.py's tiny run
+# (2 ranks, 3 timed steps, 3 candidates; ~12 s of CPU where --steps 10 over every candidate took
+# ~60 s): the page, its plot and its report are what this test checks, not the figures (make site
+# runs the short or full bench).
 BUILD: dict = {}  # what this test's own build did (report.json)
 BENCH_ARGS = ["--nprocs", "2", "--steps", "3", "--warmup", "1", "--candidates", *BENCH_CANDIDATES]
 
@@ -124,8 +125,9 @@ JS_PAGE = """async () => {
     images.push(r);
   }
   if (window.MathJax && MathJax.startup && MathJax.startup.promise) await MathJax.startup.promise;
-  // Code cut at the column's edge: a block (pre) or inline code whose content reaches past the article's
-  // right edge, or past its own box, with neither it nor a box between it and the article scrolling sideways.
+  // Code cut at the column's edge: a block (pre) or inline code whose content reaches past the
+  // article's right edge, or past its own box, with neither it nor a box between it and the
+  // article scrolling sideways.
   const column = document.querySelector('article') || document.body;
   const edge = column.getBoundingClientRect().right + 1;
   const scrolls = (el) => ['auto', 'scroll'].includes(getComputedStyle(el).overflowX);
@@ -140,8 +142,8 @@ JS_PAGE = """async () => {
     if (spills && scrolls(el)) { scrolling += 1; continue; }
     const clipped = spills && ['hidden', 'clip'].includes(getComputedStyle(el).overflowX);
     const reach = box.left + Math.max(el.scrollWidth, box.width);
-    // a box inside the column that scrolls sideways: what reaches past the edge is in reach (furo's table
-    // wrapper reaches 6 px past the article: a negative margin)
+    // a box inside the column that scrolls sideways: what reaches past the edge is in reach
+    // (furo's table wrapper reaches 6 px past the article: a negative margin)
     let scroller = null;
     for (let a = el.parentElement; a && a !== column; a = a.parentElement)
       if (scrolls(a) && a.getBoundingClientRect().right <= edge + 8) { scroller = a; break; }
@@ -152,8 +154,11 @@ JS_PAGE = """async () => {
   }
   const h1 = document.querySelector('article h1');
   let heading = null;
-  if (h1) { const c = h1.cloneNode(true); c.querySelectorAll('.headerlink').forEach(e => e.remove());
-            heading = c.textContent.trim(); }
+  if (h1) {
+    const c = h1.cloneNode(true);
+    c.querySelectorAll('.headerlink').forEach(e => e.remove());
+    heading = c.textContent.trim();
+  }
   return {images, links: Array.from(document.querySelectorAll('a[href]')).map(a => a.href),
           ids: Array.from(document.querySelectorAll('[id]')).map(e => e.id),
           text: document.body.innerText, title: document.title, heading,
@@ -196,31 +201,36 @@ def visited(site):
 
 
 SEARCH_TERM = "ZeRO-1"
-# Every result with no description (a page or a section, not an API object) and what its excerpt says; read
-# once Sphinx says "Search finished" (it shows results one by one, 5 ms apart; API pages come first, so a
-# partial list may hold no lesson) and every such result has its excerpt or 10 s have passed.
+# Every result with no description (a page or a section, not an API object) and what its excerpt
+# says; read once Sphinx says "Search finished" (it shows results one by one, 5 ms apart; API pages
+# come first, so a partial list may hold no lesson) and every such result has its excerpt or 10 s
+# have passed.
 JS_RESULTS = """() => Array.from(document.querySelectorAll('#search-results ul.search li'))
   .filter(li => !li.querySelector(':scope > span'))
-  .map(li => ({href: li.querySelector('a').href, excerpt: li.querySelector('p.context')?.innerText ?? null}))"""
+  .map(li => ({href: li.querySelector('a').href,
+               excerpt: li.querySelector('p.context')?.innerText ?? null}))"""
 
 
 @pytest.fixture(scope="module")
 def searched(site):
-    """search.html?q=ZeRO-1 from file:// in a Chromium that, like a reader's browser, refuses fetch() of
-    file:// URLs (no --allow-file-access-from-files): the results, their excerpts, the console's errors."""
+    """search.html?q=ZeRO-1 from file:// in a Chromium that, like a reader's browser, refuses
+    fetch() of file:// URLs (no --allow-file-access-from-files): the results, their excerpts, the
+    console's errors."""
     from playwright.sync_api import TimeoutError as Timeout
     from playwright.sync_api import sync_playwright
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=_browser(), args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         errors = []
-        page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}")
+                if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
         page.goto((site / "search.html").as_uri() + f"?q={SEARCH_TERM}")
         page.wait_for_function("() => (document.querySelector('#search-results p.search-summary') || {})"
                                ".innerText?.startsWith('Search finished')", timeout=60_000)
         try:
-            page.wait_for_function(f"() => ({JS_RESULTS})().every(r => r.excerpt !== null)", timeout=10_000)
+            page.wait_for_function(f"() => ({JS_RESULTS})().every(r => r.excerpt !== null)",
+                                   timeout=10_000)
         except Timeout:
             pass  # the test below says which results have none
         results = page.evaluate(JS_RESULTS)
@@ -300,12 +310,13 @@ def test_search_finds_the_lessons(searched):
 
 
 def test_search_from_disk_shows_excerpts_with_the_term(searched):
-    """Opened from file:// with fetch() refused, every page result still has its excerpt, the searched
-    word in it, and the search logs no error (a refused fetch logs one)."""
+    """Opened from file:// with fetch() refused, every page result still has its excerpt, the
+    searched word in it, and the search logs no error (a refused fetch logs one)."""
     results = searched["results"]
     bare = [r["href"] for r in results if not r["excerpt"]]
     without = [r for r in results if r["excerpt"] and "zero" not in r["excerpt"].lower()]
-    assert results and not bare, f"{len(bare)} of {len(results)} results have no excerpt: {bare[:5]}"
+    assert results and not bare, \
+        f"{len(bare)} of {len(results)} results have no excerpt: {bare[:5]}"
     assert not without, f"{len(without)} excerpts without the term: {without[:3]}"
     assert not searched["errors"], searched["errors"][:5]
 
@@ -315,7 +326,8 @@ def test_no_code_is_cut_at_its_column_edge(visited):
     pages = visited["pages"]
     cut = {name: p["code"]["cut"] for name, p in pages.items() if p["code"]["cut"]}
     blocks = sum(p["code"]["blocks"] for p in pages.values())
-    assert blocks and not cut, (f"{sum(map(len, cut.values()))} of {blocks} code blocks cut on {len(cut)} pages: "
+    assert blocks and not cut, (f"{sum(map(len, cut.values()))} of {blocks} code blocks cut on "
+                                f"{len(cut)} pages: "
                                 f"{json.dumps(dict(list(cut.items())[:8]), indent=1)[:3000]}")
     # the check has met wide code: some blocks are wider than their column and scroll
     assert sum(p["code"]["scrolling"] for p in pages.values()) > 0
@@ -326,9 +338,8 @@ def test_every_lesson_title_has_the_one_style(visited):
     problems = []
     for stem in sorted(p.stem for p in (ROOT / "lessons").glob("*.ipynb")):
         page = visited["pages"][f"lessons/{stem}.html"]
-        problems += [problem for problem in (title_problem(stem, page["heading"] or ""),
-                                             title_problem(stem, page["title"].split(" - ")[0].strip()))
-                     if problem]
+        shown = (page["heading"] or "", page["title"].split(" - ")[0].strip())
+        problems += [problem for problem in (title_problem(stem, t) for t in shown) if problem]
     assert not problems, problems
 
 

@@ -13,9 +13,9 @@ Stages build/site-src/ and runs sphinx-build on it with docs/site/conf.py:
     hints (labs/labNN_*.py), its checks, and its stretch tasks (docs/site/stretch.md);
   * api/*.md: automodule of every minizero module, grouped by subpackage;
   * design.md (docs/design.md), gpu.md (docs/gpu.md: `make test-gpu`'s report) and bench.md:
-    `python -m minizero_course bench`'s plot and table, run once into build/bench/<run>/ (kept there;
-    delete the folder to measure again): `--bench short` (the default) the same candidates, ranks and
-    model as the full bench over fewer rounds, `--bench full` the bench's own 30 + 3 rounds.
+    `python -m minizero_course bench`'s plot and table, run once into build/bench/<run>/ (kept
+    there; delete the folder to measure again): `--bench short` (the default) the same candidates,
+    ranks and model as the full bench over fewer rounds, `--bench full` its own 30 + 3 rounds.
 Every link is relative, MathJax is served from the site itself, and search's excerpts come from a
 script (_static/minizero-pages.js, conf.py): the site works from file://.
 
@@ -59,8 +59,8 @@ def _execute_apart(path: Path) -> float:
     """Execute one lesson in a Python of its own (nbclient's event loop is not one to share between
     threads), into build/lessons/; its seconds."""
     t0 = time.time()
-    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
-                    "from docs.site.notebooks import execute; execute(Path(sys.argv[1]))", str(path)],
+    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from "
+                    "docs.site.notebooks import execute; execute(Path(sys.argv[1]))", str(path)],
                    cwd=ROOT, check=True)
     return time.time() - t0
 
@@ -92,13 +92,15 @@ def stage_lessons(dest: Path, jobs: int = 2, execute_lessons: bool = True) -> li
         nb = executed_copy(path)
         if nb is not None:
             stamp = run_stamp(nb.metadata["minizero_run"])
-        elif execute_lessons:  # executed just now, yet its copy is not current: the notebook changed meanwhile
+        elif execute_lessons:  # executed just now, yet not current: the notebook changed meanwhile
             raise SystemExit(f"{path.name} changed while it was executed: build again")
         else:
-            nb, stamp = nbformat.read(path, as_version=4), "**Not executed** (`--no-execute`): no outputs."
-        print(f"  {path.name}: {'executed' if nb.metadata.get('minizero_run') else 'NOT executed'}", flush=True)
-        stamp = nbformat.v4.new_markdown_cell(stamp + f" The notebook: `lessons/{path.name}` (committed "
-                                              "without outputs).")
+            nb = nbformat.read(path, as_version=4)
+            stamp = "**Not executed** (`--no-execute`): no outputs."
+        ran = "executed" if nb.metadata.get("minizero_run") else "NOT executed"
+        print(f"  {path.name}: {ran}", flush=True)
+        stamp = nbformat.v4.new_markdown_cell(
+            stamp + f" The notebook: `lessons/{path.name}` (committed without outputs).")
         first = nb.cells[0]
         if first.cell_type == "markdown" and first.source.startswith("# "):
             title, _, rest = first.source.partition("\n")  # the stamp goes right under the title
@@ -229,9 +231,10 @@ def _is_package(name: str) -> bool:
     return bool(spec and spec.submodule_search_locations)
 
 
-# The site's bench runs: `short` (the default) measures what the full one does (every default candidate, 4
-# ranks, the same model, memory and bytes of step 2, paired step-time ratios) over fewer interleaved rounds,
-# so its confidence intervals are wider; `full` is the bench's own default (30 timed rounds after 3).
+# The site's bench runs: `short` (the default) measures what the full one does (every default
+# candidate, 4 ranks, the same model, memory and bytes of step 2, paired step-time ratios) over
+# fewer interleaved rounds, so its confidence intervals are wider; `full` is the bench's own
+# default (30 timed rounds after 3).
 BENCH_RUNS = {"short": ["--steps", "6", "--warmup", "1"], "full": []}
 FULL_TIMED = 30  # the bench's default --steps: its timed rounds
 
@@ -245,15 +248,17 @@ def stage_bench(dest: Path, run_name: str = "short", bench_args=()) -> None:
     report = folder / "report.txt"
     kept = json.loads((folder / "run.json").read_text()) if (folder / "run.json").exists() else {}
     if not report.exists() or kept.get("command") != command:
-        print(f"  running `{command}` into {folder.relative_to(ROOT)}/ (kept for later builds)", flush=True)
+        print(f"  running `{command}` into {folder.relative_to(ROOT)}/ (kept for later builds)",
+              flush=True)
         folder.mkdir(parents=True, exist_ok=True)
         started, before, t0 = datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), time.time()
-        # its progress (stderr) shows as it runs, and says when the timed rounds begin; its report (stdout,
-        # into a file: a pipe read only at the end could fill up) goes to the page
+        # its progress (stderr) shows as it runs, and says when the timed rounds begin; its report
+        # (stdout, into a file: a pipe read only at the end could fill up) goes to the page
         with open(folder / "stdout.txt", "w+") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "minizero_course", "bench", *args, "--json",
-                                     str(folder / "bench.json"), "--plot", str(folder / "bench.png")], cwd=ROOT,
-                                    stdout=out, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen([sys.executable, "-m", "minizero_course", "bench", *args,
+                                     "--json", str(folder / "bench.json"),
+                                     "--plot", str(folder / "bench.png")],
+                                    cwd=ROOT, stdout=out, stderr=subprocess.PIPE, text=True)
             rounds_from = None  # seconds into the run when round 1 of the timing began
             for line in proc.stderr:
                 print(line, end="", file=sys.stderr, flush=True)
@@ -267,8 +272,8 @@ def stage_bench(dest: Path, run_name: str = "short", bench_args=()) -> None:
         seconds = time.time() - t0
         (folder / "run.json").write_text(json.dumps(
             {"started_utc": started.strftime("%Y-%m-%d %H:%M UTC"), "seconds": round(seconds, 1),
-             # the part before the rounds (start-up, memory and bytes one candidate at a time) and the rounds:
-             # how a run of other length would take is (rounds_s / its rounds) per round plus that part
+             # the part before the rounds (start-up, memory and bytes one candidate at a time) and
+             # the rounds: a run of other length takes that part plus (rounds_s / rounds) per round
              "before_rounds_s": round(rounds_from, 1) if rounds_from else None,
              "rounds_s": round(seconds - rounds_from, 1) if rounds_from else None,
              "load_before": [round(x, 2) for x in before], "load_after": [round(x, 2) for x in os.getloadavg()],
@@ -276,15 +281,18 @@ def stage_bench(dest: Path, run_name: str = "short", bench_args=()) -> None:
         report.write_text(stdout)
     shutil.copy(folder / "bench.png", dest / "bench.png")
     run = json.loads((folder / "run.json").read_text())
-    summary = json.loads((folder / "bench.json").read_text()) if (folder / "bench.json").exists() else {}
+    summary = json.loads((folder / "bench.json").read_text()) if (folder / "bench.json").exists() \
+        else {}
     timed = _timed_rounds(summary)
     which = (f"The full bench: {timed} timed rounds." if run_name == "full" and not bench_args else
-             f"**A short run: {timed} timed rounds, where the full bench times {FULL_TIMED}.** It measures "
-             "what the full one does, so every figure below is a measurement, "
-             "but over fewer rounds: the medians move more and the ratios' confidence intervals are wider. "
-             "`make site BENCH=full` builds the site with the full bench (docs/website.md: how long it takes).")
+             f"**A short run: {timed} timed rounds, where the full bench times {FULL_TIMED}.** "
+             "It measures what the full one does, so every figure below is a measurement, but "
+             "over fewer rounds: the medians move more and the ratios' confidence intervals are "
+             "wider. `make site BENCH=full` builds the site with the full bench (docs/website.md: "
+             "how long it takes).")
     (dest / "bench.md").write_text("\n".join([
-        "# Benchmark run: minizero vs torch DDP, FSDP2 and DeepSpeed", "", run_stamp(run), "", which, "",
+        "# Benchmark run: minizero vs torch DDP, FSDP2 and DeepSpeed", "", run_stamp(run), "",
+        which, "",
         (f"`{run['command']} --json bench.json --plot bench.png`: how it measures is in the [Benchmark](benchmark.md) "
         "page and `minizero_course/bench/bench.py`'s docstring. DeepSpeed takes part only where it is installed "
         "(`pip install -e \".[peers]\"`)."), "",
@@ -369,9 +377,10 @@ def sphinx(cmd: list) -> list:
     return warnings
 
 
-def build(out: Path, bench_args=(), bench: str = "short", jobs: int = 2, execute_lessons: bool = True) -> dict:
-    """Stage and build the site; the seconds of each part (lessons, bench, Sphinx) are in the summary
-    returned, with the load average at the start and the end."""
+def build(out: Path, bench_args=(), bench: str = "short", jobs: int = 2,
+          execute_lessons: bool = True) -> dict:
+    """Stage and build the site; the seconds of each part (lessons, bench, Sphinx) are in the
+    summary returned, with the load average at the start and the end."""
     t0, load_before = time.time(), os.getloadavg()
     shutil.rmtree(STAGE, ignore_errors=True)
     STAGE.mkdir(parents=True)
@@ -397,10 +406,11 @@ def build(out: Path, bench_args=(), bench: str = "short", jobs: int = 2, execute
                "stage_s": round(staged - t0, 1), "total_s": round(time.time() - t0, 1),
                "load_before": [round(x, 2) for x in load_before],
                "load_after": [round(x, 2) for x in os.getloadavg()]}
-    print(f"site: {out}/index.html, {len(pages)} pages ({len(lessons)} lessons, {labs} labs, {modules} API modules) "
-          f"in {summary['total_s']:.0f} s: lessons {parts['lessons_s']:.0f} s, bench ({bench}) "
-          f"{parts['bench_s']:.0f} s, Sphinx {parts['sphinx_s']:.0f} s; load average "
-          f"{load_before[0]:.2f} at the start, {summary['load_after'][0]:.2f} at the end")
+    print(f"site: {out}/index.html, {len(pages)} pages ({len(lessons)} lessons, {labs} labs, "
+          f"{modules} API modules) in {summary['total_s']:.0f} s: "
+          f"lessons {parts['lessons_s']:.0f} s, bench ({bench}) {parts['bench_s']:.0f} s, "
+          f"Sphinx {parts['sphinx_s']:.0f} s; load average {load_before[0]:.2f} at the start, "
+          f"{summary['load_after'][0]:.2f} at the end")
     return summary
 
 
@@ -409,14 +419,16 @@ def main(argv=None) -> int:
     ap = checks.Parser(prog="python -m docs.site.build", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "site"), help="where the HTML goes (default: site/)")
     ap.add_argument("--bench", choices=sorted(BENCH_RUNS), default="short",
-                    help="the bench run shown: short (default; fewer rounds) or full (the bench's 30 + 3 rounds)")
+                    help="the bench run shown: short (default; fewer rounds) or full (the bench's "
+                         "30 + 3 rounds)")
     ap.add_argument("--bench-args", default="",
                     help="extra arguments of `python -m minizero_course bench` when it runs")
     ap.add_argument("--jobs", type=checks.whole(1), default=2,
-                    help="lessons executed at a time where build/lessons/ has no current copy (default 2)")
+                    help="lessons executed at a time where build/lessons/ has no current copy "
+                         "(default 2)")
     ap.add_argument("--no-execute", action="store_true",
-                    help="execute no lesson: one without a current copy is shown without outputs (a quick look "
-                         "at the layout; tests/test_site.py fails on such a site)")
+                    help="execute no lesson: one without a current copy is shown without outputs "
+                         "(a quick look at the layout; tests/test_site.py fails on such a site)")
     ap.add_argument("--if-stale", action="store_true", help="build only when a source changed after the last build")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
@@ -427,7 +439,8 @@ def main(argv=None) -> int:
             print(f"site: {out}/index.html is up to date (no source changed since it was built)")
             return 0
         print(f"site: building, {why}", flush=True)
-    build(out, args.bench_args.split(), bench=args.bench, jobs=args.jobs, execute_lessons=not args.no_execute)
+    build(out, args.bench_args.split(), bench=args.bench, jobs=args.jobs,
+          execute_lessons=not args.no_execute)
     return 0
 
 
