@@ -71,14 +71,19 @@ handout: setup
 	rm -rf $(HANDOUT_DIR)
 	$(PY) -m minizero_course handout $(HANDOUT_DIR)$(if $(HANDOUT_LABS), --labs $(HANDOUT_LABS))
 
-# The course website in site/ (docs/site/build.py): lessons as executed in build/lessons/ (or run now).
+# The course website in site/ (docs/site/build.py): lessons as executed in build/lessons/ (or run
+# now, 2 at a time) and a short bench run (6 + 1 rounds of the same bench, marked as such on its
+# page): a first build in under 10 min on 2 idle cores. BENCH=full: the bench's own 30 + 3 rounds
+# instead (measured 237 s at load 6 without DeepSpeed's 4 candidates, where the short run took
+# 106 s). Each part's time: docs/website.md.
+BENCH ?= short
 site: $(SITE_STAMP)
-	$(PY) -m docs.site.build
+	$(PY) -m docs.site.build --bench $(BENCH)
 
 # Every page of site/ in headless Chromium: console errors, images, links, measured numbers, search.
 # It rebuilds site/ only when a source changed after the last build.
 site-test: $(SITE_STAMP)
-	$(PY) -m docs.site.build --if-stale
+	$(PY) -m docs.site.build --if-stale --bench $(BENCH)
 	MINIZERO_SITE=site $(PY) -m pytest -q tests/test_site.py
 
 # Every lab's mechanism against DDP or one process, and its memory, on this machine's GPU: one table, and

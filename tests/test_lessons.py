@@ -9,6 +9,7 @@ Each executed notebook is kept in build/lessons/ (docs/site/notebooks.py): `make
 copies instead of running the lessons a second time."""
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "lessons").glob("*.ipynb"))
 BUDGET_S = 90  # the target is 60 s on 2 idle cores; over it -> a warning naming the load
+# Every lesson's title, as the site's navigation lists it: "NN · Topic: what the lesson does", NN
+# its file's number, the topic capitalised, what follows the colon in lower case (or a number,
+# `code`).
+LESSON_TITLE = re.compile(r"(\d\d) · ([A-Z0-9][^:·]*[^:· ]): ([a-z0-9`][^·]*)")
 
 
 def solution_text_in(text: str) -> list[str]:
@@ -55,6 +60,35 @@ def test_the_solution_scan_finds_a_printed_solution():
 def test_no_lesson_shows_a_solution(path):
     """No lesson's source or stored output holds a lab's solution text (executed outputs: test_lesson_executes)."""
     assert not solution_text_in(cell_texts(json.loads(path.read_text()))), path.name
+
+
+def title_problem(stem: str, title: str):
+    """Why `title` is not in the lessons' one style for lesson `stem`, or None."""
+    m = LESSON_TITLE.fullmatch(title)
+    if m is None:
+        return f"{stem}: {title!r} is not 'NN · Topic: what it does'"
+    if m.group(1) != stem[:2]:
+        return f"{stem}: {title!r} carries the number {m.group(1)}"
+    return None
+
+
+def test_the_title_style_check_catches_other_styles():
+    assert title_problem("07_offload", "07 · Offload: device, host and disk") is None
+    assert title_problem("07_offload", "Lesson 07: offload — device, host and disk")
+    assert title_problem("07_offload", "08 · Offload: device, host and disk")
+    assert title_problem("07_offload", "07 · offload: device, host and disk")
+    assert title_problem("07_offload", "07 · Offload — device, host and disk")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_lesson_title_has_the_one_style(path):
+    """The first cell's heading is the page's title on the site: one style for all of them."""
+    first = json.loads(path.read_text())["cells"][0]
+    line = "".join(first["source"]).split("\n")[0]
+    assert first["cell_type"] == "markdown" and line.startswith("# "), \
+        f"{path.name}: no title first"
+    problem = title_problem(path.stem, line[2:])
+    assert problem is None, problem
 
 
 def test_there_are_lessons():

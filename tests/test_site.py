@@ -4,12 +4,14 @@ The site is built into site/ here (docs/site/build.py; the lessons tests/test_le
 reused, so in a full run this file's build executes no notebook), unless MINIZERO_SITE names one that
 `make site` already built (`make site-test`). Every page is opened from file://, as a reader without a
 network would: no console error and no failed request, every image decoded and not blank, every
-internal link and anchor resolves, every lesson page shows the numbers its notebook printed, search
-finds a lesson. Screenshots go to build/site-test/: start.png, lesson-04_*-top.png (title and run
-stamp) and lesson-04_*.png (its first plot), and report.json (pages, images per lesson page, and for its own
-build the lessons it executed and its seconds).
-Skipped, with the reason, where the site's packages (`pip install -e ".[site]"`) or Chromium are missing:
-this test installs nothing."""
+internal link and anchor resolves, every lesson page shows the numbers its notebook printed and a
+title in the lessons' one style, no code block is cut at its column's edge, and search (in a
+browser that refuses fetch() on file://, as a reader's does) finds a lesson with an excerpt.
+Screenshots go to build/site-test/: start.png, lesson-04_*-top.png (title and run stamp),
+lesson-04_*.png (its first plot) and search.png, and report.json (pages, images per lesson page,
+and for its own build the lessons it executed and its seconds).
+Skipped, with the reason, where the site's packages (`pip install -e ".[site]"`) or Chromium are
+missing: this test installs nothing."""
 import json
 import os
 import re
@@ -20,6 +22,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 from tests.test_bench import CANDIDATES as BENCH_CANDIDATES
+from tests.test_lessons import title_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "build" / "site-test"
@@ -49,9 +52,10 @@ MISSING = _missing()
 pytestmark = [pytest.mark.skipif(MISSING is not None, reason=MISSING or ""), pytest.mark.launches]
 
 
-# The bench run for this test's own build (none where build/bench/ holds one): tests/test_bench.py's tiny run
-# (2 ranks, 3 timed steps, 3 candidates; ~12 s of CPU where --steps 10 over every candidate took ~60 s): the
-# page, its plot and its report are what this test checks, not the figures (make site runs the full bench).
+# The bench run for this test's own build (build/bench/test/, kept): tests/test_bench.py's tiny run
+# (2 ranks, 3 timed steps, 3 candidates; ~12 s of CPU where --steps 10 over every candidate took
+# ~60 s): the page, its plot and its report are what this test checks, not the figures (make site
+# runs the short or full bench).
 BUILD: dict = {}  # what this test's own build did (report.json)
 BENCH_ARGS = ["--nprocs", "2", "--steps", "3", "--warmup", "1", "--candidates", *BENCH_CANDIDATES]
 
@@ -69,7 +73,7 @@ def site():
     BUILD["lessons_executed_by_the_build"] = [p.name for p in sorted((ROOT / "lessons").glob("*.ipynb"))
                                               if executed_copy(p) is None]
     out = ROOT / "site"
-    summary = build(out, bench_args=BENCH_ARGS)
+    summary = build(out, bench="test", bench_args=BENCH_ARGS)
     BUILD["build_s"], BUILD["warnings"] = summary["total_s"], summary["warnings"]
     return out
 
@@ -121,9 +125,44 @@ JS_PAGE = """async () => {
     images.push(r);
   }
   if (window.MathJax && MathJax.startup && MathJax.startup.promise) await MathJax.startup.promise;
+  // Code cut at the column's edge: a block (pre) or inline code whose content reaches past the
+  // article's right edge, or past its own box, with neither it nor a box between it and the
+  // article scrolling sideways.
+  const column = document.querySelector('article') || document.body;
+  const edge = column.getBoundingClientRect().right + 1;
+  const scrolls = (el) => ['auto', 'scroll'].includes(getComputedStyle(el).overflowX);
+  const cut = [];
+  let blocks = 0, scrolling = 0;
+  for (const el of column.querySelectorAll('pre, code')) {
+    if (el.tagName === 'CODE' && el.closest('pre')) continue;
+    const box = el.getBoundingClientRect();
+    if (box.width === 0) continue;  // not shown (a collapsed cell)
+    blocks += 1;
+    const spills = el.tagName === 'PRE' && el.scrollWidth > el.clientWidth + 1;
+    if (spills && scrolls(el)) { scrolling += 1; continue; }
+    const clipped = spills && ['hidden', 'clip'].includes(getComputedStyle(el).overflowX);
+    const reach = box.left + Math.max(el.scrollWidth, box.width);
+    // a box inside the column that scrolls sideways: what reaches past the edge is in reach
+    // (furo's table wrapper reaches 6 px past the article: a negative margin)
+    let scroller = null;
+    for (let a = el.parentElement; a && a !== column; a = a.parentElement)
+      if (scrolls(a) && a.getBoundingClientRect().right <= edge + 8) { scroller = a; break; }
+    if (!clipped && reach > edge && scroller) { scrolling += 1; continue; }
+    if (clipped || reach > edge)
+      cut.push({tag: el.tagName, reach: Math.round(reach), edge: Math.round(edge), clipped,
+                text: el.textContent.trim().split('\\n').find(l => l.length > 0)?.slice(0, 100)});
+  }
+  const h1 = document.querySelector('article h1');
+  let heading = null;
+  if (h1) {
+    const c = h1.cloneNode(true);
+    c.querySelectorAll('.headerlink').forEach(e => e.remove());
+    heading = c.textContent.trim();
+  }
   return {images, links: Array.from(document.querySelectorAll('a[href]')).map(a => a.href),
           ids: Array.from(document.querySelectorAll('[id]')).map(e => e.id),
-          text: document.body.innerText, title: document.title};
+          text: document.body.innerText, title: document.title, heading,
+          code: {blocks, scrolling, cut}};
 }"""
 
 
@@ -157,14 +196,47 @@ def visited(site):
         if first_plot.count():
             first_plot.scroll_into_view_if_needed()
         page.screenshot(path=str(SHOTS / f"lesson-{lesson[0].stem}.png"))
-        page.goto((site / "search.html").as_uri() + "?q=ZeRO-1")
-        # Sphinx shows results one by one (5 ms apart) and says "Search finished" after the last: read the list
-        # then, not at its first item (API pages come first, so a partial list may hold no lesson).
+        browser.close()
+    return {"site": site, "pages": pages}
+
+
+SEARCH_TERM = "ZeRO-1"
+# Every result with no description (a page or a section, not an API object) and what its excerpt
+# says; read once Sphinx says "Search finished" (it shows results one by one, 5 ms apart; API pages
+# come first, so a partial list may hold no lesson) and every such result has its excerpt or 10 s
+# have passed.
+JS_RESULTS = """() => Array.from(document.querySelectorAll('#search-results ul.search li'))
+  .filter(li => !li.querySelector(':scope > span'))
+  .map(li => ({href: li.querySelector('a').href,
+               excerpt: li.querySelector('p.context')?.innerText ?? null}))"""
+
+
+@pytest.fixture(scope="module")
+def searched(site):
+    """search.html?q=ZeRO-1 from file:// in a Chromium that, like a reader's browser, refuses
+    fetch() of file:// URLs (no --allow-file-access-from-files): the results, their excerpts, the
+    console's errors."""
+    from playwright.sync_api import TimeoutError as Timeout
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=_browser(), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors = []
+        page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}")
+                if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+        page.goto((site / "search.html").as_uri() + f"?q={SEARCH_TERM}")
         page.wait_for_function("() => (document.querySelector('#search-results p.search-summary') || {})"
                                ".innerText?.startsWith('Search finished')", timeout=60_000)
-        search = page.eval_on_selector_all("#search-results ul.search li a", "as => as.map(a => a.href)")
+        try:
+            page.wait_for_function(f"() => ({JS_RESULTS})().every(r => r.excerpt !== null)",
+                                   timeout=10_000)
+        except Timeout:
+            pass  # the test below says which results have none
+        results = page.evaluate(JS_RESULTS)
+        page.screenshot(path=str(SHOTS / "search.png"))
         browser.close()
-    return {"site": site, "pages": pages, "search": search}
+    return {"results": results, "errors": errors}
 
 
 def test_every_page_loads_without_console_errors(visited):
@@ -232,8 +304,43 @@ def test_lesson_04_page_shows_the_ratio_it_measured(visited):
     assert all(r in visited["pages"][f"lessons/{stems[0]}.html"]["text"] for r in ratios), ratios
 
 
-def test_search_finds_the_lessons(visited):
-    assert any("/lessons/" in href for href in visited["search"]), visited["search"][:10]
+def test_search_finds_the_lessons(searched):
+    hrefs = [r["href"] for r in searched["results"]]
+    assert any("/lessons/" in href for href in hrefs), hrefs[:10]
+
+
+def test_search_from_disk_shows_excerpts_with_the_term(searched):
+    """Opened from file:// with fetch() refused, every page result still has its excerpt, the
+    searched word in it, and the search logs no error (a refused fetch logs one)."""
+    results = searched["results"]
+    bare = [r["href"] for r in results if not r["excerpt"]]
+    without = [r for r in results if r["excerpt"] and "zero" not in r["excerpt"].lower()]
+    assert results and not bare, \
+        f"{len(bare)} of {len(results)} results have no excerpt: {bare[:5]}"
+    assert not without, f"{len(without)} excerpts without the term: {without[:3]}"
+    assert not searched["errors"], searched["errors"][:5]
+
+
+def test_no_code_is_cut_at_its_column_edge(visited):
+    """Every code block and inline code either fits its column or scrolls sideways (at 1280 px)."""
+    pages = visited["pages"]
+    cut = {name: p["code"]["cut"] for name, p in pages.items() if p["code"]["cut"]}
+    blocks = sum(p["code"]["blocks"] for p in pages.values())
+    assert blocks and not cut, (f"{sum(map(len, cut.values()))} of {blocks} code blocks cut on "
+                                f"{len(cut)} pages: "
+                                f"{json.dumps(dict(list(cut.items())[:8]), indent=1)[:3000]}")
+    # the check has met wide code: some blocks are wider than their column and scroll
+    assert sum(p["code"]["scrolling"] for p in pages.values()) > 0
+
+
+def test_every_lesson_title_has_the_one_style(visited):
+    """The heading of every lesson page, and its browser title, read "NN · Topic: what it does"."""
+    problems = []
+    for stem in sorted(p.stem for p in (ROOT / "lessons").glob("*.ipynb")):
+        page = visited["pages"][f"lessons/{stem}.html"]
+        shown = (page["heading"] or "", page["title"].split(" - ")[0].strip())
+        problems += [problem for problem in (title_problem(stem, t) for t in shown) if problem]
+    assert not problems, problems
 
 
 def test_the_site_has_every_section_and_screenshots(visited):

@@ -12,10 +12,14 @@ Stages build/site-src/ and runs sphinx-build on it with docs/site/conf.py:
   * labs/*.md: one page per lab from its registry entry (minizero_course.grader), its TODOs and their
     hints (labs/labNN_*.py), its checks, and its stretch tasks (docs/site/stretch.md);
   * api/*.md: automodule of every minizero module, grouped by subpackage;
-  * design.md (docs/design.md), gpu.md (docs/gpu.md: `make test-gpu`'s report) and bench.md: `python -m minizero
-  bench`'s plot and table, run once
-    into build/bench/ (kept there; delete the folder to measure again).
-Every link is relative, MathJax is served from the site itself: the site works from file://."""
+  * design.md (docs/design.md), gpu.md (docs/gpu.md: `make test-gpu`'s report) and bench.md:
+    `python -m minizero_course bench`'s plot and table, run once into build/bench/<run>/ (kept
+    there; delete the folder to measure again): `--bench short` (the default) the same candidates,
+    ranks and model as the full bench over fewer rounds, `--bench full` its own 30 + 3 rounds.
+Every link is relative, MathJax is served from the site itself, and search's excerpts come from a
+script (_static/minizero-pages.js, conf.py): the site works from file://.
+
+Where the time of a first build goes, and what it was measured at: docs/website.md."""
 import ast
 import datetime
 import json
@@ -27,9 +31,10 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from docs.site.notebooks import ROOT, execute, executed_copy, machine
+from docs.site.notebooks import ROOT, executed_copy, machine
 
 HERE = Path(__file__).resolve().parent
 STAGE = ROOT / "build" / "site-src"
@@ -50,19 +55,52 @@ def run_stamp(run: dict) -> str:
             f"{m['system']}. Every number and plot on this page is that run's: yours will differ.")
 
 
-def stage_lessons(dest: Path) -> list[str]:
+def _execute_apart(path: Path) -> float:
+    """Execute one lesson in a Python of its own (nbclient's event loop is not one to share between
+    threads), into build/lessons/; its seconds."""
+    t0 = time.time()
+    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from "
+                    "docs.site.notebooks import execute; execute(Path(sys.argv[1]))", str(path)],
+                   cwd=ROOT, check=True)
+    return time.time() - t0
+
+
+def execute_missing(paths: list[Path], jobs: int) -> None:
+    """Execute the lessons that have no current copy, `jobs` at a time. A lesson's cells wait on its
+    kernel, its ranks' start-up and its plotting as well as on the CPU: two at a time on 2 cores
+    overlap one's waits with the other's work (docs/website.md has the times)."""
+    missing = [p for p in paths if executed_copy(p) is None]
+    if not missing:
+        return
+    print(f"  executing {len(missing)} lessons ({jobs} at a time) into build/lessons/", flush=True)
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        for path, seconds in zip(missing, pool.map(_execute_apart, missing)):
+            print(f"  {path.name}: executed in {seconds:.0f} s", flush=True)
+
+
+def stage_lessons(dest: Path, jobs: int = 2, execute_lessons: bool = True) -> list[str]:
+    """One page per lesson from its executed copy (made now where missing, `jobs` at a time). With
+    execute_lessons False a lesson without a current copy is shown unexecuted, its stamp saying so:
+    a quick look at the site's layout, not a site to publish."""
     import nbformat
     dest.mkdir(parents=True)
+    paths = sorted((ROOT / "lessons").glob("*.ipynb"))
+    if execute_lessons:
+        execute_missing(paths, jobs)
     names = []
-    for path in sorted((ROOT / "lessons").glob("*.ipynb")):
+    for path in paths:
         nb = executed_copy(path)
-        if nb is None:
-            print(f"  executing {path.name} (no current copy in build/lessons/)", flush=True)
-            nb, _ = execute(path)
+        if nb is not None:
+            stamp = run_stamp(nb.metadata["minizero_run"])
+        elif execute_lessons:  # executed just now, yet not current: the notebook changed meanwhile
+            raise SystemExit(f"{path.name} changed while it was executed: build again")
         else:
-            print(f"  {path.name}: the copy tests/test_lessons.py executed", flush=True)
-        stamp = nbformat.v4.new_markdown_cell(run_stamp(nb.metadata["minizero_run"])
-                                              + f" The notebook: `lessons/{path.name}` (committed without outputs).")
+            nb = nbformat.read(path, as_version=4)
+            stamp = "**Not executed** (`--no-execute`): no outputs."
+        ran = "executed" if nb.metadata.get("minizero_run") else "NOT executed"
+        print(f"  {path.name}: {ran}", flush=True)
+        stamp = nbformat.v4.new_markdown_cell(
+            stamp + f" The notebook: `lessons/{path.name}` (committed without outputs).")
         first = nb.cells[0]
         if first.cell_type == "markdown" and first.source.startswith("# "):
             title, _, rest = first.source.partition("\n")  # the stamp goes right under the title
@@ -193,35 +231,78 @@ def _is_package(name: str) -> bool:
     return bool(spec and spec.submodule_search_locations)
 
 
-def stage_bench(dest: Path, bench_args=()) -> None:
-    """bench.md from build/bench/: `python -m minizero_course bench [bench_args]`, run here once
-    (1.5-3 min on 2 cores)."""
-    report = BENCH / "report.txt"
-    if not report.exists():
-        print("  running `python -m minizero_course bench` into build/bench/ (kept for later builds)", flush=True)
-        BENCH.mkdir(parents=True, exist_ok=True)
+# The site's bench runs: `short` (the default) measures what the full one does (every default
+# candidate, 4 ranks, the same model, memory and bytes of step 2, paired step-time ratios) over
+# fewer interleaved rounds, so its confidence intervals are wider; `full` is the bench's own
+# default (30 timed rounds after 3).
+BENCH_RUNS = {"short": ["--steps", "6", "--warmup", "1"], "full": []}
+FULL_TIMED = 30  # the bench's default --steps: its timed rounds
+
+
+def stage_bench(dest: Path, run_name: str = "short", bench_args=()) -> None:
+    """bench.md from build/bench/<run_name>/: `python -m minizero_course bench` with that run's
+    arguments (and bench_args), run here once and kept; run again when the arguments differ."""
+    folder = BENCH / run_name
+    args = [*BENCH_RUNS.get(run_name, []), *bench_args]
+    command = " ".join(["python -m minizero_course bench", *args])
+    report = folder / "report.txt"
+    kept = json.loads((folder / "run.json").read_text()) if (folder / "run.json").exists() else {}
+    if not report.exists() or kept.get("command") != command:
+        print(f"  running `{command}` into {folder.relative_to(ROOT)}/ (kept for later builds)",
+              flush=True)
+        folder.mkdir(parents=True, exist_ok=True)
         started, before, t0 = datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), time.time()
-        # its progress (stderr) shows as it runs; its report (stdout) goes to the page
-        proc = subprocess.run([sys.executable, "-m", "minizero_course", "bench", *bench_args, "--json",
-                               str(BENCH / "bench.json"),
-                               "--plot", str(BENCH / "bench.png")], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              check=False)
+        # its progress (stderr) shows as it runs, and says when the timed rounds begin; its report
+        # (stdout, into a file: a pipe read only at the end could fill up) goes to the page
+        with open(folder / "stdout.txt", "w+") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "minizero_course", "bench", *args,
+                                     "--json", str(folder / "bench.json"),
+                                     "--plot", str(folder / "bench.png")],
+                                    cwd=ROOT, stdout=out, stderr=subprocess.PIPE, text=True)
+            rounds_from = None  # seconds into the run when round 1 of the timing began
+            for line in proc.stderr:
+                print(line, end="", file=sys.stderr, flush=True)
+                if rounds_from is None and "time, interleaved: round 1/" in line:
+                    rounds_from = time.time() - t0
+            proc.wait()
+            out.seek(0)
+            stdout = out.read()
         if proc.returncode:
-            raise SystemExit(f"python -m minizero_course bench failed:\n{proc.stdout[-3000:]}")
-        (BENCH / "run.json").write_text(json.dumps(
-            {"started_utc": started.strftime("%Y-%m-%d %H:%M UTC"), "seconds": round(time.time() - t0, 1),
+            raise SystemExit(f"python -m minizero_course bench failed:\n{stdout[-3000:]}")
+        seconds = time.time() - t0
+        (folder / "run.json").write_text(json.dumps(
+            {"started_utc": started.strftime("%Y-%m-%d %H:%M UTC"), "seconds": round(seconds, 1),
+             # the part before the rounds (start-up, memory and bytes one candidate at a time) and
+             # the rounds: a run of other length takes that part plus (rounds_s / rounds) per round
+             "before_rounds_s": round(rounds_from, 1) if rounds_from else None,
+             "rounds_s": round(seconds - rounds_from, 1) if rounds_from else None,
              "load_before": [round(x, 2) for x in before], "load_after": [round(x, 2) for x in os.getloadavg()],
-             "machine": machine(), "command": " ".join(["python -m minizero_course bench", *bench_args])}))
-        report.write_text(proc.stdout)
-    shutil.copy(BENCH / "bench.png", dest / "bench.png")
-    run = json.loads((BENCH / "run.json").read_text())
+             "machine": machine(), "command": command, "run": run_name}))
+        report.write_text(stdout)
+    shutil.copy(folder / "bench.png", dest / "bench.png")
+    run = json.loads((folder / "run.json").read_text())
+    summary = json.loads((folder / "bench.json").read_text()) if (folder / "bench.json").exists() \
+        else {}
+    timed = _timed_rounds(summary)
+    which = (f"The full bench: {timed} timed rounds." if run_name == "full" and not bench_args else
+             f"**A short run: {timed} timed rounds, where the full bench times {FULL_TIMED}.** "
+             "It measures what the full one does, so every figure below is a measurement, but "
+             "over fewer rounds: the medians move more and the ratios' confidence intervals are "
+             "wider. `make site BENCH=full` builds the site with the full bench (docs/website.md: "
+             "how long it takes).")
     (dest / "bench.md").write_text("\n".join([
         "# Benchmark run: minizero vs torch DDP, FSDP2 and DeepSpeed", "", run_stamp(run), "",
+        which, "",
         (f"`{run['command']} --json bench.json --plot bench.png`: how it measures is in the [Benchmark](benchmark.md) "
         "page and `minizero_course/bench/bench.py`'s docstring. DeepSpeed takes part only where it is installed "
         "(`pip install -e \".[peers]\"`)."), "",
         "![step time per candidate and paired ratio to torch DDP](bench.png)", "", "The bench's own report:", "",
         "```text", report.read_text().rstrip(), "```", ""]))
+
+
+def _timed_rounds(summary: dict) -> int:
+    """Timed interleaved rounds of a bench run (warm-up left out): one step time per round."""
+    return max((len(row["step_s"]) for row in summary.get("candidates", {}).values()), default=0)
 
 
 def stage_docs(dest: Path) -> list[str]:
@@ -256,11 +337,18 @@ SOURCES = ["lessons", "build/lessons", "build/bench", "labs", "minizero", "miniz
            "configs"]
 
 
-def stale(out: Path) -> str | None:
-    """Why `out` must be built again (the first source newer than it), or None when it is up to date."""
+BUILT = ".minizero-build.json"  # in the built site: which bench run it shows
+
+
+def stale(out: Path, bench: str = "short") -> str | None:
+    """Why `out` must be built again (the first source newer than it, or another bench run than the
+    one asked for), or None when it is up to date."""
     index = out / "index.html"
     if not index.exists():
         return f"{index} does not exist"
+    shows = json.loads((out / BUILT).read_text()).get("bench") if (out / BUILT).exists() else None
+    if shows != bench:
+        return f"it shows the {shows or 'unknown'} bench run, not the {bench} one"
     built = index.stat().st_mtime
     for name in SOURCES:
         for path in [ROOT / name] if (ROOT / name).is_file() else sorted((ROOT / name).rglob("*")):
@@ -289,27 +377,40 @@ def sphinx(cmd: list) -> list:
     return warnings
 
 
-def build(out: Path, bench_args=()) -> dict:
-    t0 = time.time()
+def build(out: Path, bench_args=(), bench: str = "short", jobs: int = 2,
+          execute_lessons: bool = True) -> dict:
+    """Stage and build the site; the seconds of each part (lessons, bench, Sphinx) are in the
+    summary returned, with the load average at the start and the end."""
+    t0, load_before = time.time(), os.getloadavg()
     shutil.rmtree(STAGE, ignore_errors=True)
     STAGE.mkdir(parents=True)
     guide = stage_docs(STAGE)
     print("lessons:", flush=True)
-    lessons = stage_lessons(STAGE / "lessons")
+    lessons = stage_lessons(STAGE / "lessons", jobs=jobs, execute_lessons=execute_lessons)
+    t_lessons = time.time()
     labs = stage_labs(STAGE / "labs", lessons)
     modules = stage_api(STAGE / "api")
     print("bench:", flush=True)
-    stage_bench(STAGE, bench_args)
-    staged = time.time() - t0
+    t_bench = time.time()
+    stage_bench(STAGE, bench, bench_args)
+    staged = time.time()
     shutil.rmtree(out, ignore_errors=True)
     warnings = sphinx([sys.executable, "-m", "sphinx", "-b", "html", "-j", "auto", "-c", str(HERE),
             "-d", str(ROOT / "build" / "site-doctrees"), str(STAGE), str(out)])
+    (out / BUILT).write_text(json.dumps({"bench": bench, "bench_args": list(bench_args)}))
     pages = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.html"))
+    parts = {"lessons_s": round(t_lessons - t0, 1), "bench_s": round(staged - t_bench, 1),
+             "sphinx_s": round(time.time() - staged, 1)}
     summary = {"lessons": len(lessons), "labs": labs, "guide_pages": len(guide), "api_modules": modules,
-               "html_pages": len(pages), "warnings": warnings,
-               "stage_s": round(staged, 1), "total_s": round(time.time() - t0, 1)}
-    print(f"site: {out}/index.html, {len(pages)} pages ({len(lessons)} lessons, {labs} labs, {modules} API modules); "
-          f"staged in {staged:.0f} s, built in {time.time() - t0:.0f} s")
+               "html_pages": len(pages), "warnings": warnings, **parts,
+               "stage_s": round(staged - t0, 1), "total_s": round(time.time() - t0, 1),
+               "load_before": [round(x, 2) for x in load_before],
+               "load_after": [round(x, 2) for x in os.getloadavg()]}
+    print(f"site: {out}/index.html, {len(pages)} pages ({len(lessons)} lessons, {labs} labs, "
+          f"{modules} API modules) in {summary['total_s']:.0f} s: "
+          f"lessons {parts['lessons_s']:.0f} s, bench ({bench}) {parts['bench_s']:.0f} s, "
+          f"Sphinx {parts['sphinx_s']:.0f} s; load average {load_before[0]:.2f} at the start, "
+          f"{summary['load_after'][0]:.2f} at the end")
     return summary
 
 
@@ -317,19 +418,29 @@ def main(argv=None) -> int:
     from minizero.cli import checks
     ap = checks.Parser(prog="python -m docs.site.build", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "site"), help="where the HTML goes (default: site/)")
+    ap.add_argument("--bench", choices=sorted(BENCH_RUNS), default="short",
+                    help="the bench run shown: short (default; fewer rounds) or full (the bench's "
+                         "30 + 3 rounds)")
     ap.add_argument("--bench-args", default="",
                     help="extra arguments of `python -m minizero_course bench` when it runs")
+    ap.add_argument("--jobs", type=checks.whole(1), default=2,
+                    help="lessons executed at a time where build/lessons/ has no current copy "
+                         "(default 2)")
+    ap.add_argument("--no-execute", action="store_true",
+                    help="execute no lesson: one without a current copy is shown without outputs "
+                         "(a quick look at the layout; tests/test_site.py fails on such a site)")
     ap.add_argument("--if-stale", action="store_true", help="build only when a source changed after the last build")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     checks.output_folder(ap, "--out", str(out))  # before the staging and the half minute of Sphinx
     if args.if_stale:
-        why = stale(out)
+        why = stale(out, args.bench)
         if why is None:
             print(f"site: {out}/index.html is up to date (no source changed since it was built)")
             return 0
         print(f"site: building, {why}", flush=True)
-    build(out, args.bench_args.split())
+    build(out, args.bench_args.split(), bench=args.bench, jobs=args.jobs,
+          execute_lessons=not args.no_execute)
     return 0
 
 

@@ -1,11 +1,17 @@
 """Sphinx configuration of the course website (`make site`; docs/site/build.py stages the sources).
 
 Sphinx + myst-nb + furo: myst-nb renders executed notebooks with every output (no re-execution:
-nb_execution_mode "off"), autodoc turns the package's docstrings into the API reference, Sphinx's own
-search works from file://, and MathJax is served from the site itself (the copy of MathJax 3 that
-the sphinx-mathjax-offline package ships, copied into _static/mathjax), so no page loads anything
-from the network."""
+nb_execution_mode "off"), autodoc turns the package's docstrings into the API reference, and MathJax
+is served from the site itself (the copy of MathJax 3 that the sphinx-mathjax-offline package ships,
+copied into _static/mathjax), so no page loads anything from the network.
+
+Search from file://: Sphinx's index is a script (searchindex.js), but each result's excerpt is cut
+from the page's HTML, which searchtools.js fetch()es, and a browser refuses fetch() on file:// URLs.
+So the build also writes _static/minizero-pages.js (each page's main text, a global loaded by a
+<script> tag on search.html only) and minizero.js answers those fetches from it."""
 import importlib.metadata
+import json
+import re
 from pathlib import Path
 
 # The package's folder is named "sphinx-mathjax-offline": found through its installed files. Only the
@@ -45,5 +51,36 @@ def literal_docstring(app, what, name, obj, options, lines):
         lines[:] = ["::", ""] + ["    " + line for line in lines] + [""]
 
 
+PAGES_JS = "minizero-pages.js"
+
+
+def search_page_scripts(app, pagename, templatename, context, doctree):
+    if pagename == "search":  # the pages' text is for the excerpts: no other page loads it
+        app.add_js_file(PAGES_JS)
+
+
+def page_texts(app, exception):
+    """_static/minizero-pages.js: window.MINIZERO_PAGES = {page: the text of its main block}, the
+    text searchtools.js would cut an excerpt from (headerlinks, scripts and styles left out, as it
+    does)."""
+    if exception is not None or app.builder.format != "html":
+        return
+    from bs4 import BeautifulSoup  # furo's own dependency
+    out = Path(app.outdir)
+    pages = {}
+    for path in sorted(out.rglob("*.html")):
+        soup = BeautifulSoup(path.read_text(encoding="utf-8"), "html.parser")
+        main = soup.select_one('[role="main"]')
+        if main is None:
+            continue
+        for node in main.select(".headerlink, script, style"):
+            node.decompose()
+        # runs of white space as one: a third of the bytes, and the excerpt reads the same
+        pages[path.relative_to(out).as_posix()] = re.sub(r"\s+", " ", main.get_text()).strip()
+    (out / "_static" / PAGES_JS).write_text("window.MINIZERO_PAGES = " + json.dumps(pages) + ";\n")
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", literal_docstring)
+    app.connect("html-page-context", search_page_scripts)
+    app.connect("build-finished", page_texts)

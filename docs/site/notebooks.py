@@ -3,7 +3,9 @@
 tests/test_lessons.py executes every lessons/*.ipynb (committed without outputs) and keeps the
 executed copy in build/lessons/ (git-ignored) with where and when it ran stamped in its metadata;
 `make site` renders those copies, and executes a lesson itself only when its copy is missing or
-was made from other cell sources than the notebook's now (a digest of the sources says which)."""
+was made from other code than the notebook's now (a digest of the code cells says which). Prose is
+not executed: a copy whose code is current is shown with the notebook's markdown cells as they are
+now, so fixing a heading or a sentence costs no run."""
 import datetime
 import hashlib
 import json
@@ -17,11 +19,15 @@ EXECUTED = ROOT / "build" / "lessons"
 HANG_S = 600  # per cell: a cell still running after this is hung (launch jobs time out well before)
 
 
+def _source(cell) -> str:
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
 def digest(nb) -> str:
-    """sha256 of the cells' types and sources: what decides whether an executed copy is current."""
-    cells = [[c["cell_type"], "".join(c["source"]) if isinstance(c["source"], list) else c["source"]]
-             for c in nb["cells"]]
-    return hashlib.sha256(json.dumps(cells).encode()).hexdigest()
+    """sha256 of the code cells' sources, in order: what decides whether an executed copy is current
+    (markdown cells change no output; executed_copy takes them from the notebook)."""
+    code = [_source(c) for c in nb["cells"] if c["cell_type"] == "code"]
+    return hashlib.sha256(json.dumps(code).encode()).hexdigest()
 
 
 def machine() -> dict:
@@ -63,11 +69,16 @@ def execute(path: Path, out_dir: Path = EXECUTED):
 
 
 def executed_copy(path: Path, out_dir: Path = EXECUTED):
-    """The executed copy of `path` if there is one made from its current sources, else None."""
+    """The executed copy of `path` if there is one made from its current code, else None: the
+    notebook's cells now, each code cell replaced by its executed twin (outputs and all)."""
     import nbformat
     copy = out_dir / path.name
     if not copy.exists():
         return None
     nb = nbformat.read(copy, as_version=4)
-    current = digest(nbformat.read(path, as_version=4))
-    return nb if nb.metadata.get("minizero_run", {}).get("source_digest") == current else None
+    now = nbformat.read(path, as_version=4)
+    if nb.metadata.get("minizero_run", {}).get("source_digest") != digest(now):
+        return None
+    ran = iter([c for c in nb.cells if c.cell_type == "code"])
+    nb.cells = [next(ran) if c.cell_type == "code" else c for c in now.cells]
+    return nb
