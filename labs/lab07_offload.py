@@ -5,8 +5,8 @@
 """ZeRO-Offload: the fp32 master copy and the optimizer state on the host, the step on the CPU.
 
 Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training" (USENIX ATC):
-Sec. 3 derives the offload strategy, Sec. 4 its schedule, Sec. 5 the CPU step and the delayed update.
-Mixed-precision Adam holds 2Ψ (16-bit params) + 2Ψ (16-bit grads) + 12Ψ (fp32 master, m, v).
+Sec. 3 derives the offload strategy, Sec. 4 its schedule, Sec. 5 the CPU step and the delayed
+update. Mixed-precision Adam holds 2Ψ (16-bit params) + 2Ψ (16-bit grads) + 12Ψ (fp32 master, m, v).
 ZeRO-Offload (built on ZeRO-2) keeps only the 2Ψ of 16-bit parameters on the device: each bucket's
 16-bit gradients go to the host during backward, as soon as they are reduced, into an fp32 gradient
 partition there, and the 12Ψ that only the optimizer step touches live on the host, where the step
@@ -76,34 +76,38 @@ IMPLEMENTATION = ("params", "fused", "foreach", "capturable", "differentiable")
 
 
 def cpu_optimizer(optimizer_cls, params, **kwargs):
-    """torch's optimizer on host tensors, fused when the class supports it (unless told otherwise)."""
+    """torch's optimizer on host tensors, fused when the class supports it (unless told
+    otherwise)."""
     if "fused" in inspect.signature(optimizer_cls.__init__).parameters:
         kwargs.setdefault("fused", True)
     return optimizer_cls(params, **kwargs)
 
 
 class OffloadedOptimizer:
-    """What every tier off the device shares (HostOptimizer here, infinity.DiskOptimizer): the device
-    tensors it updates, the bytes it moves, the front param groups schedulers edit, the step count, the
-    delayed update in flight. A tier builds its masters and its torch optimizer, then calls _front()."""
+    """What every tier off the device shares (HostOptimizer here, infinity.DiskOptimizer): the
+    device tensors it updates, the bytes it moves, the front param groups schedulers edit, the step
+    count, the delayed update in flight. A tier builds its masters and its torch optimizer, then
+    calls _front()."""
 
     def __init__(self, device_params, traffic: Traffic | None = None, pin_memory: bool = False,
                  dpu_warmup_steps: int | None = None, after_params=None):
         self.device_params = list(device_params)  # the flat tensors forward reads, on the device
         self.traffic = traffic or Traffic()       # bytes copied between tiers (the PCIe traffic)
-        self.pin_memory = pin_memory              # page-locked host buffers (CUDA only; a no-op on CPU)
-        self.dpu_warmup_steps = dpu_warmup_steps  # None: no DPU; k: steps 0..k-1 plain, then delayed
-        self.after_params = after_params          # called after parameters reach the device (ZeRO-1/2 all-gather)
-        self._spare = None                        # DPU: the second gradient buffer (the other is being stepped)
+        self.pin_memory = pin_memory  # page-locked host buffers (CUDA only; a no-op on CPU)
+        # None: no DPU; k: steps 0..k-1 plain, then delayed
+        self.dpu_warmup_steps = dpu_warmup_steps
+        # called after parameters reach the device (ZeRO-1/2 all-gather)
+        self.after_params = after_params
+        self._spare = None  # DPU: the second gradient buffer (the other is being stepped)
         self.steps = 0                            # CPU steps started
         self._thread = None                       # DPU: the step in flight
         self._error = None                        # an exception raised inside it
 
     @torch.no_grad()
     def accumulate(self, i: int, grad: torch.Tensor, offset: int = 0):
-        """Add one device gradient into host buffer i at `offset` (ZeRO-3's hooks call this as each unit's
-        gradient is reduced, ZeRO-2 as each bucket's is: it moves during backward, in the device's width,
-        and micro-batches add up on the host in fp32)."""
+        """Add one device gradient into host buffer i at `offset` (ZeRO-3's hooks call this as each
+        unit's gradient is reduced, ZeRO-2 as each bucket's is: it moves during backward, in the
+        device's width, and micro-batches add up on the host in fp32)."""
         flat = grad.reshape(-1)
         self.grads[i][offset:offset + flat.numel()].add_(to_host(flat, torch.float32))
         self.traffic.to_host += grad.numel() * grad.element_size()
@@ -114,15 +118,21 @@ class OffloadedOptimizer:
         return self.dpu_warmup_steps is not None and self.steps >= self.dpu_warmup_steps
 
     def _front(self):
-        """What LR schedulers write; copied into self.optim when a step starts (no race with DPU's thread)."""
-        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optim.param_groups]
+        """What LR schedulers write; copied into self.optim when a step starts (no race with DPU's
+        thread)."""
+        self.param_groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optim.param_groups
+        ]
 
     def _copy_front(self):
-        for front, back in zip(self.param_groups, self.optim.param_groups):  # lr, weight_decay, ... (not the
-            back.update((k, v) for k, v in front.items() if k not in IMPLEMENTATION)  # tensors, nor the kernel
+        # lr, weight_decay, ... (not the
+        for front, back in zip(self.param_groups, self.optim.param_groups):
+            # tensors, nor the kernel
+            back.update((k, v) for k, v in front.items() if k not in IMPLEMENTATION)
 
     def finish(self):
-        """Wait for a delayed step in flight and copy its parameters to the device (a no-op otherwise)."""
+        """Wait for a delayed step in flight and copy its parameters to the device (a no-op
+        otherwise)."""
         if self._thread is None:
             return
         self._thread.join()
@@ -142,14 +152,14 @@ class OffloadedOptimizer:
 
 
 class HostGradShard:
-    """ZeRO-2's gradient shard when offloaded (Ren et al. 2021, Sec. 4.2): `shard[lo:hi].add_(part)` copies
-    the reduced bucket part down into the tier's fp32 host gradient at lo (counted in traffic.to_host) instead
-    of adding it into a device buffer, so no gradient outlives backward on the device: it holds the 16-bit
-    parameters and the bucket buffers only."""
+    """ZeRO-2's gradient shard when offloaded (Ren et al. 2021, Sec. 4.2): `shard[lo:hi].add_(part)`
+    copies the reduced bucket part down into the tier's fp32 host gradient at lo (counted in
+    traffic.to_host) instead of adding it into a device buffer, so no gradient outlives backward on
+    the device: it holds the 16-bit parameters and the bucket buffers only."""
 
     def __init__(self, tier: OffloadedOptimizer, dtype: torch.dtype, device, index: int = 0):
         self.tier = tier      # whose host gradient buffer receives the parts
-        self.dtype = dtype    # the device gradients' type (the buckets are allocated like the shard)
+        self.dtype = dtype  # the device gradients' type (the buckets are allocated like the shard)
         self.device = device  # ... and where they are
         self.index = index    # which of the tier's buffers (ZeRO-1/2: the one flat shard)
 
@@ -175,28 +185,34 @@ class _HostWindow:
 
 
 class HostOptimizer(OffloadedOptimizer):
-    """fp32 masters, gradients and optimizer state of `device_params` on the host; steps on the CPU."""
+    """fp32 masters, gradients and optimizer state of `device_params` on the host; steps on the
+    CPU."""
 
-    def __init__(self, device_params, optimizer_cls, traffic: Traffic | None = None, pin_memory: bool = False,
-                 dpu_warmup_steps: int | None = None, after_params=None, **optimizer_kwargs):
+    def __init__(self, device_params, optimizer_cls, traffic: Traffic | None = None,
+                 pin_memory: bool = False, dpu_warmup_steps: int | None = None, after_params=None,
+                 **optimizer_kwargs):
         super().__init__(device_params, traffic, pin_memory, dpu_warmup_steps, after_params)
-        # host fp32 master copies: the optimizer steps these (the initial copy is the model's values)
+        # host fp32 master copies: the optimizer steps
+        # these (the initial copy is the model's values)
         self.masters = [host_empty(p.numel(), pin=pin_memory) for p in self.device_params]
         with torch.no_grad():
             for m, p in zip(self.masters, self.device_params):
                 m.copy_(p.detach().reshape(-1))
-        self.grads = self._zeros()                # host fp32 gradients, filled by grads_to_host / accumulate
-        self.optimizer_cls = optimizer_cls        # regroup() rebuilds the CPU optimizer with the same class ...
+        self.grads = self._zeros()  # host fp32 gradients, filled by grads_to_host / accumulate
+        # regroup() rebuilds the CPU optimizer with the same class ...
+        self.optimizer_cls = optimizer_cls
         self.optimizer_kwargs = optimizer_kwargs  # ... and keywords
         self.optim = cpu_optimizer(optimizer_cls, self.masters, **optimizer_kwargs)
         self._front()
 
     def regroup(self, runs, hypers):
-        """Several param groups (nanoGPT's decay / no-decay): runs = [(master index, lo, hi, group)] tiling the
-        masters, hypers = each group's lr, weight_decay, ... The CPU optimizer then steps views of the masters,
-        a param group per user group (DeepSpeed's CPU Adam takes the groups the same way)."""
+        """Several param groups (nanoGPT's decay / no-decay): runs = [(master index, lo, hi, group)]
+        tiling the masters, hypers = each group's lr, weight_decay, ... The CPU optimizer then steps
+        views of the masters, a param group per user group (DeepSpeed's CPU Adam takes the groups
+        the same way)."""
         self.optim = RunGroups(self.masters, runs, hypers,
-                               lambda groups: cpu_optimizer(self.optimizer_cls, groups, **self.optimizer_kwargs))
+                               lambda groups: cpu_optimizer(self.optimizer_cls, groups,
+                                                            **self.optimizer_kwargs))
         self._front()
 
     def _zeros(self):
@@ -206,7 +222,8 @@ class HostOptimizer(OffloadedOptimizer):
     @torch.no_grad()
     @labelled("mz.offload.d2h")  # profiler ranges: comm/labels.py
     def grads_to_host(self, device_grads):
-        """Copy each reduced device gradient (any dtype) into its host fp32 buffer, counting the bytes."""
+        """Copy each reduced device gradient (any dtype) into its host fp32 buffer, counting the
+        bytes."""
         # TODO(lab 7): gradients down: device -> host.
         #   Invariant: afterwards self.grads[i] holds device gradient i exactly, in fp32, and
         #   self.grads are the SAME buffers every step (allocated once, counted by the ledger,
@@ -229,7 +246,8 @@ class HostOptimizer(OffloadedOptimizer):
     @torch.no_grad()
     @labelled("mz.offload.h2d")
     def params_to_device(self):
-        """Copy the updated masters into the device parameters (cast to their dtype), counting the bytes."""
+        """Copy the updated masters into the device parameters (cast to their dtype), counting the
+        bytes."""
         # TODO(lab 7): parameters up: host -> device.
         #   The device tensors are what forward reads, and the model's weights are views of
         #   their memory: the updated masters must land IN that memory, in the device dtype, not
@@ -280,7 +298,8 @@ class HostOptimizer(OffloadedOptimizer):
 
     @torch.no_grad()
     def sync_masters_from_device(self):
-        """After loading the device parameters from a checkpoint: the masters follow (exact in fp32)."""
+        """After loading the device parameters from a checkpoint: the masters follow (exact in
+        fp32)."""
         self.finish()
         for m, p in zip(self.masters, self.device_params):
             m.copy_(p.detach().reshape(-1))
@@ -314,15 +333,16 @@ class HostOptimizer(OffloadedOptimizer):
 
     def __repr__(self):
         numel = sum(m.numel() for m in self.masters)
-        return (f"HostOptimizer({type(self.optim).__name__}, {len(self.masters)} tensors, {numel} elements on the "
-                f"host, dpu_warmup_steps={self.dpu_warmup_steps})")
+        return (f"HostOptimizer({type(self.optim).__name__}, {len(self.masters)} tensors, {numel} "
+                f"elements on the host, dpu_warmup_steps={self.dpu_warmup_steps})")
 
 
 class RunGroups:
-    """The CPU optimizer of a tier whose masters hold several param groups: one torch optimizer over views of
-    the masters (a run each), a param group per user group. cpu_step sets each MASTER's .grad as with one
-    group; step() hands every view its slice of it. `state` is keyed by the masters, as the checkpoint code
-    and HostOptimizer.state expect: a master's state is its views' state, put end to end."""
+    """The CPU optimizer of a tier whose masters hold several param groups: one torch optimizer over
+    views of the masters (a run each), a param group per user group. cpu_step sets each MASTER's
+    .grad as with one group; step() hands every view its slice of it. `state` is keyed by the
+    masters, as the checkpoint code and HostOptimizer.state expect: a master's state is its views'
+    state, put end to end."""
 
     def __init__(self, masters, runs, hypers, make):
         self.masters = masters
@@ -331,7 +351,8 @@ class RunGroups:
                       for index, lo, hi, _ in sorted(runs, key=lambda run: (run[0], run[1]))]
         group_of = {id(view): group for (_, _, _, view), (_, _, _, group) in
                     zip(self.views, sorted(runs, key=lambda run: (run[0], run[1])))}
-        self.inner = make([{**hyper, "params": [view for *_, view in self.views if group_of[id(view)] == g]}
+        self.inner = make([{**hyper,
+                            "params": [view for *_, view in self.views if group_of[id(view)] == g]}
                            for g, hyper in enumerate(hypers)])
         self.param_groups = self.inner.param_groups
         self.state = _MasterState(self)
@@ -352,8 +373,9 @@ class RunGroups:
 
 
 class _MasterState:
-    """RunGroups' optimizer state by master: tensors shaped like the views are concatenated (split on write),
-    the rest (Adam's step count, the same for every view) is taken from the first view."""
+    """RunGroups' optimizer state by master: tensors shaped like the views are concatenated (split
+    on write), the rest (Adam's step count, the same for every view) is taken from the first
+    view."""
 
     def __init__(self, owner):
         self.owner = owner
@@ -365,8 +387,12 @@ class _MasterState:
         states = [self.owner.inner.state.get(view) for view in self._views(master)]
         if not states or any(not state for state in states):
             return default
-        return {k: torch.cat([state[k] for state in states]) if torch.is_tensor(v) and v.dim() > 0 else v
-                for k, v in states[0].items()}
+        return {
+            k: torch.cat([state[k] for state in states])
+            if torch.is_tensor(v) and v.dim() > 0
+            else v
+            for k, v in states[0].items()
+        }
 
     def pop(self, master, default=None):
         state = self.get(master, default)
@@ -377,8 +403,12 @@ class _MasterState:
     def __setitem__(self, master, state):
         for view in self._views(master):
             lo = view.storage_offset() - master.storage_offset()
-            self.owner.inner.state[view] = {k: v[lo:lo + view.numel()].clone() if torch.is_tensor(v) and v.dim() > 0
-                                            and v.numel() == master.numel() else v for k, v in state.items()}
+            self.owner.inner.state[view] = {
+                k: v[lo : lo + view.numel()].clone()
+                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == master.numel()
+                else v
+                for k, v in state.items()
+            }
 
     def __getitem__(self, master):
         state = self.get(master)

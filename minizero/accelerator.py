@@ -1,14 +1,16 @@
-"""DeepSpeed's `deepspeed.accelerator.get_accelerator()`: the device a rank computes on, CUDA or CPU.
+"""DeepSpeed's `deepspeed.accelerator.get_accelerator()`: the device a rank computes on, CUDA or
+CPU.
 
-    from minizero.accelerator import get_accelerator       # DeepSpeed: from deepspeed.accelerator import ...
+    # DeepSpeed: from deepspeed.accelerator import ...
+    from minizero.accelerator import get_accelerator
     x = x.to(get_accelerator().current_device_name())      # "cuda:1" on a GPU rank, "cpu" on CPU
 
-The device is the one minizero's communicator picks (comm.select_backend_and_device): CUDA when present,
-one GPU per local rank, else the CPU. The method names and results are DeepSpeed's CUDA_Accelerator's and
-CPU_Accelerator's (deepspeed/accelerator/cuda_accelerator.py, cpu_accelerator.py): on the CPU,
-current_device() is the local rank and the memory queries read this process's resident memory (Linux's
-/proc and getrusage), as DeepSpeed's CPU accelerator reads it through psutil. Streams, events and graphs
-are not covered.
+The device is the one minizero's communicator picks (comm.select_backend_and_device): CUDA when
+present, one GPU per local rank, else the CPU. The method names and results are DeepSpeed's
+CUDA_Accelerator's and CPU_Accelerator's (deepspeed/accelerator/cuda_accelerator.py,
+cpu_accelerator.py): on the CPU, current_device() is the local rank and the memory queries read this
+process's resident memory (Linux's /proc and getrusage), as DeepSpeed's CPU accelerator reads it
+through psutil. Streams, events and graphs are not covered.
 """
 from __future__ import annotations
 
@@ -82,7 +84,11 @@ class Accelerator:
         return torch.initial_seed() if self._name == "cpu" else torch.cuda.initial_seed()
 
     def get_rng_state(self, device_index=None):
-        return torch.get_rng_state() if self._name == "cpu" else torch.cuda.get_rng_state(device_index or "cuda")
+        return (
+            torch.get_rng_state()
+            if self._name == "cpu"
+            else torch.cuda.get_rng_state(device_index or "cuda")
+        )
 
     def set_rng_state(self, new_state, device_index=None):
         if self._name == "cpu":
@@ -107,7 +113,11 @@ class Accelerator:
         return torch.cuda.memory_allocated(device_index) if self._name == "cuda" else self._rss()
 
     def max_memory_allocated(self, device_index=None) -> int:
-        return torch.cuda.max_memory_allocated(device_index) if self._name == "cuda" else self._peak_rss()
+        return (
+            torch.cuda.max_memory_allocated(device_index)
+            if self._name == "cuda"
+            else self._peak_rss()
+        )
 
     def reset_peak_memory_stats(self, device_index=None):
         if self._name == "cuda":
@@ -148,7 +158,8 @@ _ACCELERATOR = None
 
 
 def get_accelerator() -> Accelerator:
-    """The process's accelerator: CUDA when torch sees a GPU (minizero's communicator uses it), else the CPU."""
+    """The process's accelerator: CUDA when torch sees a GPU (minizero's communicator uses it), else
+    the CPU."""
     global _ACCELERATOR
     if _ACCELERATOR is None:
         _ACCELERATOR = Accelerator("cuda" if torch.cuda.is_available() else "cpu")

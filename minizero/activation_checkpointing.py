@@ -7,7 +7,7 @@ backward runs the block's forward again to get the rest back. Price: one more fo
 about a third more compute for a step whose backward costs twice its forward (the usual estimate
 of about 33%; `python -m minizero_course bench --checkpointing` measures it).
 
-    checkpoint_blocks(model)                 # every element of every nn.ModuleList (TinyGPT: h.0, h.1, ...)
+    checkpoint_blocks(model)  # every element of every nn.ModuleList (TinyGPT: h.0, h.1, ...)
     checkpoint_blocks(model, ["h.0"])        # or the blocks you name
     checkpoint_blocks(model, granularity="selective")  # only each block's core attention
     uncheckpoint_blocks(model)               # back to plain forwards
@@ -17,9 +17,10 @@ selective`, whose `--recompute-modules` default is `core_attn`): keep everything
 produce, and recompute only the core attention, softmax(q·kᵀ/√d)·v, in backward. That part is
 Korthikanti's 5·a·s/h term (the a·s² scores, softmax output and dropout), the larger the longer the
 sequence, while its recompute costs only the two attention matmuls (no weights to multiply). A block
-has a core attention when a submodule has a `core_attention(q, k, v)` method (models.CausalSelfAttention);
-that bound method is replaced on the instance, as `forward` is for full checkpointing. Under context
-parallelism TinyGPT's attention runs ring or Ulysses attention instead, which selective leaves alone.
+has a core attention when a submodule has a `core_attention(q, k, v)` method
+(models.CausalSelfAttention); that bound method is replaced on the instance, as `forward` is for
+full checkpointing. Under context parallelism TinyGPT's attention runs ring or Ulysses attention
+instead, which selective leaves alone.
 
 The recompute is torch's own (torch.utils.checkpoint, use_reentrant=False: a well-kept library,
 and the non-reentrant form works with inputs that need no grad, kwargs and nested autograd). What
@@ -53,13 +54,14 @@ class CheckpointedForward:
         self.original = module.forward      # its own bound forward, put back by uncheckpoint_blocks
         self.recomputing = False            # True while backward re-runs this block
         self.recomputes = 0                 # how many times backward re-ran it (a test reads it)
-        self.recompute_s = 0.0              # seconds spent re-running it (lesson 11 times the recompute)
+        self.recompute_s = 0.0  # seconds spent re-running it (lesson 11 times the recompute)
         self.recompute_cpu_s = 0.0          # this thread's CPU seconds in it (lesson 11)
 
     def __call__(self, *args, **kwargs):
         if self.recomputing:
             return self.original(*args, **kwargs)
-        return checkpoint(self._region, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
+        return checkpoint(self._region, *args, use_reentrant=False, context_fn=self._contexts,
+                          **kwargs)
 
     def _region(self, *args, **kwargs):
         if self.recomputing:  # through the module call: a ZeRO-3 unit's pre-hook gathers it again
@@ -68,8 +70,9 @@ class CheckpointedForward:
         return self.original(*args, **kwargs)
 
     def _contexts(self):
-        # torch enters the second one for every recompute: a split backward (the pipeline's B, then W)
-        # recomputes the same region twice, so it must be re-enterable (a @contextmanager is single-use)
+        # torch enters the second one for every recompute: a split backward (the pipeline's B, then
+        # W) recomputes the same region twice, so it must
+        # be re-enterable (a @contextmanager is single-use)
         return nullcontext(), _Recomputing(self)
 
 
@@ -87,7 +90,8 @@ class _Recomputing:
     def __exit__(self, *exc):
         # also reached when torch stops the recompute early, once it has every tensor backward needs
         self.forward.recompute_s += time.perf_counter() - self._t0
-        # this thread's CPU seconds: what the recompute computed, without the waits for a core a loaded machine adds
+        # this thread's CPU seconds: what the recompute computed, without the waits for a core a
+        # loaded machine adds
         self.forward.recompute_cpu_s += time.thread_time() - self._cpu0
         self.forward.recomputing = False
 
@@ -101,11 +105,14 @@ def repeated_blocks(model: torch.nn.Module) -> list[str]:
 GRANULARITIES = ("full", "selective")
 
 
-def checkpoint_blocks(model: torch.nn.Module, blocks: list[str] | None = None, granularity: str = "full") -> list[str]:
+def checkpoint_blocks(
+    model: torch.nn.Module, blocks: list[str] | None = None, granularity: str = "full"
+) -> list[str]:
     """Checkpoint each named block of `model` (default: repeated_blocks(model)); returns the names.
     granularity "full": the whole block, only its input kept; "selective": only the core attention
     inside it (every submodule's `core_attention`). A model without repeated blocks, a name it does
-    not have, another granularity, or "selective" on a block without a core attention is a ValueError."""
+    not have, another granularity, or "selective" on a block without a core attention is a
+    ValueError."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
     names = repeated_blocks(model) if blocks is None else list(blocks)
@@ -117,13 +124,19 @@ def checkpoint_blocks(model: torch.nn.Module, blocks: list[str] | None = None, g
         try:
             modules.append(model.get_submodule(name))
         except AttributeError:
-            raise ValueError(f"{type(model).__name__} has no submodule {name!r} to checkpoint") from None
+            raise ValueError(
+                f"{type(model).__name__} has no submodule {name!r} to checkpoint"
+            ) from None
     if granularity == "selective":
-        cores = [[m for m in module.modules() if callable(getattr(m, "core_attention", None))] for module in modules]
+        cores = [
+            [m for m in module.modules() if callable(getattr(m, "core_attention", None))]
+            for module in modules
+        ]
         if not all(cores):
             missing = [n for n, c in zip(names, cores) if not c]
             raise ValueError(f"{type(model).__name__}: blocks {missing} have no submodule with a "
-                             "core_attention(q, k, v) to recompute selectively; use granularity 'full'")
+                             "core_attention(q, k, v) to recompute selectively; use granularity "
+                             "'full'")
         for attention in (m for found in cores for m in found):
             if not isinstance(attention.__dict__.get("core_attention"), SelectiveCore):
                 attention.core_attention = SelectiveCore(attention.core_attention)
@@ -136,8 +149,8 @@ def checkpoint_blocks(model: torch.nn.Module, blocks: list[str] | None = None, g
 
 class SelectiveCore:
     """Replaces an attention module's `core_attention`: it runs under torch.utils.checkpoint, so
-    autograd keeps only q, k and v (the fused linear's output, kept anyway for c_attn's backward) and
-    recomputes the scores, the mask and the softmax when backward reaches them."""
+    autograd keeps only q, k and v (the fused linear's output, kept anyway for c_attn's backward)
+    and recomputes the scores, the mask and the softmax when backward reaches them."""
 
     def __init__(self, original):
         self.original = original            # the module's own bound core_attention
@@ -159,7 +172,8 @@ class SelectiveCore:
 
 
 def uncheckpoint_blocks(model: torch.nn.Module) -> None:
-    """Undo checkpoint_blocks (either granularity): every block gets its own forward and core attention back."""
+    """Undo checkpoint_blocks (either granularity): every block gets its own forward and core
+    attention back."""
     for module in model.modules():
         if isinstance(module.__dict__.get("forward"), CheckpointedForward):
             del module.forward
@@ -168,8 +182,8 @@ def uncheckpoint_blocks(model: torch.nn.Module) -> None:
 
 
 def checkpointed(model: torch.nn.Module) -> dict:
-    """name -> CheckpointedForward for every checkpointed block of `model`, and name -> SelectiveCore for
-    every attention module whose core attention is recomputed selectively."""
+    """name -> CheckpointedForward for every checkpointed block of `model`, and name ->
+    SelectiveCore for every attention module whose core attention is recomputed selectively."""
     return {name: module.__dict__.get("forward", module.__dict__.get("core_attention"))
             for name, module in model.named_modules()
             if isinstance(module.__dict__.get("forward"), CheckpointedForward)

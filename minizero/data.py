@@ -50,7 +50,8 @@ class SyntheticTokens:
             k = min(int(rng.integers(2, 4)), V)  # 2 or 3 successors (fewer if V is tiny)
             others = [int(j) for j in rng.permutation(V) if j != cycle_next[i]]
             succ = [int(cycle_next[i])] + others[: k - 1]
-            w = torch.from_numpy(rng.random(k)) + 0.5  # weights in [0.5, 1.5): no near-zero successor
+            # weights in [0.5, 1.5): no near-zero successor
+            w = torch.from_numpy(rng.random(k)) + 0.5
             P[i, succ] = w / w.sum()
         self.P = P  # P[i, j] = probability that token j follows token i
         # Stationary distribution pi = pi P, by power iteration on the lazy chain
@@ -121,6 +122,8 @@ def regression_batch(step: int, batch_size: int, in_dim: int, out_dim: int, seed
     """(x, y) float32 for models.MLP: y = tanh(x W) with a fixed random W of this seed.
 
     Learnable but not linear, so the hidden layers have work to do."""
-    W = torch.from_numpy(_rng(seed, _REG_MAP).standard_normal((in_dim, out_dim))).float() / math.sqrt(in_dim)
+    W = torch.from_numpy(
+        _rng(seed, _REG_MAP).standard_normal((in_dim, out_dim))
+    ).float() / math.sqrt(in_dim)
     x = torch.from_numpy(_rng(seed, _REG_X, step).standard_normal((batch_size, in_dim))).float()
     return x, torch.tanh(2.0 * x @ W)

@@ -1,13 +1,14 @@
 """minizero's environment variables, read and checked in this one place.
 
-Every MINIZERO_* variable a user may set is listed in VARIABLES with what it allows. `get(name)` returns
-its value (the default when unset) or raises EnvError naming the variable, the value and what is allowed;
-`check()` does that for every variable that is set. The commands (train, bench, grade, demo) and comm.init
-call `check_or_exit` before anything starts, so a typo is one line and exit code 2, said by launched rank 0
-only, instead of a traceback from every rank at its first use.
+Every MINIZERO_* variable a user may set is listed in VARIABLES with what it allows. `get(name)`
+returns its value (the default when unset) or raises EnvError naming the variable, the value and
+what is allowed; `check()` does that for every variable that is set. The commands (train, bench,
+grade, demo) and comm.init call `check_or_exit` before anything starts, so a typo is one line and
+exit code 2, said by launched rank 0 only, instead of a traceback from every rank at its first use.
 
-The variables launch.run sets for its own jobs (MINIZERO_JOB_ID, MINIZERO_SCALE_PROBE) are markers, not
-settings, and the test suite's (MINIZERO_SITE, MINIZERO_MUTANT_TABLE) are read by the tests: neither is here.
+The variables launch.run sets for its own jobs (MINIZERO_JOB_ID, MINIZERO_SCALE_PROBE) are markers,
+not settings, and the test suite's (MINIZERO_SITE, MINIZERO_MUTANT_TABLE) are read by the tests:
+neither is here.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from typing import Any, Callable
 
 
 class EnvError(ValueError):
-    """A MINIZERO_* variable holds a value minizero cannot use; the message names it and what is allowed."""
+    """A MINIZERO_* variable holds a value minizero cannot use; the message names it and what is
+    allowed."""
 
 
 @dataclass(frozen=True)
@@ -87,38 +89,46 @@ def _directory(text: str) -> str:
 
 VARIABLES: dict[str, Variable] = {
     "MINIZERO_BACKEND": Variable(
-        _choice("mpi", "torch"), None, "mpi or torch (torch picks NCCL on CUDA and gloo on CPU by itself)",
+        _choice("mpi", "torch"), None,
+        "mpi or torch (torch picks NCCL on CUDA and gloo on CPU by itself)",
         "the communicator's library; unset: mpi on CPU under mpirun, torch otherwise"),
     "MINIZERO_DEBUG": Variable(
         _flag, False, "0 or 1",
-        "1: every collective first compares its shapes and dtypes across ranks (one small all-gather each)"),
+        "1: every collective first compares its shapes and dtypes across ranks (one small "
+        "all-gather each)"),
     "MINIZERO_WATCHDOG_S": Variable(
         _seconds(zero_ok=True), 300.0, "seconds, a number >= 0 (0 turns the watchdog off)",
-        "a rank blocked this long in one collective ends the job, naming every rank's place (default 300)"),
+        "a rank blocked this long in one collective ends the job, naming every rank's place "
+        "(default 300)"),
     "MINIZERO_INIT_TIMEOUT_S": Variable(
         _seconds(zero_ok=False), 60.0, "seconds, a number > 0",
-        "how long the torch.distributed rendezvous waits for every rank, and `minizero torchrun`'s for every agent "
-        "(default 60)"),
+        "how long the torch.distributed rendezvous waits for every rank, and `minizero torchrun`'s "
+        "for every agent (default 60)"),
     "MINIZERO_HEARTBEAT_DIR": Variable(
         _directory, None, "an existing directory this process can write to",
-        "where the ranks' heartbeat files go (launch.run sets it; across machines: a shared directory)"),
+        "where the ranks' heartbeat files go (launch.run sets it; across machines: a shared "
+        "directory)"),
     "MINIZERO_MAX_RANKS": Variable(
         _positive_int, 8, "a whole number >= 1",
-        "the most ranks launch.run starts on this machine (default 8: 2 cores oversubscribed further are flaky)"),
+        "the most ranks launch.run starts on this machine (default 8: 2 cores oversubscribed "
+        "further are flaky)"),
     "MINIZERO_MPI_STAGE": Variable(
         _flag, False, "0 or 1",
-        "1: the mpi backend stages CPU tensors through a host copy too, as it always does CUDA ones (several ranks "
-        "on one GPU); make test-gpu's --quick run takes that path on CPU"),
+        "1: the mpi backend stages CPU tensors through a host copy too, as it always does CUDA "
+        "ones (several ranks on one GPU); make test-gpu's --quick run takes that path on CPU"),
     "MINIZERO_STRICT_HOST": Variable(
         _flag, False, "0 or 1",
-        "1: the offload tiers mark their host tensors and every collective refuses one, as NCCL refuses a CPU "
-        "tensor (minizero/host.py): the test suite's way to find that bug on a machine without a GPU"),
+        "1: the offload tiers mark their host tensors and every collective refuses one, as NCCL "
+        "refuses a CPU tensor (minizero/host.py): the test suite's way to find that bug on a "
+        "machine without a GPU"),
     "MINIZERO_GRADESCOPE_ROOT": Variable(
         _directory, "/autograder", "an existing directory this process can write to",
-        "the Gradescope autograder's folder (source/, submission/, results/); tests simulate it in a temporary one"),
+        "the Gradescope autograder's folder (source/, submission/, results/); tests simulate it in "
+        "a temporary one"),
     "MINIZERO_GRADESCOPE_LIMIT_S": Variable(
         _seconds(zero_ok=False), 540.0, "seconds, a number > 0",
-        "the Gradescope autograder stops grading after this long and writes results.json (default 540)"),
+        "the Gradescope autograder stops grading after this long and writes results.json (default "
+        "540)"),
     "MINIZERO_TIMEOUT_SCALE": Variable(
         _scale, 1.0, "a number >= 1, or load",
         "every launch.run job's timeout (lessons, lab checks) is multiplied by it; load: by the "
@@ -126,7 +136,8 @@ VARIABLES: dict[str, Variable] = {
         "sets load)"),
     "MINIZERO_MULTINODE": Variable(
         _flag, False, "0 or 1",
-        "1: under mpirun, rank 0 announces its hostname's address for torch.distributed, not 127.0.0.1"),
+        "1: under mpirun, rank 0 announces its hostname's address for torch.distributed, not "
+        "127.0.0.1"),
 }
 
 
@@ -152,8 +163,9 @@ def _stage(text: str) -> int:
 
 
 def _fsdp_strategy(text: str) -> str:
-    """FSDP_SHARDING_STRATEGY: a name, or Accelerate's older numbers 1..3 in torch's ShardingStrategy order
-    (HYBRID_SHARD, 4, is not covered: minizero's hybrid sharding is the engine's zero_hpz_partition_size)."""
+    """FSDP_SHARDING_STRATEGY: a name, or Accelerate's older numbers 1..3 in torch's
+    ShardingStrategy order (HYBRID_SHARD, 4, is not covered: minizero's hybrid sharding is the
+    engine's zero_hpz_partition_size)."""
     names = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
     if text.isdigit() and 1 <= int(text) <= len(names):
         return names[int(text) - 1]
@@ -162,43 +174,56 @@ def _fsdp_strategy(text: str) -> str:
     return text.upper()
 
 
-# What `accelerate launch` sets for its ranks (accelerate/utils/launch.py) and minizero.accelerate reads: the
-# Accelerator is configured by them, as Accelerate's is. Their names are Accelerate's, not minizero's.
+# What `accelerate launch` sets for its ranks (accelerate/utils/launch.py) and minizero.accelerate
+# reads: the Accelerator is configured by them, as Accelerate's
+# is. Their names are Accelerate's, not minizero's.
 ACCELERATE_VARIABLES: dict[str, Variable] = {
     "ACCELERATE_CONFIG_FILE": Variable(str, None, "a path to an Accelerate config YAML",
-                                       "the config minizero.accelerate reads when no launcher set ACCELERATE_*"),
-    "ACCELERATE_USE_CPU": Variable(_bool_word, False, "true or false", "train on the CPU even with a GPU"),
-    "ACCELERATE_USE_DEEPSPEED": Variable(_bool_word, False, "true or false", "distributed_type DEEPSPEED"),
+                                       "the config minizero.accelerate reads when no launcher set "
+                                       "ACCELERATE_*"),
+    "ACCELERATE_USE_CPU": Variable(_bool_word, False, "true or false",
+                                   "train on the CPU even with a GPU"),
+    "ACCELERATE_USE_DEEPSPEED": Variable(_bool_word, False, "true or false",
+                                         "distributed_type DEEPSPEED"),
     "ACCELERATE_USE_FSDP": Variable(_bool_word, False, "true or false", "distributed_type FSDP"),
     "ACCELERATE_MIXED_PRECISION": Variable(_choice("no", "fp16", "bf16"), "no", "no, fp16 or bf16",
                                            "mixed_precision (fp8 is not covered by minizero)"),
     "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": Variable(_positive_int, None, "a whole number >= 1",
                                                        "gradient_accumulation_steps"),
     "ACCELERATE_GRADIENT_CLIPPING": Variable(_clip_value, "auto", "auto or a number >= 0",
-                                             "DeepSpeed's gradient_clipping (auto: 1.0, as Accelerate fills it)"),
-    "ACCELERATE_DEEPSPEED_ZERO_STAGE": Variable(_stage, 2, "0, 1, 2 or 3", "DeepSpeed's zero_optimization.stage"),
-    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": Variable(_choice("none", "cpu", "nvme"), "none",
-                                                              "none, cpu or nvme", "offload_optimizer.device"),
+                                             "DeepSpeed's gradient_clipping (auto: 1.0, as "
+                                             "Accelerate fills it)"),
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": Variable(_stage, 2, "0, 1, 2 or 3",
+                                                "DeepSpeed's zero_optimization.stage"),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": Variable(_choice("none", "cpu", "nvme"),
+                                                              "none", "none, cpu or nvme",
+                                                              "offload_optimizer.device"),
     "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": Variable(_choice("none", "cpu", "nvme"), "none",
-                                                          "none, cpu or nvme", "offload_param.device"),
+                                                          "none, cpu or nvme",
+                                                          "offload_param.device"),
     "ACCELERATE_DEEPSPEED_ZERO3_INIT": Variable(_bool_word, None, "true or false",
                                                 "build the model under zero.Init (stage 3)"),
     "ACCELERATE_DEEPSPEED_CONFIG_FILE": Variable(str, None, "a path to a DeepSpeed JSON config",
-                                                 "deepspeed_config_file: its \"auto\" values are filled"),
+                                                 "deepspeed_config_file: its \"auto\" values are "
+                                                 "filled"),
     "FSDP_SHARDING_STRATEGY": Variable(_fsdp_strategy, "FULL_SHARD",
-                                       "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or 1..3 (HYBRID_SHARD is not covered)",
+                                       "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or 1..3 (HYBRID_SHARD "
+                                       "is not covered)",
                                        "FSDP's sharding: ZeRO-3, ZeRO-2 or DDP here"),
-    "FSDP_OFFLOAD_PARAMS": Variable(_bool_word, False, "true or false", "FSDP's CPU offload of parameters"),
+    "FSDP_OFFLOAD_PARAMS": Variable(_bool_word, False, "true or false",
+                                    "FSDP's CPU offload of parameters"),
 }
 
 
 def accelerate_get(name: str, environ=None):
-    """An Accelerate variable's value (its default when unset); EnvError naming it and what is allowed."""
+    """An Accelerate variable's value (its default when unset); EnvError naming it and what is
+    allowed."""
     return _read(ACCELERATE_VARIABLES, name, environ, "")
 
 def get(name: str, environ=None):
-    """The variable's value (its default when unset); EnvError when it is set to something not allowed.
-    environ: the environment to read (default os.environ; launch.run checks its ranks' before starting them)."""
+    """The variable's value (its default when unset); EnvError when it is set to something not
+    allowed. environ: the environment to read (default os.environ; launch.run checks its ranks'
+    before starting them)."""
     return _read(VARIABLES, name, environ, " (or unset it)")
 
 
@@ -210,12 +235,13 @@ def _read(table: dict, name: str, environ, unset: str):
     try:
         return var.parse(text)
     except ValueError:
-        raise EnvError(f"environment variable {name}={text!r} is not allowed: use {var.allowed}{unset}. "
-                       f"{name}: {var.means}") from None
+        raise EnvError(f"environment variable {name}={text!r} is not allowed: use "
+                       f"{var.allowed}{unset}. {name}: {var.means}") from None
 
 
 def is_set(name: str) -> bool:
-    """Whether the variable is in the environment at all (MINIZERO_HEARTBEAT_DIR set: launch.run's job)."""
+    """Whether the variable is in the environment at all (MINIZERO_HEARTBEAT_DIR set: launch.run's
+    job)."""
     assert name in VARIABLES, name
     return name in os.environ
 
@@ -237,8 +263,8 @@ def launched_rank() -> int:
 
 
 def check_or_exit(prog: str = "minizero"):
-    """check(), and on a bad variable: launched rank 0 prints the one line, every rank exits with code 2
-    (before any rank has met another: nothing to end, nothing written)."""
+    """check(), and on a bad variable: launched rank 0 prints the one line, every rank exits with
+    code 2 (before any rank has met another: nothing to end, nothing written)."""
     try:
         check()
     except EnvError as e:

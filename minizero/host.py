@@ -1,18 +1,20 @@
-"""Host memory: the tensors an offload tier keeps off the device, and a strict mode that tells them apart.
+"""Host memory: the tensors an offload tier keeps off the device, and a strict mode that tells them
+apart.
 
-On a GPU, ZeRO-Offload's masters, gradients and optimizer state are CPU tensors while the model and the
-communicator are on CUDA: a host tensor handed to an NCCL collective fails (`all_reduce: tensor on cpu,
-communicator world is on cuda:0`). On a CPU-only machine host and device are the same RAM and the same
-`torch.device("cpu")`, so nothing there would catch that bug. MINIZERO_STRICT_HOST=1 (the test suite's
-strict mode) makes every host tensor the tiers allocate a `HostTensor`: a plain subclass, which torch
-hands on to every tensor computed from it, so anything derived from host data stays marked until it is
-moved with `.to(device)`. The communicator refuses a marked tensor as NCCL refuses a CPU one
-(comm/communicator.py `_enter`). Unmarked, i.e. without the variable, nothing changes: plain tensors.
+On a GPU, ZeRO-Offload's masters, gradients and optimizer state are CPU tensors while the model and
+the communicator are on CUDA: a host tensor handed to an NCCL collective fails
+(`all_reduce: tensor on cpu, communicator world is on cuda:0`). On a CPU-only machine host and
+device are the same RAM and the same `torch.device("cpu")`, so nothing there would catch that bug.
+MINIZERO_STRICT_HOST=1 (the test suite's strict mode) makes every host tensor the tiers allocate a
+`HostTensor`: a plain subclass, which torch hands on to every tensor computed from it, so anything
+derived from host data stays marked until it is moved with `.to(device)`. The communicator refuses a
+marked tensor as NCCL refuses a CPU one (comm/communicator.py `_enter`). Unmarked, i.e. without the
+variable, nothing changes: plain tensors.
 
 The marks follow data, not devices: a device tensor into which host data was copied in place
-(`p.copy_(master)`) stays the device's, as on a GPU, and `.to("cpu")` of a host tensor counts as a move
-(on CPU no test can tell it from `.to(device)`): the mode finds host data reaching a collective, never the
-reverse.
+(`p.copy_(master)`) stays the device's, as on a GPU, and `.to("cpu")` of a host tensor counts as a
+move (on CPU no test can tell it from `.to(device)`): the mode finds host data reaching a
+collective, never the reverse.
 """
 from __future__ import annotations
 
@@ -22,20 +24,25 @@ from torch.overrides import TorchFunctionMode
 from minizero import env as mz_env
 
 
-HOST = torch.device("cpu", 0)  # strict mode's name for the host: what a marked tensor's .device says
+# strict mode's name for the host: what a marked tensor's .device says
+HOST = torch.device("cpu", 0)
 
 
 class HostTensor(torch.Tensor):
-    """A host tensor under MINIZERO_STRICT_HOST=1. Whatever is computed from one is one too; its .device is
-    HOST, so a tensor made `device=t.device` is one too (_Factories); `.to(device)` and `.cuda()` give a plain
-    tensor (the device's); saved as a plain tensor, so a checkpoint loads anywhere."""
+    """A host tensor under MINIZERO_STRICT_HOST=1. Whatever is computed from one is one too; its
+    .device is HOST, so a tensor made `device=t.device` is one too (_Factories); `.to(device)` and
+    `.cuda()` give a plain tensor (the device's); saved as a plain tensor, so a checkpoint loads
+    anywhere."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func == torch.Tensor.device.__get__:
             return HOST
-        if func in (torch.Tensor.to, torch.Tensor.cuda) and _target(func, args[1:], kwargs) not in (None, HOST):
+        if func in (torch.Tensor.to, torch.Tensor.cuda) and _target(func, args[1:], kwargs) not in (
+            None,
+            HOST,
+        ):
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
             return out.as_subclass(torch.Tensor) if isinstance(out, HostTensor) else out
@@ -54,9 +61,9 @@ _TRANSFERS = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.cuda, torch.Tens
 
 
 def host_side(func, args, kwargs) -> bool:
-    """Whether an op's result is host data; raises as torch does on a GPU for an op given host and device
-    tensors (a 0-dim host tensor is a scalar there, allowed with device tensors, and the result is the
-    device's). A copy crosses the bus and its result is its destination's."""
+    """Whether an op's result is host data; raises as torch does on a GPU for an op given host and
+    device tensors (a 0-dim host tensor is a scalar there, allowed with device tensors, and the
+    result is the device's). A copy crosses the bus and its result is its destination's."""
     if func in _TRANSFERS:
         return isinstance(args[0], HostTensor)
     tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if torch.is_tensor(a)]
@@ -64,13 +71,14 @@ def host_side(func, args, kwargs) -> bool:
     device = [t for t in tensors if not isinstance(t, HostTensor) and t.device.type != "meta"]
     if host and device and (any(t.dim() for t in host) or not any(t.dim() for t in device)):
         name = getattr(func, "__name__", str(func))
-        raise RuntimeError(f"{name}: expected all tensors to be on the same device, but found host and device "
-                           "tensors (MINIZERO_STRICT_HOST=1: on a GPU, cpu and cuda:0)")
+        raise RuntimeError(f"{name}: expected all tensors to be on the same device, but found host "
+                           "and device tensors (MINIZERO_STRICT_HOST=1: on a GPU, cpu and cuda:0)")
     return not device
 
 
 def _target(func, args, kwargs):
-    """The device a call names (a .to()/.cuda() target or a factory's device=), HOST for the host; None: none."""
+    """The device a call names (a .to()/.cuda() target or a factory's device=), HOST for the host;
+    None: none."""
     if func is torch.Tensor.cuda:
         return torch.device("cuda")
     named = [kwargs["device"]] if kwargs.get("device") is not None else []
@@ -84,8 +92,8 @@ def _target(func, args, kwargs):
 
 
 class _Factories(TorchFunctionMode):
-    """Strict mode: a tensor made on HOST (`torch.zeros(1, device=host_tensor.device)`, `x.to(host.device)`)
-    is a HostTensor, as on a GPU it would be a CPU tensor."""
+    """Strict mode: a tensor made on HOST (`torch.zeros(1, device=host_tensor.device)`,
+    `x.to(host.device)`) is a HostTensor, as on a GPU it would be a CPU tensor."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -130,5 +138,6 @@ def zeros(numel: int, dtype=torch.float32) -> torch.Tensor:
 
 def to_host(t: torch.Tensor, dtype=None) -> torch.Tensor:
     """`t` copied to the host (a no-op copy on CPU), marked in strict mode. The explicit form of
-    `.to(host_tensor.device)`, which strict mode cannot see inside autograd's hooks (no mode runs there)."""
+    `.to(host_tensor.device)`, which strict mode cannot see inside autograd's hooks (no mode runs
+    there)."""
     return mark(t.to("cpu", dtype or t.dtype))

@@ -46,7 +46,8 @@ class RankError(LaunchError):
 
     def __init__(self, rank, tb, output=""):
         last = tb.strip().splitlines()[-1] if tb.strip() else "?"
-        super().__init__(f"rank {rank} failed: {last}\n\n--- traceback of rank {rank} ---\n{tb}", output)
+        super().__init__(f"rank {rank} failed: {last}\n\n--- traceback of rank {rank} ---\n{tb}",
+                         output)
         self.rank, self.rank_traceback, self.last_line = rank, tb, last
 
 
@@ -64,8 +65,9 @@ def find_mpirun() -> str:
     for cand in (shutil.which("mpirun"), os.path.join(os.path.dirname(sys.executable), "mpirun")):
         if cand and os.access(cand, os.X_OK):
             return cand
-    raise LaunchError("mpirun not found. Run `make setup` (it installs the `mpich` wheel, which puts "
-                      "mpirun in .venv/bin/), or `pip install mpi4py mpich`, then use .venv/bin/python.")
+    raise LaunchError("mpirun not found. Run `make setup` (it installs the `mpich` wheel, which "
+                      "puts mpirun in .venv/bin/), or `pip install mpi4py mpich`, then use "
+                      ".venv/bin/python.")
 
 
 def free_port(host: str = "") -> int:
@@ -98,23 +100,27 @@ def run(target: str, nprocs: int = 2, args: dict | None = None, timeout: float =
     """Run `target` ("pkg.module:function" or "path/to/file.py:function") on `nprocs` ranks.
 
     The function is called as fn(comm, **args) on every rank. Returns the per-rank results.
-    `stream=True` echoes the ranks' output live to stdout (progress bars), `stream=sys.stderr` to that file
-    (a report on stdout stays clean); it is captured either way."""
+    `stream=True` echoes the ranks' output live to stdout (progress bars), `stream=sys.stderr` to
+    that file (a report on stdout stays clean); it is captured either way."""
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
     if nprocs > max_ranks():
         raise LaunchError(f"asked for {nprocs} ranks but this machine allows at most {max_ranks()} "
                           f"(set MINIZERO_MAX_RANKS to raise the cap if you have the cores)")
     if ":" not in target:
-        raise ValueError(f"target {target!r} must look like 'module:function' or 'file.py:function'")
+        raise ValueError(
+            f"target {target!r} must look like 'module:function' or 'file.py:function'"
+        )
     timeout *= timeout_scale()
     path, _, _ = target.rpartition(":")
     if path.endswith(".py"):
         if not os.path.exists(path):
             raise FileNotFoundError(f"target file {path} does not exist")
         target = os.path.abspath(path) + ":" + target.rpartition(":")[2]
-    from minizero import env as mz_env  # the ranks' MINIZERO_* variables, checked once here, not by every rank
-    mz_env.check({**os.environ, **({"MINIZERO_BACKEND": backend} if backend else {}), **(env or {})})
+    # the ranks' MINIZERO_* variables, checked once here, not by every rank
+    from minizero import env as mz_env
+    mz_env.check({**os.environ, **({"MINIZERO_BACKEND": backend} if backend else {}),
+                  **(env or {})})
     mpirun = find_mpirun()
     job_id = uuid.uuid4().hex[:12]
     with tempfile.TemporaryDirectory(prefix="minizero-") as tmp:
@@ -124,7 +130,8 @@ def run(target: str, nprocs: int = 2, args: dict | None = None, timeout: float =
         child_env.setdefault("OMP_NUM_THREADS", "1")
         child_env.update({"MINIZERO_HEARTBEAT_DIR": tmp, "MINIZERO_JOB_ID": job_id,
                           "PYTHONUNBUFFERED": "1",
-                          "PYTHONPATH": os.pathsep.join([_repo_root(), os.getcwd(), child_env.get("PYTHONPATH", "")])})
+                          "PYTHONPATH": os.pathsep.join([_repo_root(), os.getcwd(),
+                                                         child_env.get("PYTHONPATH", "")])})
         if backend:
             child_env["MINIZERO_BACKEND"] = backend
         child_env.update(env or {})
@@ -132,8 +139,8 @@ def run(target: str, nprocs: int = 2, args: dict | None = None, timeout: float =
         # start_new_session: the whole job (mpiexec, proxies, ranks) is one process group
         # we can kill at once on timeout.
         live = _Liveness(os.path.join(tmp, "live.sock"))
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
-                                start_new_session=True, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=child_env, start_new_session=True, stdin=subprocess.DEVNULL)
         chunks: list[str] = []
         reader = threading.Thread(target=_pump, args=(proc.stdout, chunks, stream), daemon=True)
         reader.start()
@@ -163,12 +170,13 @@ def run(target: str, nprocs: int = 2, args: dict | None = None, timeout: float =
                 raise RankError(rank, f.read(), output)
         if dead:
             others = "; ".join(f"rank {r} {w}" for r, w in sorted(where.items()) if r not in dead)
-            raise LaunchError(f"rank {dead[0]} died without a Python traceback: killed by the OS or a signal "
-                              f"(out of memory?), or crashed in native code, and mpirun ended the job. Its last "
-                              f"heartbeat: {where[dead[0]]}. The other ranks were: {others}.\n{output}", output)
+            raise LaunchError(f"rank {dead[0]} died without a Python traceback: killed by the OS "
+                              "or a signal (out of memory?), or crashed in native code, and "
+                              f"mpirun ended the job. Its last heartbeat: {where[dead[0]]}. The "
+                              f"other ranks were: {others}.\n{output}", output)
         if proc.returncode != 0:
-            raise LaunchError(f"mpirun exited with code {proc.returncode} and no rank reported an error. "
-                              f"Output:\n{output}", output)
+            raise LaunchError(f"mpirun exited with code {proc.returncode} and no rank reported an "
+                              f"error. Output:\n{output}", output)
         results = []
         for r in range(nprocs):
             p = os.path.join(tmp, f"rank{r}.json")
@@ -230,7 +238,8 @@ class _Liveness:
                     continue
                 data = key.fileobj.recv(64)
                 if data and key.data is None:
-                    self.sel.modify(key.fileobj, selectors.EVENT_READ, data=int(data.split(b"\n")[0]))
+                    self.sel.modify(key.fileobj, selectors.EVENT_READ,
+                                    data=int(data.split(b"\n")[0]))
                 elif not data:
                     if key.data is not None:
                         self.gone.append(key.data)
@@ -273,8 +282,8 @@ def job_pids(job_id: str) -> list[int]:
 
 
 def pids_with_env(name: str, value: str) -> list[int]:
-    """PIDs of live processes whose environment has name=value (inherited by everything they start, jobs in
-    sessions of their own included)."""
+    """PIDs of live processes whose environment has name=value (inherited by everything they start,
+    jobs in sessions of their own included)."""
     marker = f"{name}={value}".encode()
     pids = []
     for d in os.listdir("/proc"):
@@ -322,7 +331,8 @@ def load_target(target: str):
 def _worker(target: str, tmp: str):
     """What each rank runs under mpirun."""
     from minizero import comm as comm_mod
-    rank = comm_mod.launched_rank()  # before the communicator: the liveness socket names the rank that dies
+    # before the communicator: the liveness socket names the rank that dies
+    rank = comm_mod.launched_rank()
     _connect_liveness(tmp, rank)
     try:
         with open(os.path.join(tmp, "args.json")) as f:
@@ -337,7 +347,8 @@ def _worker(target: str, tmp: str):
     except BaseException:
         with open(os.path.join(tmp, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
-        sys.stderr.write(f"[minizero] rank {rank} failed, aborting the job:\n{traceback.format_exc()}")
+        sys.stderr.write(f"[minizero] rank {rank} failed, aborting the "
+                         f"job:\n{traceback.format_exc()}")
         sys.stderr.flush()
         time.sleep(0.2)  # let a rank that failed at the same moment write its traceback too
         from mpi4py import MPI

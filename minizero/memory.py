@@ -34,8 +34,8 @@ class Estimate:
     {category: {location: bytes}} added up, so the two can never disagree.
 
     `optimizer_state` is the paper's K·Ψ term: for mixed-precision Adam (K=12) it is the fp32 master
-    copy (4Ψ) + momentum (4Ψ) + variance (4Ψ); the ledger splits the master copy out as "master_params"
-    (so does `by_location`), so compare with master_params + optimizer_state.
+    copy (4Ψ) + momentum (4Ψ) + variance (4Ψ); the ledger splits the master copy out as
+    "master_params" (so does `by_location`), so compare with master_params + optimizer_state.
     """
     by_location: dict
 
@@ -65,62 +65,73 @@ def estimate(num_params, world_size=1, stage=0, k=12, param_bytes=2, grad_bytes=
     master when the parameters are narrower than 4 bytes, the rest elementwise state.
 
     offload_optimizer=True (ZeRO-Offload, "cpu") and offload_param=True (ZeRO-Infinity's parameters,
-    "cpu", stage 3): where each term lives is estimate_by_location's docstring; .device / .host split it.
-    hpz_partition_size (ZeRO++ hpZ, stage 3 only): a secondary copy of the 16-bit
+    "cpu", stage 3): where each term lives is estimate_by_location's docstring; .device / .host
+    split it. hpz_partition_size (ZeRO++ hpZ, stage 3 only): a secondary copy of the 16-bit
     parameters sharded within groups of that size adds param_bytes·Ψ/hpz. None or 1
     means off, as in DeepSpeed (a "partition" of size 1 would be a full replica).
     """
     master = min(4, k) if param_bytes < 4 else 0
-    return Estimate(estimate_by_location(num_params, world_size, stage, param_bytes, grad_bytes, k - master,
-                                         "cpu" if offload_optimizer else "none", "cpu" if offload_param else "none",
-                                         hpz_partition_size=hpz_partition_size, master_bytes=master))
+    return Estimate(estimate_by_location(num_params, world_size, stage, param_bytes, grad_bytes,
+                                         k - master, "cpu" if offload_optimizer else "none",
+                                         "cpu" if offload_param else "none",
+                                         hpz_partition_size=hpz_partition_size,
+                                         master_bytes=master))
 
 
-def offload_stage_error(stage: int, optimizer_device: str = "none", param_device: str = "none") -> str | None:
-    """The ZeRO stages each offload tier needs (DeepSpeed's rules), or None when they fit. The one copy of
-    them: the config (runtime/config.py), the planner and the estimator below all ask here."""
+def offload_stage_error(
+    stage: int, optimizer_device: str = "none", param_device: str = "none"
+) -> str | None:
+    """The ZeRO stages each offload tier needs (DeepSpeed's rules), or None when they fit. The one
+    copy of them: the config (runtime/config.py), the planner and the estimator below all ask
+    here."""
     if optimizer_device != "none" and stage == 0:
-        return (f"offload_optimizer.device={optimizer_device!r} needs ZeRO stage 1, 2 or 3: stage 0 keeps every "
-                "state replicated, there is no shard to offload (ZeRO-Offload builds on stage 2)")
+        return (f"offload_optimizer.device={optimizer_device!r} needs ZeRO stage 1, 2 or 3: stage "
+                "0 keeps every state replicated, there is no shard to offload (ZeRO-Offload builds "
+                "on stage 2)")
     if optimizer_device == "nvme" and stage != 3:
-        return f"offload_optimizer.device='nvme' (ZeRO-Infinity) needs stage 3, as in DeepSpeed; use device 'cpu' " \
-               f"at stage {stage}"
+        return ("offload_optimizer.device='nvme' (ZeRO-Infinity) needs stage 3, as in DeepSpeed; "
+                f"use device 'cpu' at stage {stage}")
     if param_device != "none" and stage != 3:
         return "offload_param needs stage 3 (only stage 3 partitions parameters)"
     return None
 
 
-def estimate_by_location(num_params, world_size=1, stage=0, param_bytes=2, grad_bytes=2, state_bytes=8,
-                         offload_optimizer="none", offload_param="none", hpz_partition_size=None,
-                         master_bytes=None) -> dict[str, dict[str, float]]:
+def estimate_by_location(num_params, world_size=1, stage=0, param_bytes=2, grad_bytes=2,
+                         state_bytes=8, offload_optimizer="none", offload_param="none",
+                         hpz_partition_size=None, master_bytes=None) -> dict[str, dict[str, float]]:
     """Model states per rank as {category: {location: bytes}}, the ledger's own layout, for ZeRO
-    (Rajbhandari et al. 2020), ZeRO-Offload (Ren et al. 2021) and ZeRO-Infinity (Rajbhandari et al. 2021).
+    (Rajbhandari et al. 2020), ZeRO-Offload (Ren et al. 2021) and ZeRO-Infinity (Rajbhandari et al.
+    2021).
 
-    With S = Ψ/N (stage >= 1; Ψ at stage 0), b_p, b_g the device widths (2 in fp16), state_bytes = the
-    optimizer's elementwise state (Adam m + v: 8; SGD momentum: 4) and master_bytes the fp32 master
-    (default: 4 when b_p < 4, else 0 on the device; always 4 on the host, where it is a separate copy):
+    With S = Ψ/N (stage >= 1; Ψ at stage 0), b_p, b_g the device widths (2 in fp16), state_bytes =
+    the optimizer's elementwise state (Adam m + v: 8; SGD momentum: 4) and master_bytes the fp32
+    master (default: 4 when b_p < 4, else 0 on the device; always 4 on the host, where it is a
+    separate copy):
         no offload     device: params b_p·Ψ (stage 3: b_p·S), grads b_g·Ψ (stage 2, 3: b_g·S),
-                       master master_bytes·S, state state_bytes·S. (minizero's ZeRO-3 keeps fp32 shards
-                       and fp32 shard gradients: pass param_bytes=4, grad_bytes=4 there.)
-        offload cpu    host: master 4·S + fp32 grads 4·S + state state_bytes·S. The device keeps only the
-                       b_p-byte parameters (stage 3: the shard): stage 2 and 3 send each bucket's reduced
-                       gradient to the host during backward, as ZeRO-Offload does, so no gradient stays
-                       on the device between steps; minizero's stage 1 reduces at the step, so it keeps
-                       its full b_g·Ψ gradients (stage 1 in DeepSpeed shares stage 2's code)
-        offload nvme   as cpu, but master and state on "disk" (stage 3 only); minizero's disk tier keeps
-                       fp32 shards on the device (pass param_bytes=4)
+                       master master_bytes·S, state state_bytes·S. (minizero's ZeRO-3 keeps fp32
+                       shards and fp32 shard gradients: pass param_bytes=4, grad_bytes=4 there.)
+        offload cpu    host: master 4·S + fp32 grads 4·S + state state_bytes·S. The device keeps
+                       only the b_p-byte parameters (stage 3: the shard): stage 2 and 3 send each
+                       bucket's reduced gradient to the host during backward, as ZeRO-Offload does,
+                       so no gradient stays on the device between steps; minizero's stage 1 reduces
+                       at the step, so it keeps its full b_g·Ψ gradients (stage 1 in DeepSpeed
+                       shares stage 2's code)
+        offload nvme   as cpu, but master and state on "disk" (stage 3 only); minizero's disk tier
+                       keeps fp32 shards on the device (pass param_bytes=4)
         offload_param  cpu (stage 3): the parameter shards on the host; nvme: on disk
-        hpZ            (stage 3) a secondary b_p-byte copy sharded over hpz_partition_size ranks: b_p·Ψ/hpz
-    Not model states, and not in here: the transient buffers. The ledger's transient_peak reports them by
-    name: ZeRO-2's gradient buckets (at most two of bucket_numel·b_g bytes: one filling, one reducing),
-    ZeRO-3's gathered units (this one and the prefetched one) and each unit's gradient.
+        hpZ            (stage 3) a secondary b_p-byte copy sharded over hpz_partition_size ranks:
+                       b_p·Ψ/hpz
+    Not model states, and not in here: the transient buffers. The ledger's transient_peak reports
+    them by name: ZeRO-2's gradient buckets (at most two of bucket_numel·b_g bytes: one filling, one
+    reducing), ZeRO-3's gathered units (this one and the prefetched one) and each unit's gradient.
     """
     hpz = hpz_partition_size or 1
     for bad, why in ((num_params < 0 or world_size < 1, "need num_params >= 0, world_size >= 1"),
                      (stage not in (0, 1, 2, 3), f"stage must be 0..3, got {stage}"),
                      (hpz > 1 and stage != 3, "hpz_partition_size needs stage 3"),
                      (hpz > world_size, f"hpz_partition_size {hpz} > world_size {world_size}"),
-                     (stage in (0, 1, 2, 3), offload_stage_error(stage, offload_optimizer, offload_param))):
+                     (stage in (0, 1, 2, 3),
+                      offload_stage_error(stage, offload_optimizer, offload_param))):
         if bad and why:
             raise ValueError(why)
     n, psi = world_size, num_params
@@ -132,8 +143,9 @@ def estimate_by_location(num_params, world_size=1, stage=0, param_bytes=2, grad_
         out["parameters"]["device"] += param_bytes * psi / hpz
     if offload_optimizer == "none":
         out["gradients"]["device"] = grad_bytes * (shard if stage >= 2 else psi)
-        out["master_params"]["device"] = (4 if param_bytes < 4 else 0) * shard if master_bytes is None \
-            else master_bytes * shard
+        out["master_params"]["device"] = (
+            (4 if param_bytes < 4 else 0) * shard if master_bytes is None else master_bytes * shard
+        )
         out["optimizer_state"]["device"] = state_bytes * shard
         return out
     where = "disk" if offload_optimizer == "nvme" else "host"
@@ -172,8 +184,19 @@ def zero_paper_table1(num_params=7.5e9, k=12) -> list[Table1Row]:
             for n in (1, 4, 16, 64, 256, 1024)]
 
 
-def activation_bytes(batch, seq, hidden, layers, heads, bytes_per=2, checkpointing=False,
-                     tensor_parallel=1, sequence_parallel=False, dropout=True, attention_scores=None) -> float:
+def activation_bytes(
+    batch,
+    seq,
+    hidden,
+    layers,
+    heads,
+    bytes_per=2,
+    checkpointing=False,
+    tensor_parallel=1,
+    sequence_parallel=False,
+    dropout=True,
+    attention_scores=None,
+) -> float:
     """Activation bytes a GPT-style transformer keeps for backward, per rank.
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
@@ -190,23 +213,26 @@ def activation_bytes(batch, seq, hidden, layers, heads, bytes_per=2, checkpointi
     With full activation checkpointing (checkpointing=True or "full") only each layer's input is
     kept: w·s·b·h per layer (÷t with SP; plus one layer recomputed during backward, not counted).
     Selective recomputation (checkpointing="selective", Sec. 5) recomputes the core attention and
-    keeps the rest: the a·s² term goes, s·b·h·34 per layer for w = 2 with dropout (s·b·h·16·w without).
-    Embeddings and the LM head are ignored, as are the LayerNorm statistics (see tensor's lesson for
-    what they add).
+    keeps the rest: the a·s² term goes, s·b·h·34 per layer for w = 2 with dropout (s·b·h·16·w
+    without). Embeddings and the LM head are ignored, as are the LayerNorm statistics (see tensor's
+    lesson for what they add).
     attention_scores: the score elements per sequence a layer keeps, a·s² by default; block-sparse
-    attention keeps only its layout's kept blocks, nnz·block² (minizero.sparse.score_bytes / bytes_per).
+    attention keeps only its layout's kept blocks, nnz·block² (minizero.sparse.score_bytes /
+    bytes_per).
     """
     s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
     split_by_sp = t if sequence_parallel else 1
     if checkpointing not in (False, True, "full", "selective"):
-        raise ValueError(f"checkpointing={checkpointing!r}: expected False, True, 'full' or 'selective'")
+        raise ValueError(f"checkpointing={checkpointing!r}: expected False, True, 'full' or "
+                         "'selective'")
     if checkpointing is True or checkpointing == "full":
         return layers * bytes_per * s * b * h / split_by_sp
     mask = 1 if dropout else 0
     whole = s * b * h * (4 * bytes_per + 2 * mask)  # what TP leaves whole on every rank, SP splits
     scores = a * s * s if attention_scores is None else attention_scores
     split = 12 * bytes_per * s * b * h
-    if checkpointing != "selective":  # the softmax output, its dropout mask and output: recomputed when selective
+    # the softmax output, its dropout mask and output: recomputed when selective
+    if checkpointing != "selective":
         split += scores * b * (bytes_per + mask * (bytes_per + 1))
     return layers * (whole / split_by_sp + split / t)
 
@@ -279,8 +305,9 @@ class Ledger:
         default_factory=lambda: {c: {loc: 0 for loc in LOCATIONS} for c in CATEGORIES})
     transient_peak: int = 0
     cuda_max_allocated: int | None = None  # torch.cuda.max_memory_allocated, None on CPU
-    # torch.cuda.memory_allocated when measured: the allocator's live bytes, the ledger's ground truth on CUDA
-    # (the peak above also holds activations and cuBLAS's workspace, equal for every strategy)
+    # torch.cuda.memory_allocated when measured: the allocator's live bytes, the ledger's ground
+    # truth on CUDA (the peak above also holds activations
+    # and cuBLAS's workspace, equal for every strategy)
     cuda_allocated: int | None = None
 
     @property
@@ -299,7 +326,8 @@ class Ledger:
         return {"by_category": self.by_category, "by_location": self.by_location,
                 "detail": {c: dict(locs) for c, locs in self.detail.items()},
                 "total": self.total, "transient_peak": self.transient_peak,
-                "cuda_max_allocated": self.cuda_max_allocated, "cuda_allocated": self.cuda_allocated}
+                "cuda_max_allocated": self.cuda_max_allocated,
+                "cuda_allocated": self.cuda_allocated}
 
     def __str__(self) -> str:
         mb = lambda x: f"{x / 1e6:>10.3f}"  # noqa: E731  (MB = 1e6 bytes, like the paper's GB)
@@ -391,9 +419,11 @@ def measure(*objects, device=None) -> Ledger:
 class SavedTensors:
     """The bytes autograd keeps for backward: activations, measured where they are kept.
 
-        with SavedTensors({f"h.{i}": block for i, block in enumerate(model.h)}, exclude=model) as saved:
+        with SavedTensors({f"h.{i}": block for i, block in enumerate(model.h)},
+                          exclude=model) as saved:
             loss = model(x, y)[1]
-        saved.bytes["h.0"]  # layer 0's activations; everything outside the labelled modules: "other"
+        saved.bytes["h.0"]  # layer 0's activations; everything outside the labelled
+                            # modules: "other"
 
         meter = SavedTensors(exclude=stage.parameters())
         with meter.hooks():                 # the saved-tensor hooks only (no labels)
@@ -414,7 +444,7 @@ class SavedTensors:
 
     def __init__(self, modules: dict | None = None, exclude=None):
         params = exclude.parameters() if isinstance(exclude, torch.nn.Module) else (exclude or ())
-        self.modules = modules or {}           # label -> module whose forward's saves get that label
+        self.modules = modules or {}  # label -> module whose forward's saves get that label
         self.excluded = {self._key(p) for p in params}  # parameters: not activations
         self.bytes: dict[str, int] = {}        # label -> saved bytes (storages counted once)
         self.shapes: dict[str, list] = {}      # label -> (shape, dtype, bytes) of each new storage
@@ -428,7 +458,8 @@ class SavedTensors:
 
     @staticmethod
     def _local(t: torch.Tensor) -> torch.Tensor:
-        return getattr(t, "_local_tensor", t)  # a DTensor (torch's TP, the bench's peer): its local shard
+        # a DTensor (torch's TP, the bench's peer): its local shard
+        return getattr(t, "_local_tensor", t)
 
     def _key(self, t: torch.Tensor):
         t = self._local(t)
@@ -490,7 +521,8 @@ class SavedTensors:
 
 
 class _Saved:
-    """What the pack hook returns: the saved tensor, and a word to the meter when autograd drops it."""
+    """What the pack hook returns: the saved tensor, and a word to the meter when autograd drops
+    it."""
     __slots__ = ("tensor", "key", "meter")
 
     def __init__(self, tensor, key, meter):

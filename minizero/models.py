@@ -32,10 +32,12 @@ class GPTConfig:
     n_layer: int = 2         # two blocks: enough for pipeline stages and per-block ZeRO-3 gathers
     n_head: int = 4          # splits evenly over 1, 2 or 4 tensor-parallel ranks
     n_embd: int = 64         # must be divisible by n_head
-    tie_weights: bool = False  # True: lm_head.weight IS wte.weight (one Parameter used by two modules)
+    # True: lm_head.weight IS wte.weight (one Parameter used by two modules)
+    tie_weights: bool = False
     bias: bool = True        # biases in Linear and LayerNorm; False like many modern LLMs
-    # > 0: every block's MLP is a minizero.moe.MoE of this many experts (DeepSpeed-MoE's layer; the engine
-    # shares them out over moe_ep_size ranks), top-k routing; the loss adds moe_aux_loss_coef x l_aux per block
+    # > 0: every block's MLP is a minizero.moe.MoE of this many experts (DeepSpeed-MoE's layer; the
+    # engine shares them out over moe_ep_size ranks), top-k routing; the loss adds moe_aux_loss_coef
+    # x l_aux per block
     num_experts: int = 0
     moe_ep_size: int = 1
     moe_top_k: int = 1
@@ -50,7 +52,8 @@ def _generator(seed: int) -> torch.Generator:
 
 
 def _private_rng():
-    """Context for building layers: their default init may use the global RNG, then it is restored."""
+    """Context for building layers: their default init may use the global RNG, then it is
+    restored."""
     return torch.random.fork_rng(devices=[])
 
 
@@ -63,7 +66,8 @@ class CausalSelfAttention(nn.Module):
         # out as [q | k | v]. Megatron splits this layer by columns, c_proj by rows.
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.cp_comm = None  # the context-parallel group (TinyGPT.set_context_parallel): attention over it
+        # the context-parallel group (TinyGPT.set_context_parallel): attention over it
+        self.cp_comm = None
         self.cp_ring = False  # True: ring attention on two mirrored chunks per rank; False: Ulysses
         self.sparse_attention = None  # a minizero.sparse SparsityConfig: block-sparse attention
                                       # (apply_sparse_attention)
@@ -78,13 +82,16 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.chunk(3, dim=-1)
         nh = q.size(-1) // self.head_dim
         q, k, v = (t.view(B, T, nh, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        if self.cp_comm is not None and self.cp_ring:  # T = this rank's two mirrored chunks of s/(2cp) tokens
+        # T = this rank's two mirrored chunks of s/(2cp) tokens
+        if self.cp_comm is not None and self.cp_ring:
             from minizero.context.ring_attention import ring_attention
             y = ring_attention(q, k, v, self.cp_comm, causal=True, balanced=True)
-        elif self.cp_comm is not None:  # T = this rank's s/cp tokens: DeepSpeed-Ulysses over the cp group
+        # T = this rank's s/cp tokens: DeepSpeed-Ulysses over the cp group
+        elif self.cp_comm is not None:
             from minizero.context.ulysses import ulysses_attention
             y = ulysses_attention(q, k, v, self.cp_comm, causal=True)
-        elif self.sparse_attention is not None:  # only the layout's blocks are computed (minizero/sparse)
+        # only the layout's blocks are computed (minizero/sparse)
+        elif self.sparse_attention is not None:
             from minizero.sparse import sparse_self_attention
             y = sparse_self_attention(q, k, v, self.sparse_attention)
         else:
@@ -93,11 +100,11 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y)
 
     def core_attention(self, q, k, v):
-        """softmax(q·kᵀ/√d, causal)·v on (B, heads, T, d). Its own method so that selective activation
-        recomputation (activation_checkpointing, granularity "selective") can recompute just this part:
-        the a·s² scores and softmax, Korthikanti's 5as/h term. Written out (not
-        F.scaled_dot_product_attention) so students see every step, and so there is no backend choice
-        that could change the bits."""
+        """softmax(q·kᵀ/√d, causal)·v on (B, heads, T, d). Its own method so that selective
+        activation recomputation (activation_checkpointing, granularity "selective") can recompute
+        just this part: the a·s² scores and softmax, Korthikanti's 5as/h term. Written out (not
+        F.scaled_dot_product_attention) so students see every step, and so there is no backend
+        choice that could change the bits."""
         T = q.size(-2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
@@ -126,7 +133,8 @@ class Block(nn.Module):
         if config.num_experts:
             from minizero.moe import MoE
             self.mlp = MoE(config.n_embd, 4 * config.n_embd, config.num_experts, config.moe_ep_size,
-                           config.moe_top_k, config.moe_capacity_factor, config.moe_capacity_factor, min_capacity=1)
+                           config.moe_top_k, config.moe_capacity_factor, config.moe_capacity_factor,
+                           min_capacity=1)
         else:
             self.mlp = GPTMLP(config)
         self.aux_loss = None  # the MoE's l_aux of this forward (None: a dense MLP)
@@ -141,7 +149,8 @@ class Block(nn.Module):
 
 def token_loss(logits, targets):
     """Mean cross-entropy over all B*T tokens, or None without targets. DDP averages per-rank
-    means, which equals this only because every rank holds the same number of tokens (data.shard)."""
+    means, which equals this only because every rank holds the same number of tokens
+    (data.shard)."""
     if targets is None:
         return None
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
@@ -161,18 +170,21 @@ class TinyGPT(nn.Module):
             # One Parameter in two modules: the output projection scores token v by
             # its dot product with v's input embedding. Saves vocab*n_embd parameters.
             self.lm_head.weight = self.wte.weight
-        self.cp_comm = None  # the context-parallel group: forward keeps this rank's s/cp tokens (set_context_parallel)
-        self.cp_ring = False  # which of them: contiguous (Ulysses) or two mirrored chunks (ring attention)
+        # the context-parallel group: forward keeps this rank's s/cp tokens (set_context_parallel)
+        self.cp_comm = None
+        # which of them: contiguous (Ulysses) or two mirrored chunks (ring attention)
+        self.cp_ring = False
         self.reset_parameters(seed)
 
     def set_context_parallel(self, comm, attention: str = "ulysses"):
-        """The engine's hook (sequence_parallel_size): from now on forward takes whole sequences, keeps this
-        rank's s/cp tokens of them (their positions), and every attention runs over `comm`: "ulysses"
-        (DeepSpeed-Ulysses on contiguous shards) or "ring" (ring attention on chunks r and 2cp-1-r, causal
-        load balancing; context/layout.py). Logits and loss are this rank's tokens' (in that order); the
-        engine averages over dp x cp."""
+        """The engine's hook (sequence_parallel_size): from now on forward takes whole sequences,
+        keeps this rank's s/cp tokens of them (their positions), and every attention runs over
+        `comm`: "ulysses" (DeepSpeed-Ulysses on contiguous shards) or "ring" (ring attention on
+        chunks r and 2cp-1-r, causal load balancing; context/layout.py). Logits and loss are this
+        rank's tokens' (in that order); the engine averages over dp x cp."""
         if attention not in ("ulysses", "ring"):
-            raise ValueError(f"set_context_parallel: attention {attention!r} is not 'ulysses' or 'ring'")
+            raise ValueError(f"set_context_parallel: attention {attention!r} is not 'ulysses' or "
+                             "'ring'")
         if any(block.attn.sparse_attention is not None for block in self.h):
             raise ValueError("sparse_attention does not compose with context parallelism "
                              "(sequence_parallel_size > 1): use one or the other")
@@ -211,7 +223,8 @@ class TinyGPT(nn.Module):
                 p.fill_(1.0 if name.endswith("weight") else 0.0)
             elif name.endswith((".bias", "experts.b1", "experts.b2")):
                 p.zero_()
-            elif name.endswith(("c_proj.weight", "experts.w2")):  # an expert's second layer is its c_proj
+            # an expert's second layer is its c_proj
+            elif name.endswith(("c_proj.weight", "experts.w2")):
                 p.normal_(0.0, residual_std, generator=g)
             else:  # wte, wpe, lm_head, c_attn, c_fc
                 p.normal_(0.0, 0.02, generator=g)
@@ -223,12 +236,14 @@ class TinyGPT(nn.Module):
         positions = None
         if self.cp_comm is not None:
             idx, targets, positions = self._context_slice(idx, targets)
-        x = GPTEmbed.forward(self, idx, positions)  # the code the pipeline's first and last stage run (pipeline_parts)
+        # the code the pipeline's first and last stage run (pipeline_parts)
+        x = GPTEmbed.forward(self, idx, positions)
         for block in self.h:
             x = block(x)
         logits = GPTHead.forward(self, x)
         loss = token_loss(logits, targets)
-        if loss is not None and self.config.num_experts:  # DeepSpeed-MoE: the user adds the weighted l_aux
+        # DeepSpeed-MoE: the user adds the weighted l_aux
+        if loss is not None and self.config.num_experts:
             loss = loss + self.config.moe_aux_loss_coef * sum(block.aux_loss for block in self.h)
         return logits, loss
 
@@ -241,8 +256,9 @@ class TinyGPT(nn.Module):
         lm_head) and the loss. The same modules, not copies: a tied lm_head stays the very Parameter
         of wte, which is how the pipeline finds the pair it must keep in sync across stages."""
         from minizero.pipeline import PipelineModel
-        return PipelineModel(GPTEmbed(self.wte, self.wpe), list(self.h), GPTHead(self.ln_f, self.lm_head),
-                             token_loss, (self.config.block_size, self.config.n_embd))
+        return PipelineModel(GPTEmbed(self.wte, self.wpe), list(self.h),
+                             GPTHead(self.ln_f, self.lm_head), token_loss,
+                             (self.config.block_size, self.config.n_embd))
 
 
 class GPTEmbed(nn.Module):
@@ -254,7 +270,8 @@ class GPTEmbed(nn.Module):
         self.wpe = wpe
 
     def forward(self, idx, positions=None):
-        """positions: of idx's tokens (a context-parallel rank's: TinyGPT._context_slice); None: 0 .. T-1."""
+        """positions: of idx's tokens (a context-parallel rank's: TinyGPT._context_slice); None: 0
+        .. T-1."""
         if positions is None:
             positions = torch.arange(idx.shape[1], device=idx.device)
         return self.wte(idx) + self.wpe(positions)
@@ -360,8 +377,10 @@ class EdgeCaseModel(nn.Module):
 
 MODELS = {
     "tiny-gpt": lambda seed=0, **cfg: TinyGPT(GPTConfig(**cfg), seed=seed),
-    # every block's MLP a mixture of 4 experts, top-2, shared out over 2 ranks (DeepSpeed-MoE's ep_size)
-    "tiny-gpt-moe": lambda seed=0, **cfg: TinyGPT(GPTConfig(**{"num_experts": 4, "moe_ep_size": 2, "moe_top_k": 2,
+    # every block's MLP a mixture of 4 experts, top-2,
+    # shared out over 2 ranks (DeepSpeed-MoE's ep_size)
+    "tiny-gpt-moe": lambda seed=0,
+    **cfg: TinyGPT(GPTConfig(**{"num_experts": 4, "moe_ep_size": 2, "moe_top_k": 2,
                                                               **cfg}), seed=seed),
     "mlp": MLP,
     "edge": EdgeCaseModel,

@@ -1,6 +1,7 @@
-"""DeepSpeed's `deepspeed.pipe`: PipelineModule and LayerSpec on minizero's pipeline (minizero.pipeline).
+"""DeepSpeed's `deepspeed.pipe`: PipelineModule and LayerSpec on minizero's pipeline
+(minizero.pipeline).
 
-    from minizero.pipe import PipelineModule, LayerSpec        # DeepSpeed: from deepspeed.pipe import ...
+    from minizero.pipe import PipelineModule, LayerSpec  # DeepSpeed: from deepspeed.pipe import ...
     net = PipelineModule(layers=[LayerSpec(Embed, V, d), *[LayerSpec(Block, d) for _ in range(4)],
                                  LayerSpec(Head, d, V)],
                          num_stages=2, loss_fn=nn.CrossEntropyLoss())
@@ -16,11 +17,11 @@ keyword, one sample's shape when it is the same everywhere) the stages learn sha
 first step, from one metadata message per pipe, as DeepSpeed's PipelineEngine does. num_stages is
 the engine's stage count, as in DeepSpeed (the config needs no pipeline section; a pipeline.stages
 that differs is an error).
-The engine then has DeepSpeed's PipelineEngine names: train_batch(data_iter=None) (None: initialize's
-training_data, in order, repeating), eval_batch(data_iter), num_stages, stage_id, micro_batches,
-is_first_stage(), is_last_stage(), set_dataiterator() (runtime/pipeline_engine.py).
-A callable that is not a module (DeepSpeed allows `lambda x: x.view(...)`) runs as a layer without parameters.
-Refused with a clear error: TiedLayerSpec, topology, seed_layers, dynamic_shape,
+The engine then has DeepSpeed's PipelineEngine names: train_batch(data_iter=None) (None:
+initialize's training_data, in order, repeating), eval_batch(data_iter), num_stages, stage_id,
+micro_batches, is_first_stage(), is_last_stage(), set_dataiterator() (runtime/pipeline_engine.py).
+A callable that is not a module (DeepSpeed allows `lambda x: x.view(...)`) runs as a layer without
+parameters. Refused with a clear error: TiedLayerSpec, topology, seed_layers, dynamic_shape,
 activation_checkpoint_interval > 0 (use the config's "activation_checkpointing" section),
 partition_method other than 'parameters' / 'uniform'.
 Outside a pipeline (pipeline.stages 1), the module's forward runs every layer in order.
@@ -33,7 +34,8 @@ import torch.nn as nn
 
 
 class LayerSpec:
-    """A layer's class and arguments, built when the PipelineModule is (DeepSpeed builds only its stage's)."""
+    """A layer's class and arguments, built when the PipelineModule is (DeepSpeed builds only its
+    stage's)."""
 
     def __init__(self, typename, *module_args, **module_kwargs):
         if not isinstance(typename, type) or not issubclass(typename, nn.Module):
@@ -51,8 +53,9 @@ class LayerSpec:
 
 class TiedLayerSpec(LayerSpec):
     def __init__(self, key, typename, *module_args, **module_kwargs):
-        raise NotImplementedError("TiedLayerSpec is not implemented by minizero's PipelineModule: tie the weights "
-                                  "in your own model and give it pipeline_parts() (TinyGPT's way, docs/pipeline.md)")
+        raise NotImplementedError("TiedLayerSpec is not implemented by minizero's PipelineModule: "
+                                  "tie the weights in your own model and give it pipeline_parts() "
+                                  "(TinyGPT's way, docs/pipeline.md)")
 
 
 class _Function(nn.Module):
@@ -67,28 +70,30 @@ class _Function(nn.Module):
 
 
 class PipelineModule(nn.Module):
-    def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seed_layers=False, seed_fn=None,
-                 base_seed=1234, partition_method="parameters", activation_checkpoint_interval=0,
-                 activation_checkpoint_func=None, checkpointable_layers=None, dynamic_shape=False, *,
-                 hidden_shape=None):
+    def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seed_layers=False,
+                 seed_fn=None, base_seed=1234, partition_method="parameters",
+                 activation_checkpoint_interval=0, activation_checkpoint_func=None,
+                 checkpointable_layers=None, dynamic_shape=False, *, hidden_shape=None):
         super().__init__()
         for name, bad in (("topology", topology is not None), ("seed_layers", bool(seed_layers)),
                           ("seed_fn", seed_fn is not None), ("dynamic_shape", bool(dynamic_shape)),
                           ("activation_checkpoint_interval", activation_checkpoint_interval != 0)):
             if bad:
-                raise ValueError(f"PipelineModule: {name} is not implemented by minizero; leave it at DeepSpeed's "
-                                 "default (activation checkpointing: the config's "
+                raise ValueError(f"PipelineModule: {name} is not implemented by minizero; leave it "
+                                 "at DeepSpeed's default (activation checkpointing: the config's "
                                  "\"activation_checkpointing\" section)")
         if str(partition_method).lower() not in ("parameters", "uniform"):
-            raise ValueError(f"PipelineModule: partition_method {partition_method!r} is not implemented: minizero cuts "
-                             "the blocks into runs of equal count; use 'uniform' (or 'parameters' for equal blocks)")
+            raise ValueError(f"PipelineModule: partition_method {partition_method!r} is not "
+                             "implemented: minizero cuts the blocks into runs of equal count; use "
+                             "'uniform' (or 'parameters' for equal blocks)")
         if num_stages is None or num_stages < 1:
-            raise ValueError("PipelineModule: give num_stages (a positive int; topology= is not implemented)")
+            raise ValueError("PipelineModule: give num_stages (a positive int; topology= is not "
+                             "implemented)")
         layers = [layer.build() if isinstance(layer, LayerSpec) else layer for layer in layers]
         layers = [layer if isinstance(layer, nn.Module) else _Function(layer) for layer in layers]
         if len(layers) < 3:
-            raise ValueError(f"PipelineModule: minizero needs at least 3 layers (first: embed, last: head, blocks "
-                             f"between), got {len(layers)}")
+            raise ValueError("PipelineModule: minizero needs at least 3 layers (first: embed, "
+                             f"last: head, blocks between), got {len(layers)}")
         for i, layer in enumerate(layers):
             self.add_module(str(i), layer)  # DeepSpeed's parameter names: "<index>.<name>"
         self._layers = layers  # the stage order; loss_fn (often a module) is not one of them
@@ -109,8 +114,8 @@ class PipelineModule(nn.Module):
         from minizero.pipeline import PipelineModel
         from minizero.runtime.config import ConfigError
         if self.loss_fn is None:
-            raise ConfigError("PipelineModule: give loss_fn= (loss_fn(outputs, labels)): the last stage computes "
-                              "the loss")
+            raise ConfigError("PipelineModule: give loss_fn= (loss_fn(outputs, labels)): the last "
+                              "stage computes the loss")
         layers = self._layers
         # stage s holds layers [parts[s], parts[s+1]); layer 0 is the embed and layer i the block i
         # - 1

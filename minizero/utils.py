@@ -1,10 +1,12 @@
-"""DeepSpeed's `deepspeed.utils` names that training scripts use: RepeatingLoader, logger, log_dist."""
+"""DeepSpeed's `deepspeed.utils` names that training scripts use: RepeatingLoader, logger,
+log_dist."""
 from __future__ import annotations
 
 import logging
 
 logger = logging.getLogger("minizero")
-if not logger.handlers:  # DeepSpeed's logger prints INFO to stdout with a prefix; ours does the same
+# DeepSpeed's logger prints INFO to stdout with a prefix; ours does the same
+if not logger.handlers:
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [minizero] %(message)s"))
     logger.addHandler(_handler)
@@ -13,8 +15,9 @@ if not logger.handlers:  # DeepSpeed's logger prints INFO to stdout with a prefi
 
 
 class RepeatingLoader:
-    """An iterator that starts `loader` again when it runs out (deepspeed/runtime/dataloader.py): the
-    pipeline's `engine.train_batch(data_iter)` pulls micro-batches from it without an epoch loop."""
+    """An iterator that starts `loader` again when it runs out (deepspeed/runtime/dataloader.py):
+    the pipeline's `engine.train_batch(data_iter)` pulls micro-batches from it without an epoch
+    loop."""
 
     def __init__(self, loader):
         self.loader = loader

@@ -67,19 +67,24 @@ class LossScaler:
     def __init__(self, loss_scale=0.0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2,
                  consecutive_hysteresis=False, min_loss_scale=1.0, raise_error_at_min_scale=True):
         if loss_scale < 0 or loss_scale_window < 1 or hysteresis < 1 or min_loss_scale <= 0:
-            raise ValueError("need loss_scale >= 0, loss_scale_window >= 1, hysteresis >= 1, min_loss_scale > 0")
+            raise ValueError("need loss_scale >= 0, loss_scale_window >= 1, hysteresis >= 1, "
+                             "min_loss_scale > 0")
         self.dynamic = loss_scale == 0
         self.cur_scale = float(2 ** initial_scale_power if self.dynamic else loss_scale)
-        if self.dynamic and self.cur_scale < min_loss_scale:  # DeepSpeed accepts it, then RAISES S on overflow
-            raise ValueError(f"initial scale 2**{initial_scale_power} is below min_loss_scale={min_loss_scale:g}")
+        # DeepSpeed accepts it, then RAISES S on overflow
+        if self.dynamic and self.cur_scale < min_loss_scale:
+            raise ValueError(f"initial scale 2**{initial_scale_power} is below "
+                             f"min_loss_scale={min_loss_scale:g}")
         self.loss_scale_window = loss_scale_window  # good steps between doublings
         self.hysteresis = hysteresis                # overflows tolerated before the scale halves
-        self.min_loss_scale = min_loss_scale        # the floor; at it an overflow raises (or not, below)
-        self.consecutive_hysteresis = consecutive_hysteresis      # refill the budget on every good step
-        self.raise_error_at_min_scale = raise_error_at_min_scale  # False: stay at the floor and skip
+        self.min_loss_scale = min_loss_scale  # the floor; at it an overflow raises (or not, below)
+        self.consecutive_hysteresis = consecutive_hysteresis  # refill the budget on every good step
+        # False: stay at the floor and skip
+        self.raise_error_at_min_scale = raise_error_at_min_scale
         self.cur_iter = 0             # update() calls so far
         self.last_overflow_iter = -1  # cur_iter of the last overflow (-1: none yet)
-        self.cur_hysteresis = hysteresis  # budget: an overflow spends one unit, or halves S when one is left
+        # budget: an overflow spends one unit, or halves S when one is left
+        self.cur_hysteresis = hysteresis
 
     @property
     def loss_scale(self) -> float:
@@ -98,8 +103,11 @@ class LossScaler:
         ranks that disagreed would step different parameters, or wait in different collectives."""
         grads = [g for g in grads if g is not None]
         comm = _agreeing_comm(comm)
-        # the vote lives where the communicator does (offloaded gradients are on the host, NCCL's flag on the GPU)
-        device = comm.device if comm is not None else grads[0].device if grads else torch.device("cpu")
+        # the vote lives where the communicator does (offloaded
+        # gradients are on the host, NCCL's flag on the GPU)
+        device = (
+            comm.device if comm is not None else grads[0].device if grads else torch.device("cpu")
+        )
         # decide `overflow`: True if any tensor in `grads` holds an inf or a nan on ANY rank.
         #   What must hold: every rank gets the same answer (with sharded gradients a rank sees only
         #   its shard: ranks that disagreed would step different parameters, or wait in different
@@ -156,8 +164,9 @@ class LossScaler:
                     self.cur_hysteresis = self.hysteresis
         self.cur_iter += 1
 
-    _STATE = ("dynamic", "cur_scale", "loss_scale_window", "hysteresis", "min_loss_scale", "consecutive_hysteresis",
-              "raise_error_at_min_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+    _STATE = ("dynamic", "cur_scale", "loss_scale_window", "hysteresis", "min_loss_scale",
+              "consecutive_hysteresis", "raise_error_at_min_scale", "cur_iter",
+              "last_overflow_iter", "cur_hysteresis")
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in self._STATE}
@@ -176,14 +185,16 @@ def clip_grad_norm_(grads, max_norm: float, shard_comm=None, *, replicated=(), w
     S times the norm. shard_comm: the ranks over which the gradients are sharded (ZeRO-2/3): each
     holds a different piece, so the squared norms are summed over them. None for replicated ones.
     The engine's clip (every parallelism at once) adds: `replicated`, gradients equal on every data-
-    parallel rank (counted once); per-tensor `weights` (a number or one per element: 1/t for a tensor
-    each tensor-parallel rank holds whole, 0 for a copy counted elsewhere); `model_comms`, the groups
-    over which the replicated ones differ (pipeline stages, tensor-parallel slices). shard_comm then
-    spans every rank holding a different piece (the world):
-        ||g||^2 = sum over shard_comm of sum_sharded w g^2  +  sum over model_comms of sum_replicated w g^2"""
+    parallel rank (counted once); per-tensor `weights` (a number or one per element: 1/t for a
+    tensor each tensor-parallel rank holds whole, 0 for a copy counted elsewhere); `model_comms`,
+    the groups over which the replicated ones differ (pipeline stages, tensor-parallel slices).
+    shard_comm then spans every rank holding a different piece (the world):
+        ||g||^2 = sum over shard_comm of sum_sharded w g^2
+                  +  sum over model_comms of sum_replicated w g^2"""
     tensors = [g for g in [*grads, *replicated] if g is not None]
-    # the sums meet on the communicator's device: offloaded gradients are host tensors (ZeRO-Offload), which a
-    # device collective refuses (NCCL), so each tensor's square sum is taken where it lives and then moved
+    # the sums meet on the communicator's device: offloaded gradients are host tensors
+    # (ZeRO-Offload), which a device collective refuses (NCCL), so each tensor's square sum is taken
+    # where it lives and then moved
     device = next((c.device for c in (shard_comm, *model_comms) if c is not None),
                   tensors[0].device if tensors else torch.device("cpu"))
 
@@ -225,26 +236,35 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     schedulers edit them; their values reach the masters' optimizer at every step).
     """
 
-    def __init__(self, params, optimizer_cls=torch.optim.Adam, loss_scaler: LossScaler | None = None,
-                 clip_grad: float = 0.0, comm=None, **optimizer_kwargs):
+    def __init__(self, params, optimizer_cls=torch.optim.Adam,
+                 loss_scaler: LossScaler | None = None, clip_grad: float = 0.0, comm=None,
+                 **optimizer_kwargs):
         groups = list(params)  # tensors, or torch's param groups (dicts with "params")
         groups = groups if groups and isinstance(groups[0], dict) else [{"params": groups}]
         seen, self.params, sizes = set(), [], []
         for group in groups:  # unique trainable ones, in order (a tied weight once)
-            mine = [p for p in ([group["params"]] if torch.is_tensor(group["params"]) else group["params"])
-                    if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
+            mine = [
+                p
+                for p in (
+                    [group["params"]] if torch.is_tensor(group["params"]) else group["params"]
+                )
+                if p.requires_grad and id(p) not in seen and not seen.add(id(p))
+            ]
             self.params += mine
             sizes.append(len(mine))
         bad = sorted({str(p.dtype) for p in self.params if p.dtype not in HALF})
         if bad:
-            raise TypeError(f"MixedPrecisionOptimizer wants 16-bit parameters, got {bad}: convert the model "
-                            "(model.to(torch.float16)); fp32 parameters need no master copy, use the optimizer as is")
-        self.masters = [p.detach().float() for p in self.params]  # fresh fp32 storages: the 4 bytes of 4+4+4
+            raise TypeError(f"MixedPrecisionOptimizer wants 16-bit parameters, got {bad}: convert "
+                            "the model (model.to(torch.float16)); fp32 parameters need no master "
+                            "copy, use the optimizer as is")
+        # fresh fp32 storages: the 4 bytes of 4+4+4
+        self.masters = [p.detach().float() for p in self.params]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self.optimizer = optimizer_cls([{**g, "params": self.masters[a:a + n]}
                                         for g, a, n in zip(groups, starts, sizes)],
                                        **optimizer_kwargs)  # the optimizer of the fp32 masters
-        super().__init__([{**g, "params": self.params[a:a + n]} for g, a, n in zip(groups, starts, sizes)],
+        super().__init__([{**g, "params": self.params[a:a + n]} for g, a,
+                          n in zip(groups, starts, sizes)],
                          self.optimizer.defaults)
         self.loss_scaler = loss_scaler  # None: bf16 (no scaling needed); a LossScaler for fp16
         self.clip_grad = clip_grad      # max global gradient norm; 0: no clipping
@@ -254,8 +274,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.grad_norm = None           # the last step's global gradient norm (when clipping)
 
     def step_masters(self):
-        """The masters' optimizer step, with the hyperparameters of param_groups (a scheduler's lr)."""
-        self._opt_called = True  # what torch's LR schedulers record in their wrapper of step(): the engine steps here
+        """The masters' optimizer step, with the hyperparameters of param_groups (a scheduler's
+        lr)."""
+        # what torch's LR schedulers record in their wrapper of step(): the engine steps here
+        self._opt_called = True
         for inner, outer in zip(self.optimizer.param_groups, self.param_groups):
             inner.update((k, v) for k, v in outer.items() if k != "params")
         self.optimizer.step()
@@ -272,7 +294,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        # fp32 copies of the 16-bit gradients, alive only during the step (transient, not model state)
+        # fp32 copies of the 16-bit gradients, alive only
+        # during the step (transient, not model state)
         for p, m in zip(self.params, self.masters):
             m.grad = None if p.grad is None else p.grad.float()
         grads = [m.grad for m in self.masters if m.grad is not None]
@@ -282,7 +305,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if self.loss_scaler is not None:
                 self.overflow = self.loss_scaler.unscale_and_check(grads, self.comm)
                 self.loss_scaler.update(self.overflow)
-            if self.overflow:  # skip: masters, optimizer state and the 16-bit weights stay as they were
+            # skip: masters, optimizer state and the 16-bit weights stay as they were
+            if self.overflow:
                 self.skipped_steps += 1
                 self.zero_grad()
                 return
@@ -306,9 +330,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     yield "optimizer_state", v, None
 
     def state_dict(self) -> dict:
-        return {"masters": [m.clone() for m in self.masters], "optimizer": self.optimizer.state_dict(),
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-                "skipped_steps": self.skipped_steps}
+        return {
+            "masters": [m.clone() for m in self.masters],
+            "optimizer": self.optimizer.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "skipped_steps": self.skipped_steps,
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict):
@@ -316,7 +343,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             m.copy_(saved)
             p.copy_(m)
         self.optimizer.load_state_dict(state["optimizer"])
-        for inner, outer in zip(self.optimizer.param_groups, self.param_groups):  # the saved lr, ...
+        # the saved lr, ...
+        for inner, outer in zip(self.optimizer.param_groups, self.param_groups):
             outer.update((k, v) for k, v in inner.items() if k != "params")
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])

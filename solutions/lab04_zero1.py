@@ -16,16 +16,17 @@ all-gather the updated parameters: (N-1)/N·Ψ + (N-1)/N·Ψ = 2(N-1)/N·Ψ elem
 reduce's volume. minizero.comm counts exactly this (see tests/test_zero12.py).
 
     opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)   # or param groups:
-    opt = ShardedOptimizer([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+    opt = ShardedOptimizer([{"params": decay, "weight_decay": 0.1},
+                            {"params": no_decay, "weight_decay": 0.0}],
                            torch.optim.AdamW, lr=1e-3)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 100)   # a torch.optim.Optimizer: schedulers take it
+    sched = torch.optim.lr_scheduler.StepLR(opt, 100)  # a torch.optim.Optimizer: schedulers take it
     loss = model(x_shard, y_shard)[1]; loss.backward()
     opt.clip_grad_norm_(1.0)         # optional: the GLOBAL norm, across shards
     # module=model: its buffers (BatchNorm statistics) stay rank 0's, as under torch DDP
     opt.step(); opt.zero_grad()
 
-Layout (minizero.zero.flat_layout.FlatLayout): the trainable parameters (a tied weight once, frozen ones
-not at all) become views into ONE flat buffer padded to a multiple of N; rank r owns
+Layout (minizero.zero.flat_layout.FlatLayout): the trainable parameters (a tied weight once, frozen
+ones not at all) become views into ONE flat buffer padded to a multiple of N; rank r owns
 [r·S, (r+1)·S), S = ceil(Ψ/N), cut wherever it falls, even through a tensor. That is fine
 because the optimizers we wrap are ELEMENTWISE: SGD, Adam, AdamW, ... update each element
 from its own gradient and state, so stepping a slice of the flat buffer as one big tensor is
@@ -57,9 +58,9 @@ Decisions, and why:
     DeepSpeed instead steps it with a zero gradient (weight decay shrinks it, momentum moves it).
   * fp16 loss scaling is the caller's: reduce_gradients() is the averaged shard, unscale and
     check it (minizero.precision), then step(), or zero_grad() to skip the step.
-  * offload=OffloadSpec(...) (zero/tiers.py; ZeRO-Offload): the fp32 master and the optimizer live on the
-    host and the step runs there; gradient_for_step() moves the averaged shard down, step_gradient()
-    steps and brings the parameters up, then the all-gather runs as without offload.
+  * offload=OffloadSpec(...) (zero/tiers.py; ZeRO-Offload): the fp32 master and the optimizer live
+    on the host and the step runs there; gradient_for_step() moves the averaged shard down,
+    step_gradient() steps and brings the parameters up, then the all-gather runs as without offload.
 """
 from __future__ import annotations
 
@@ -96,29 +97,35 @@ def clip_shard_grad_norm_(comm, grad_shard: torch.Tensor, max_norm: float, norm_
 
 
 class ShardedOptimizer(FlatShardOptimizer):
-    """ZeRO-1: `optimizer_cls` on this rank's 1/N of the flat parameters, one run per param group."""
+    """ZeRO-1: `optimizer_cls` on this rank's 1/N of the flat parameters, one run per param
+    group."""
 
     def __init__(self, params, optimizer_cls, comm: comm_mod.Communicator | None = None,
-                 gradients_reduced: bool = False, debug: bool | None = None, offload=None, module=None,
-                 master_dtype=torch.float32, **optimizer_kwargs):
-        """module: the model these parameters belong to, when no wrapper (DDP) keeps its buffers equal: then
-        BatchNorm's running statistics are rank 0's at construction and after every step (torch DDP's
-        broadcast_buffers, (N-1)/N of their bytes per step); without it each rank keeps its own.
-        master_dtype: the dtype the optimizer steps. fp32 (default): 16-bit parameters get an fp32 master shard.
-        The parameters' own dtype (DeepSpeed's bf16_master_weights_and_grads): the shard itself is stepped, with
-        its gradient in that dtype, and the inner optimizer's state follows it (torch's Adam makes its moments
-        like the tensor it steps: DeepSpeed's bf16_optimizer_states). DeepSpeed keeps a bf16 master copy of the
-        bf16 shard; here the shard is the master (the same values: no duplicate), as in the fp32 case."""
-        super().__init__(params, optimizer_cls, optimizer_kwargs)  # groups and values checked: nothing changed yet
+                 gradients_reduced: bool = False, debug: bool | None = None, offload=None,
+                 module=None, master_dtype=torch.float32, **optimizer_kwargs):
+        """module: the model these parameters belong to, when no wrapper (DDP) keeps its buffers
+        equal: then BatchNorm's running statistics are rank 0's at construction and after every step
+        (torch DDP's broadcast_buffers, (N-1)/N of their bytes per step); without it each rank keeps
+        its own. master_dtype: the dtype the optimizer steps. fp32 (default): 16-bit parameters get
+        an fp32 master shard. The parameters' own dtype (DeepSpeed's bf16_master_weights_and_grads):
+        the shard itself is stepped, with its gradient in that dtype, and the inner optimizer's
+        state follows it (torch's Adam makes its moments like the tensor it steps: DeepSpeed's
+        bf16_optimizer_states). DeepSpeed keeps a bf16 master copy of the bf16 shard; here the shard
+        is the master (the same values: no duplicate), as in the fp32 case."""
+        # groups and values checked: nothing changed yet
+        super().__init__(params, optimizer_cls, optimizer_kwargs)
         self.comm = comm or comm_mod.get()
-        self.buffers = [] if module is None else list(module.buffers())  # kept equal across ranks by step()
+        # kept equal across ranks by step()
+        self.buffers = [] if module is None else list(module.buffers())
         self.comm.broadcast_tensors(self.buffers)
         dtypes = {(p.dtype, p.device) for p in self.params}
         if len(dtypes) > 1:
-            raise ValueError(f"one flat buffer holds one dtype on one device; got {sorted(map(str, dtypes))}")
+            raise ValueError("one flat buffer holds one dtype on one device; got "
+                             f"{sorted(map(str, dtypes))}")
         if (self.comm.debug if debug is None else debug) and self.comm.size > 1:
             # rank 0's values win below; debug says so loudly instead of training rank 0's model
-            self.comm.check_replicated([(f"params[{i}]", p) for i, p in enumerate(self.params)], "ShardedOptimizer")
+            self.comm.check_replicated([(f"params[{i}]", p) for i, p in enumerate(self.params)],
+                                       "ShardedOptimizer")
         self.gradients_reduced = gradients_reduced
         self.layout = FlatLayout([p.shape for p in self.params], self.comm.size)
         # The full flat parameter buffer: every rank holds all of it (ZeRO-1 shards only the
@@ -129,35 +136,52 @@ class ShardedOptimizer(FlatShardOptimizer):
             p.data = view  # the model's parameters now live in self.flat
         self.shard = self.layout.shard(self.flat, self.comm.rank)
         if master_dtype not in (torch.float32, self.flat.dtype):
-            raise ValueError(f"master_dtype must be torch.float32 or the parameters' {self.flat.dtype}, got "
-                             f"{master_dtype}")
+            raise ValueError("master_dtype must be torch.float32 or the parameters' "
+                             f"{self.flat.dtype}, got {master_dtype}")
         if master_dtype != torch.float32 and offload is not None:
-            raise ValueError("a 16-bit master_dtype with offload is not implemented: the host tier keeps fp32 masters")
+            raise ValueError("a 16-bit master_dtype with offload is not implemented: the host tier "
+                             "keeps fp32 masters")
         self.master_dtype = master_dtype
         self.mixed = self.flat.dtype != master_dtype  # a separate master shard of another dtype
-        # offload: the host tier (zero/tiers.py) holds the fp32 master and steps it; else the device does
-        self.tier = None if offload is None else build_tier(offload, [self.shard], optimizer_cls, self.comm.rank,
-                                                            after_params=self._all_gather_shard, **optimizer_kwargs)
+        # offload: the host tier (zero/tiers.py) holds the
+        # fp32 master and steps it; else the device does
+        self.tier = None if offload is None else build_tier(offload, [self.shard], optimizer_cls,
+                                                            self.comm.rank,
+                                                            after_params=self._all_gather_shard,
+                                                            **optimizer_kwargs)
         if self.tier is not None:
             self.master = self.tier.masters[0]
         else:
-            self.master = self.shard.float() if self.mixed else self.shard  # same dtype: no redundant copy
+            # same dtype: no redundant copy
+            self.master = self.shard.float() if self.mixed else self.shard
         rank, shard_numel = self.comm.rank, self.layout.shard_numel
         data_end = min(shard_numel, max(0, self.layout.numel - rank * shard_numel))  # then padding
-        self._build_runs([(self.master, [(pc.index, pc.lo, pc.hi, pc.shard_lo) for pc in self.layout.pieces(rank)],
-                           data_end, False)], self.tier)
-        self.had_grad = [False] * len(self.params)  # this rank produced params[i].grad since zero_grad
+        self._build_runs(
+            [
+                (
+                    self.master,
+                    [(pc.index, pc.lo, pc.hi, pc.shard_lo) for pc in self.layout.pieces(rank)],
+                    data_end,
+                    False,
+                )
+            ],
+            self.tier,
+        )
+        # this rank produced params[i].grad since zero_grad
+        self.had_grad = [False] * len(self.params)
         self.flat_grad, self._grad_shard = None, None
         self._consolidated = None  # (rank it went to, the whole state there) since the last step
         if not gradients_reduced:
             self.flat_grad = torch.zeros_like(self.flat)
-            # p.grad is this rank's unreduced gradient; as a ShardedGrad its norm (torch's clip line) is the
-            # averaged gradient's and its mul_ scales the reduced shard too (sharded_grad.py)
+            # p.grad is this rank's unreduced gradient; as a ShardedGrad its norm (torch's clip
+            # line) is the averaged gradient's and its mul_ scales the reduced shard too
+            # (sharded_grad.py)
             self.grad_views = [sharded_grad(v, self.comm, lambda i=i: self.averaged_pieces(i),
                                             lambda f, div, i=i: self._scale_reduced(i, f, div),
                                             lambda i=i: self.full_grad(self.reduce_gradients(), i))
                                for i, v in enumerate(self.layout.views(self.flat_grad))]
-            self._hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: self._into_flat_grad(i))
+            self._hooks = [p.register_post_accumulate_grad_hook(lambda p,
+                                                                i=i: self._into_flat_grad(i))
                            for i, p in enumerate(self.params)]
 
     # ------------------------------------------------------------------ gradients
@@ -175,7 +199,8 @@ class ShardedOptimizer(FlatShardOptimizer):
 
     @property
     def grad_shard(self) -> torch.Tensor | None:
-        """This rank's reduced gradient shard since the last zero_grad (None before the reduce-scatter)."""
+        """This rank's reduced gradient shard since the last zero_grad (None before the
+        reduce-scatter)."""
         return self._grad_shard
 
     @torch.no_grad()
@@ -185,8 +210,9 @@ class ShardedOptimizer(FlatShardOptimizer):
         if self._grad_shard is not None:
             return self._grad_shard
         if all(p.grad is None for p in self.params):
-            raise RuntimeError("ShardedOptimizer.step(): no parameter has a gradient. Call loss.backward() "
-                               "before step() (and zero_grad() after it, not before it).")
+            raise RuntimeError("ShardedOptimizer.step(): no parameter has a gradient. Call "
+                               "loss.backward() before step() (and zero_grad() after it, not "
+                               "before it).")
         shard = torch.zeros(self.layout.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
         memory.transient.alloc("zero1.grad_shard", shard)
         if self.gradients_reduced:  # already averaged: copy out only the pieces this rank owns
@@ -204,23 +230,29 @@ class ShardedOptimizer(FlatShardOptimizer):
         return shard
 
     def _pieces_of(self, shard: torch.Tensor, i: int) -> list:
-        return [shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo] for pc in self.layout.pieces(self.comm.rank)
-                if pc.index == i]
+        return [
+            shard[pc.shard_lo : pc.shard_lo + pc.hi - pc.lo]
+            for pc in self.layout.pieces(self.comm.rank)
+            if pc.index == i
+        ]
 
     def averaged_pieces(self, i: int) -> list:
-        """The elements of params[i]'s averaged gradient this rank holds (reduces first: a collective)."""
+        """The elements of params[i]'s averaged gradient this rank holds (reduces first: a
+        collective)."""
         return self._pieces_of(self.reduce_gradients(), i)
 
     @torch.no_grad()
     def full_grad(self, shard: torch.Tensor, i: int) -> torch.Tensor:
-        """params[i]'s whole averaged gradient from every rank's gradient shard (an all-gather of the shards)."""
+        """params[i]'s whole averaged gradient from every rank's gradient shard (an all-gather of
+        the shards)."""
         full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
         self.comm.all_gather(full, shard.contiguous())
         a = self.layout.offsets[i]
         return full[a:a + self.layout.numels[i]].view(self.params[i].shape).clone()
 
     def _scale_reduced(self, i: int, factor, divide: bool):
-        """p.grad.mul_ after the reduce: the reduced shard the step uses follows (before it, the reduce does)."""
+        """p.grad.mul_ after the reduce: the reduced shard the step uses follows (before it, the
+        reduce does)."""
         if self._grad_shard is not None:
             for piece in self._pieces_of(self._grad_shard, i):
                 piece.div_(factor) if divide else piece.mul_(factor)
@@ -243,26 +275,30 @@ class ShardedOptimizer(FlatShardOptimizer):
             self.step_gradient(self.gradient_for_step(grad_shard))
         self._grad_shard = None
         memory.transient.free("zero1.grad_shard")
-        self.comm.broadcast_tensors(self.buffers)  # module= given: BatchNorm statistics stay rank 0's
+        # module= given: BatchNorm statistics stay rank 0's
+        self.comm.broadcast_tensors(self.buffers)
         return loss
 
     @torch.no_grad()
     def gradient_for_step(self, grad_shard: torch.Tensor) -> torch.Tensor:
-        """The fp32 gradient the step will use, where it will use it (unscale and clip it in place): the
-        device shard (a copy when 16-bit), or, offloaded, the tier's host buffer (moved down, counted)."""
+        """The fp32 gradient the step will use, where it will use it (unscale and clip it in place):
+        the device shard (a copy when 16-bit), or, offloaded, the tier's host buffer (moved down,
+        counted)."""
         if self.tier is None:
             return grad_shard.to(self.master_dtype)
-        if isinstance(grad_shard, HostGradShard):  # ZeRO-2: backward already added each bucket's part into it
+        # ZeRO-2: backward already added each bucket's part into it
+        if isinstance(grad_shard, HostGradShard):
             return grad_shard.host
         self.tier.grads_to_host([grad_shard])
         return self.tier.grads[0]
 
     @torch.no_grad()
     def step_gradient(self, grad: torch.Tensor):
-        """Step with gradient_for_step()'s gradient: on the device (step_shard), or on the host tier, which
-        steps (in a thread under DPU), copies the parameters up and all-gathers them."""
+        """Step with gradient_for_step()'s gradient: on the device (step_shard), or on the host
+        tier, which steps (in a thread under DPU), copies the parameters up and all-gathers them."""
         self._consolidated = None
-        self._opt_called = True  # what torch's LR schedulers record in their wrapper of step(): the engine steps here
+        # what torch's LR schedulers record in their wrapper of step(): the engine steps here
+        self._opt_called = True
         if self.tier is None:
             self.step_shard(grad)
         else:
@@ -270,15 +306,20 @@ class ShardedOptimizer(FlatShardOptimizer):
 
     @torch.no_grad()
     def _all_gather_shard(self):
-        """After the host tier wrote this rank's shard of the parameters: every rank gets all of them."""
+        """After the host tier wrote this rank's shard of the parameters: every rank gets all of
+        them."""
         send = self.shard.clone()  # MPI may not send from inside the buffer it receives into
         self.comm.all_gather(self.flat, send)
 
     def used(self, grad_shard: torch.Tensor) -> set:
         """Parameters (indices) with a piece in this shard that got a gradient in this step: a local
         one (had_grad), or a nonzero average, so some other rank used it (DDP's rule)."""
-        return {pc.index for pc in self.layout.pieces(self.comm.rank)
-                if self.had_grad[pc.index] or bool(grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo].any())}
+        return {
+            pc.index
+            for pc in self.layout.pieces(self.comm.rank)
+            if self.had_grad[pc.index]
+            or bool(grad_shard[pc.shard_lo : pc.shard_lo + pc.hi - pc.lo].any())
+        }
 
     @torch.no_grad()
     def step_shard(self, grad_shard: torch.Tensor):
@@ -287,7 +328,8 @@ class ShardedOptimizer(FlatShardOptimizer):
         ZeRO-2 calls this too, with the gradient shard it reduced during backward."""
         used = self.used(grad_shard)
         # mixed precision: the fp32 copy of the gradient shard lives only during the step
-        with memory.transient.hold("zero1.fp32_grad_shard", grad_shard.numel() * 4 if self.mixed else 0):
+        with memory.transient.hold("zero1.fp32_grad_shard",
+                                   grad_shard.numel() * 4 if self.mixed else 0):
             # step the shard.
             #   What must hold: self.step_masters(used) runs the inner torch optimizer on this
             #   rank's shard (self.master) and leaves the parameters outside `used` alone; like any
@@ -327,8 +369,8 @@ class ShardedOptimizer(FlatShardOptimizer):
 
     # ------------------------------------------------------------------ torch conventions
     def local_state_dict(self) -> dict:
-        """This rank's shard only, in torch's format (flat_shard_optimizer.py); loads back on the same layout.
-        fp32: the master IS the model's parameters, so it is not saved."""
+        """This rank's shard only, in torch's format (flat_shard_optimizer.py); loads back on the
+        same layout. fp32: the master IS the model's parameters, so it is not saved."""
         sd = super().local_state_dict()
         if self.mixed:
             sd["master"] = self.master.clone()
@@ -336,28 +378,34 @@ class ShardedOptimizer(FlatShardOptimizer):
 
     def state_dict(self) -> dict:
         """The WHOLE optimizer state, on the rank consolidate_state_dict(to=) sent it to (torch's
-        ZeroRedundancyOptimizer convention); anywhere else, or before it, an error: this rank holds 1/N."""
+        ZeroRedundancyOptimizer convention); anywhere else, or before it, an error: this rank holds
+        1/N."""
         if self._consolidated is None or self._consolidated[0] != self.comm.rank:
             where = "" if self._consolidated is None else \
-                f" (the last one consolidated to rank {self._consolidated[0]}, this is rank {self.comm.rank})"
-            raise RuntimeError(f"{type(self).__name__}.state_dict(): this rank holds 1/{self.comm.size} of the "
-                               f"optimizer state{where}. Call optimizer.consolidate_state_dict(to=0) on every rank "
-                               "after the last step (as torch's ZeroRedundancyOptimizer), then state_dict() on rank 0; "
-                               "optimizer.local_state_dict() is this rank's shard")
+                (f" (the last one consolidated to rank {self._consolidated[0]}, this is rank "
+                 f"{self.comm.rank})")
+            raise RuntimeError(f"{type(self).__name__}.state_dict(): this rank holds "
+                               f"1/{self.comm.size} of the optimizer state{where}. Call "
+                               "optimizer.consolidate_state_dict(to=0) on every rank after the "
+                               "last step (as torch's ZeroRedundancyOptimizer), then state_dict() "
+                               "on rank 0; optimizer.local_state_dict() is this rank's shard")
         return self._consolidated[1]
 
     def consolidate_state_dict(self, to: int = 0):
-        """A collective: rank `to` gets the whole state in torch's per-parameter format (zero/consolidate.py)
-        for state_dict(); valid until the next step."""
+        """A collective: rank `to` gets the whole state in torch's per-parameter format
+        (zero/consolidate.py) for state_dict(); valid until the next step."""
         if self.tier is not None:
-            raise ValueError(f"{type(self).__name__}.consolidate_state_dict: the optimizer state is offloaded; save it "
-                             "with the engine's save_checkpoint (it reshards), or local_state_dict() per rank")
+            raise ValueError(f"{type(self).__name__}.consolidate_state_dict: the optimizer state "
+                             "is offloaded; save it with the engine's save_checkpoint (it "
+                             "reshards), or local_state_dict() per rank")
         if not 0 <= to < self.comm.size:
-            raise ValueError(f"consolidate_state_dict(to={to}): to must be a rank in [0, {self.comm.size})")
+            raise ValueError(f"consolidate_state_dict(to={to}): to must be a rank in [0, "
+                             f"{self.comm.size})")
         self._consolidated = (to, consolidate(self, to))
 
     def load_state_dict(self, state_dict: dict):
-        """This rank's local_state_dict(), or a consolidated state_dict() (every rank takes its shard of it)."""
+        """This rank's local_state_dict(), or a consolidated state_dict() (every rank takes its
+        shard of it)."""
         if state_dict.get("consolidated"):
             load_consolidated(self, state_dict)
             return
@@ -380,8 +428,9 @@ class ShardedOptimizer(FlatShardOptimizer):
 
     def __repr__(self):
         layout = self.layout
-        return (f"ShardedOptimizer({type(self.optim).__name__}, rank {self.comm.rank}/{self.comm.size}, "
-                f"psi={layout.numel}, padded={layout.padded_numel}, shard={layout.shard_numel}, mixed={self.mixed})")
+        return (f"ShardedOptimizer({type(self.optim).__name__}, rank "
+                f"{self.comm.rank}/{self.comm.size}, psi={layout.numel}, "
+                f"padded={layout.padded_numel}, shard={layout.shard_numel}, mixed={self.mixed})")
 
 
 if __name__ == "__main__":

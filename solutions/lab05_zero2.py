@@ -72,12 +72,15 @@ from minizero.zero.sharded_optimizer import ShardedOptimizer, clip_shard_grad_no
 
 
 class Stage2Optimizer(ShardedOptimizer):
-    """ShardGradOp's inner optimizer (model.optim): ZeRO-1's step on the gradient shard the wrapper reduced
-    during backward. A user (or an LR scheduler) holding model.optim calls step() / zero_grad() on it and
-    gets what model.step() / model.zero_grad() do: they are the same methods."""
+    """ShardGradOp's inner optimizer (model.optim): ZeRO-1's step on the gradient shard the wrapper
+    reduced during backward. A user (or an LR scheduler) holding model.optim calls step() /
+    zero_grad() on it and gets what model.step() / model.zero_grad() do: they are the same
+    methods."""
 
-    def __init__(self, owner, groups, optimizer_cls, comm, offload, optimizer_kwargs, master_dtype=torch.float32):
-        self.owner = weakref.ref(owner)  # the ShardGradOp whose grad_shard holds the gradients (weak: no cycle)
+    def __init__(self, owner, groups, optimizer_cls, comm, offload, optimizer_kwargs,
+                 master_dtype=torch.float32):
+        # the ShardGradOp whose grad_shard holds the gradients (weak: no cycle)
+        self.owner = weakref.ref(owner)
         super().__init__(groups, optimizer_cls, comm, gradients_reduced=True, offload=offload,
                          master_dtype=master_dtype, **optimizer_kwargs)
 
@@ -97,7 +100,8 @@ class Stage2Optimizer(ShardedOptimizer):
     def zero_grad(self, set_to_none: bool = True):
         owner = self.owner()
         owner._drop_placeholders()
-        super().zero_grad(set_to_none)  # the tier, had_grad, and full p.grad (only no_sync leaves them)
+        # the tier, had_grad, and full p.grad (only no_sync leaves them)
+        super().zero_grad(set_to_none)
         owner.grad_shard.zero_()
         owner._has_grad = False
 
@@ -107,48 +111,60 @@ class ShardGradOp(SyncSwitch, nn.Module):
 
     def __init__(self, module: nn.Module, optimizer_cls, comm: comm_mod.Communicator | None = None,
                  bucket_numel: int = 6_250_000, overlap: bool = True, debug: bool | None = None,
-                 params=None, broadcast_buffers: bool = True, offload=None, bucket_cap_mb: float | None = None,
-                 master_dtype=torch.float32, **optimizer_kwargs):
+                 params=None, broadcast_buffers: bool = True, offload=None,
+                 bucket_cap_mb: float | None = None, master_dtype=torch.float32,
+                 **optimizer_kwargs):
         """params: param groups of `module`'s parameters (nanoGPT's decay / no-decay pair), every
         trainable parameter in one of them; default: one group of module.parameters().
-        offload: a zero.tiers.OffloadSpec: the shard's master and optimizer on the host (ZeRO-Offload).
-        master_dtype: what the optimizer steps (ShardedOptimizer's; bf16: DeepSpeed's bf16_master_weights_and_grads)."""
+        offload: a zero.tiers.OffloadSpec: the shard's master and optimizer on the host
+        (ZeRO-Offload). master_dtype: what the optimizer steps (ShardedOptimizer's; bf16:
+        DeepSpeed's bf16_master_weights_and_grads)."""
         super().__init__()
         check_optimizer_class(optimizer_cls)
         if bucket_cap_mb is not None:  # torch's MiB, converted here once
             bucket_numel = bucket_numel_from_mb(bucket_cap_mb, module)
         if not bucket_numel or bucket_numel <= 0:
             raise ValueError(f"bucket_numel must be > 0, got {bucket_numel!r}")
-        groups = covering_param_groups(module, module.parameters() if params is None else params, "ShardGradOp")
+        groups = covering_param_groups(module, module.parameters() if params is None else params,
+                                       "ShardGradOp")
         self.module = module              # the wrapped model (torch's convention: .module)
         self.comm = comm or comm_mod.get()
         if (self.comm.debug if debug is None else debug) and self.comm.size > 1:
             self.comm.check_replicated(module.named_parameters(), "ShardGradOp")
         self.overlap = overlap            # reduce each bucket during backward (else all at its end)
         self.bucket_numel = bucket_numel  # gradients per bucket; a bigger parameter gets its own
-        self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward (torch DDP's default)
+        # rank 0's buffers before every forward (torch DDP's default)
+        self.broadcast_buffers = broadcast_buffers
         # The sharded step of ZeRO-1, told that gradients arrive reduced (it allocates none).
-        self.optim = Stage2Optimizer(self, groups, optimizer_cls, self.comm, offload, optimizer_kwargs, master_dtype)
+        self.optim = Stage2Optimizer(self, groups, optimizer_cls, self.comm, offload,
+                                     optimizer_kwargs, master_dtype)
         # frozen parameters and buffers: rank 0's (the flat buffer was broadcast by the optimizer)
-        self.comm.broadcast_tensors([*(p for p in module.parameters() if not p.requires_grad), *module.buffers()])
+        self.comm.broadcast_tensors([*(p for p in module.parameters() if not p.requires_grad),
+                                     *module.buffers()])
         self.params = self.optim.params   # unique trainable parameters, in flat-buffer order
         self.layout = self.optim.layout   # where each parameter sits in the flat buffer
         # this rank's averaged gradient: the only gradient memory that outlives backward
-        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.optim.flat.dtype,
-                                      device=self.optim.flat.device) if self.optim.tier is None else \
-            HostGradShard(self.optim.tier, self.optim.flat.dtype, self.optim.flat.device)  # offloaded: the
-        # host's fp32 buffer, each bucket's part copied down into it during backward (ZeRO-Offload, Sec. 4.1)
+        self.grad_shard = (
+            torch.zeros(
+                self.layout.shard_numel, dtype=self.optim.flat.dtype, device=self.optim.flat.device
+            )
+            if self.optim.tier is None
+            else HostGradShard(self.optim.tier, self.optim.flat.dtype, self.optim.flat.device)
+        )  # offloaded: the
+        # host's fp32 buffer, each bucket's part copied down
+        # into it during backward (ZeRO-Offload, Sec. 4.1)
         self.buckets = self._make_buckets(bucket_numel)
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.index}
-        self._sync = True                 # False inside no_sync(): keep full gradients, reduce later
+        self._sync = True  # False inside no_sync(): keep full gradients, reduce later
         self._in_backward = False         # a backward's hooks have fired and its end is queued
         self._has_grad = False            # grad_shard holds reduced gradients not stepped yet
         self._next = 0                    # first bucket not launched yet in this backward
         self._in_flight = None            # the bucket launched last (at most one in flight)
-        self.launched_in_hooks = 0        # buckets launched during backward (vs at its end): overlap
+        self.launched_in_hooks = 0  # buckets launched during backward (vs at its end): overlap
         for i, p in enumerate(self.params):
-            # a backward without a forward through this wrapper (a pipeline's next micro-batch) must not
-            # accumulate into the placeholder .grad: drop it before autograd's accumulation, which follows this
+            # a backward without a forward through this wrapper (a pipeline's next micro-batch) must
+            # not accumulate into the placeholder .grad: drop it before autograd's accumulation,
+            # which follows this
             p.register_hook(lambda g, i=i: self._drop_placeholder(i))
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad_ready(i))
 
@@ -165,7 +181,8 @@ class ShardGradOp(SyncSwitch, nn.Module):
     # ------------------------------------------------------------------ torch conventions
     def forward(self, *args, **kwargs):
         self._drop_placeholders()  # before autograd would accumulate into one
-        if self.broadcast_buffers and torch.is_grad_enabled():  # BatchNorm's statistics stay rank 0's
+        # BatchNorm's statistics stay rank 0's
+        if self.broadcast_buffers and torch.is_grad_enabled():
             self.comm.broadcast_tensors(list(self.module.buffers()))
         return self.module(*args, **kwargs)
 
@@ -173,9 +190,11 @@ class ShardGradOp(SyncSwitch, nn.Module):
         return self.module.state_dict(*args, **kwargs)  # no "module." prefix
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """The module's weights (into the flat buffer). Optimizer shard: self.optim.load_state_dict."""
+        """The module's weights (into the flat buffer). Optimizer shard:
+        self.optim.load_state_dict."""
         out = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        if self.optim.mixed:  # the fp32 master shard must follow, or the next step restores the old weights
+        # the fp32 master shard must follow, or the next step restores the old weights
+        if self.optim.mixed:
             self.optim.master.copy_(self.optim.shard)
         return out
 
@@ -189,8 +208,8 @@ class ShardGradOp(SyncSwitch, nn.Module):
             Variable._execution_engine.queue_callback(self._end_of_backward)
         bucket = self.buckets[self._bucket_of[i]]
         if bucket.filled[bucket.slot[i]]:
-            raise RuntimeError(f"ShardGradOp: parameter {i} {tuple(self.params[i].shape)} got two gradients in "
-                               "one backward")
+            raise RuntimeError(f"ShardGradOp: parameter {i} {tuple(self.params[i].shape)} got two "
+                               "gradients in one backward")
         self.optim.had_grad[i] = True  # a local gradient: used (torch steps it)
         self._fill(bucket, i)
         while self.overlap and self._next < len(self.buckets) and self.buckets[self._next].full():
@@ -277,13 +296,16 @@ class ShardGradOp(SyncSwitch, nn.Module):
         for bucket in self.buckets:
             bucket.reset()
         self._next, self._in_backward, self._has_grad = 0, False, True
-        for i, p in enumerate(self.params):  # torch's clip line on model.parameters() reaches grad_shard
+        # torch's clip line on model.parameters() reaches grad_shard
+        for i, p in enumerate(self.params):
             if p.grad is None:
                 p.grad = placeholder_grad(p, self.comm, lambda i=i: self._shard_pieces(i),
                                           lambda f, div, i=i: self._scale_shard(i, f, div),
-                                          lambda i=i: self.optim.full_grad(self._shard(), i), self._WHERE)
+                                          lambda i=i: self.optim.full_grad(self._shard(), i),
+                                          self._WHERE)
 
-    _WHERE = "ShardGradOp reduced it into this rank's shard of the averaged gradient (model.grad_shard) during backward"
+    _WHERE = ("ShardGradOp reduced it into this rank's shard of the averaged gradient "
+              "(model.grad_shard) during backward")
 
     def _drop_placeholder(self, i: int):
         if is_placeholder(self.params[i].grad):
@@ -295,9 +317,14 @@ class ShardGradOp(SyncSwitch, nn.Module):
                 p.grad = None
 
     def _shard(self) -> torch.Tensor:
-        """This rank's averaged gradient shard, where the step reads it (offloaded: the host's buffer)."""
+        """This rank's averaged gradient shard, where the step reads it (offloaded: the host's
+        buffer)."""
         self._check_grad("clip_grad_norm_")
-        return self.optim.gradient_for_step(self.grad_shard) if self.optim.tier is not None else self.grad_shard
+        return (
+            self.optim.gradient_for_step(self.grad_shard)
+            if self.optim.tier is not None
+            else self.grad_shard
+        )
 
     def _shard_pieces(self, i: int) -> list:
         """The elements of params[i]'s averaged gradient this rank holds."""
@@ -310,20 +337,30 @@ class ShardGradOp(SyncSwitch, nn.Module):
     # ------------------------------------------------------------------ step
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         self._check_grad("clip_grad_norm_")
-        return clip_shard_grad_norm_(self.comm, self.optim.gradient_for_step(self.grad_shard) if self.optim.tier
-                                     is not None else self.grad_shard, max_norm, norm_type)  # offloaded: on the host
+        return clip_shard_grad_norm_(
+            self.comm,
+            self.optim.gradient_for_step(self.grad_shard)
+            if self.optim.tier
+            # offloaded: on the host
+            is not None
+            else self.grad_shard,
+            max_norm,
+            norm_type,
+        )
 
     def step(self, closure=None):
-        return self.optim.step(closure)  # the same call as model.optim.step(): an LR scheduler on it counts it
+        # the same call as model.optim.step(): an LR scheduler on it counts it
+        return self.optim.step(closure)
 
     def _check_grad(self, what):
         if self._in_backward:
-            raise RuntimeError(f"ShardGradOp.{what}(): called during backward (from a hook?): the gradient "
-                               "shard is complete only after loss.backward() returns")
+            raise RuntimeError(f"ShardGradOp.{what}(): called during backward (from a hook?): the "
+                               "gradient shard is complete only after loss.backward() returns")
         if not self._has_grad:
-            raise RuntimeError(f"ShardGradOp.{what}(): no gradient yet: call loss.backward() first (a backward "
-                               "inside no_sync() or with require_backward_grad_sync = False only accumulates; the "
-                               "next one outside it reduces), and zero_grad() after step(), not between them")
+            raise RuntimeError(f"ShardGradOp.{what}(): no gradient yet: call loss.backward() first "
+                               "(a backward inside no_sync() or with require_backward_grad_sync = "
+                               "False only accumulates; the next one outside it reduces), and "
+                               "zero_grad() after step(), not between them")
 
     def zero_grad(self, set_to_none: bool = True):
         self.optim.zero_grad(set_to_none)  # grad_shard and p.grad alike (Stage2Optimizer.zero_grad)

@@ -50,7 +50,8 @@ from minizero.comm.labels import labelled
 
 BITS = (4, 8)
 LITTLE_ENDIAN = sys.byteorder == "little"  # the int16 view of two int8 codes (_pack_int4_into)
-CHUNK_NUMEL = 1 << 16  # encode/decode a quarter-MB of fp32 at a time: 3x faster than whole 3M-element tensors
+# encode/decode a quarter-MB of fp32 at a time: 3x faster than whole 3M-element tensors
+CHUNK_NUMEL = 1 << 16
 
 
 class Pending:
@@ -70,7 +71,8 @@ class Pending:
 
 def check_block_numel(block_numel, what="block_numel"):
     if isinstance(block_numel, bool) or not isinstance(block_numel, int) or block_numel <= 0:
-        raise ValueError(f"{what} must be a positive int (elements per quantization block), got {block_numel!r}")
+        raise ValueError(f"{what} must be a positive int (elements per quantization block), got "
+                         f"{block_numel!r}")
 
 
 def _rows(x):
@@ -89,7 +91,8 @@ def _blocks(x, block_numel):
 
 
 def quantize_blockwise(x, block_numel, bits=8):
-    """x (1-D, or 2-D: each row on its own) -> (codes int8 [rows, n], scales fp32 [rows, ceil(n/B)])."""
+    """x (1-D, or 2-D: each row on its own) -> (codes int8 [rows, n], scales fp32 [rows,
+    ceil(n/B)])."""
     check_block_numel(block_numel)
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
@@ -143,10 +146,10 @@ def _step(block_numel, bits):
 
 
 def _pack_int4_into(codes, out):
-    """pack_int4's bytes for int8 codes [rows, m], m even, written into uint8 `out` [rows, m // 2]; codes is
-    overwritten. Each pair of codes, +8, read as one little-endian int16 v = b0 + 256 b1 (0 < b < 16): the
-    packed byte b0 | b1 << 4 is the low byte of v | v >> 4. Three contiguous passes instead of strided ones
-    (3.5x faster on a 64K chunk than the nibble view)."""
+    """pack_int4's bytes for int8 codes [rows, m], m even, written into uint8 `out` [rows, m // 2];
+    codes is overwritten. Each pair of codes, +8, read as one little-endian int16 v = b0 + 256 b1 (0
+    < b < 16): the packed byte b0 | b1 << 4 is the low byte of v | v >> 4. Three contiguous passes
+    instead of strided ones (3.5x faster on a 64K chunk than the nibble view)."""
     if not codes.is_contiguous() or codes.storage_offset() % 2:  # the int16 view needs aligned rows
         codes = codes.clone(memory_format=torch.contiguous_format)
     codes.add_(8)
@@ -155,9 +158,9 @@ def _pack_int4_into(codes, out):
 
 
 def _unpack_int4_into(packed, buf):
-    """unpack_int4's codes (both nibbles of every byte, 2 x packed's columns) written into int8 `buf`: each
-    byte p as an int16, (p | p << 4) & 0x0F0F has p's low nibble in its low byte and its high nibble in its
-    high byte (little-endian), then -8."""
+    """unpack_int4's codes (both nibbles of every byte, 2 x packed's columns) written into int8
+    `buf`: each byte p as an int16, (p | p << 4) & 0x0F0F has p's low nibble in its low byte and its
+    high nibble in its high byte (little-endian), then -8."""
     wide = packed.to(torch.int16)
     torch.bitwise_and(wide.bitwise_or_(wide << 4), 0x0F0F, out=buf.view(torch.int16))
     buf.sub_(8)
@@ -171,7 +174,8 @@ def encode(x, block_numel, bits):
     x = _rows(x)
     rows, n = x.shape
     code_bytes = -(-n // 2) if bits == 4 else n
-    wire = torch.empty(rows, code_bytes + 4 * -(-n // block_numel), dtype=torch.uint8, device=x.device)
+    wire = torch.empty(rows, code_bytes + 4 * -(-n // block_numel), dtype=torch.uint8,
+                       device=x.device)
     scales = []
     step = _step(block_numel, bits)
     for start in range(0, n, step):
@@ -179,7 +183,8 @@ def encode(x, block_numel, bits):
         width = chunk_codes.shape[1]
         if bits == 8:
             wire[:, start:start + width].copy_(chunk_codes.view(torch.uint8))
-        elif width % 2 or not LITTLE_ENDIAN:  # an odd last chunk (padded, as pack_int4 does), or big-endian
+        # an odd last chunk (padded, as pack_int4 does), or big-endian
+        elif width % 2 or not LITTLE_ENDIAN:
             wire[:, start // 2:start // 2 + (width + 1) // 2].copy_(pack_int4(chunk_codes))
         else:
             _pack_int4_into(chunk_codes, wire[:, start // 2:start // 2 + width // 2])
@@ -190,15 +195,24 @@ def encode(x, block_numel, bits):
 
 @labelled("mz.quantize.decode")
 def decode(wire, n, block_numel, bits, out=None, sum_rows=False):
-    """Inverse of encode: uint8 rows -> rows of n values, written into `out` (any float dtype) if given,
-    else a new fp32 tensor; sum_rows: their fp32 sum instead, one row of n. A chunk of columns at a
-    time, like encode (int4 codes unpacked into one reused buffer)."""
+    """Inverse of encode: uint8 rows -> rows of n values, written into `out` (any float dtype) if
+    given, else a new fp32 tensor; sum_rows: their fp32 sum instead, one row of n. A chunk of
+    columns at a time, like encode (int4 codes unpacked into one reused buffer)."""
     code_bytes = -(-n // 2) if bits == 4 else n
-    scales = wire[:, code_bytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # aligned
+    # aligned
+    scales = wire[:, code_bytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     if out is None:
-        out = torch.empty(n, device=wire.device) if sum_rows else torch.empty(wire.shape[0], n, device=wire.device)
+        out = (
+            torch.empty(n, device=wire.device)
+            if sum_rows
+            else torch.empty(wire.shape[0], n, device=wire.device)
+        )
     step = _step(block_numel, bits)
-    unpacked = torch.empty(wire.shape[0], step, dtype=torch.int8, device=wire.device) if bits == 4 else None
+    unpacked = (
+        torch.empty(wire.shape[0], step, dtype=torch.int8, device=wire.device)
+        if bits == 4
+        else None
+    )
     for start in range(0, n, step):
         stop = min(n, start + step)
         if bits == 4:  # start is even: byte start // 2 holds codes start and start + 1
@@ -210,8 +224,11 @@ def decode(wire, n, block_numel, bits, out=None, sum_rows=False):
                 codes = unpack_int4(packed, stop - start)
         else:
             codes = wire[:, start:stop].view(torch.int8)
-        values = dequantize_blockwise(codes, scales[:, start // block_numel:-(-stop // block_numel)], block_numel)
-        if sum_rows and values.shape[0] == 2:  # v0 + v1, as the sum over two rows (never -0.0: code * scale)
+        values = dequantize_blockwise(codes,
+                                      scales[:, start // block_numel:-(-stop // block_numel)],
+                                      block_numel)
+        # v0 + v1, as the sum over two rows (never -0.0: code * scale)
+        if sum_rows and values.shape[0] == 2:
             torch.add(values[0], values[1], out=out[start:stop])
         elif sum_rows:
             torch.sum(values, dim=0, out=out[start:stop])
@@ -249,7 +266,8 @@ def quantized_all_gather(comm, output, shard, block_numel, async_op=False):
 
 
 def _all_to_all_sum(comm, rows, block_numel, bits):
-    """Row j of `rows` goes (quantized) to rank j of comm; returns the fp32 sum of the rows received."""
+    """Row j of `rows` goes (quantized) to rank j of comm; returns the fp32 sum of the rows
+    received."""
     if comm.size == 1:
         return rows[0].float()
     wire = encode(rows, block_numel, bits)
@@ -260,19 +278,23 @@ def _all_to_all_sum(comm, rows, block_numel, bits):
 
 def hierarchical_reduce_scatter(node, cross_node, output, input, block_numel, bits=4):
     """qgZ: output (s elements, fp32) = the average over all node.size * cross_node.size ranks of
-    this rank's shard of `input` (N * s elements), sent as `bits`-bit codes in two all-to-all hops."""
+    this rank's shard of `input` (N * s elements), sent as `bits`-bit codes in two all-to-all
+    hops."""
     k, nodes, s = node.size, cross_node.size, output.numel()
     if input.numel() != k * nodes * s:
-        raise ValueError(f"hierarchical_reduce_scatter: input has {input.numel()} elements, expected "
-                         f"{k} x {nodes} x {s}")
-    rows = input.view(nodes, k, s).transpose(0, 1).reshape(k, nodes * s)  # row j: every node's rank-j shard
+        raise ValueError(f"hierarchical_reduce_scatter: input has {input.numel()} elements, "
+                         f"expected {k} x {nodes} x {s}")
+    # row j: every node's rank-j shard
+    rows = input.view(nodes, k, s).transpose(0, 1).reshape(k, nodes * s)
     node_sum = _all_to_all_sum(node, rows, block_numel, bits)               # hop 1, inside the node
-    total = _all_to_all_sum(cross_node, node_sum.view(nodes, s), block_numel, bits)  # hop 2, across nodes
+    # hop 2, across nodes
+    total = _all_to_all_sum(cross_node, node_sum.view(nodes, s), block_numel, bits)
     torch.div(total, k * nodes, out=output)
 
 
 # ----------------------------------------------------------------------------- from minizero/zero/zeropp.py
-"""minizero.zero.zeropp: ZeRO++ (Wang et al. 2023), ZeRO-3 with its cross-node traffic cut three ways.
+"""minizero.zero.zeropp: ZeRO++ (Wang et al. 2023), ZeRO-3 with its cross-node traffic cut three
+ways.
 
     mesh = Mesh(comm, node_size=2)                    # 4 ranks as 2 simulated nodes x 2 ranks
     model = ZeroPP(TinyGPT(cfg), mesh)                # qwZ + hpZ + qgZ; otherwise FSDP's API
@@ -304,9 +326,10 @@ Cross-node bytes per node per step (ring model, comm/stats.py) with nodes of k r
       + qgZ       (N-1)/N (M + M) + (nodes-1)/nodes 0.25M                             2.25M
       all three   (N-1)/N 0.5M + (nodes-1)/nodes 0.25M                                0.75M
 plus 4 bytes per quantization block, and each unit's padding to a multiple of N (lesson 08
-measures it). Persistent parameters stay whole and are all-reduced unquantized, as in FSDP: + 2(N-1)/N P
-per rank for P persistent elements, and a unit with no sharded part (every parameter under the
-persistence threshold, e.g. a unit of norms and biases) gathers nothing and keeps no secondary partition.
+measures it). Persistent parameters stay whole and are all-reduced unquantized, as in FSDP: +
+2(N-1)/N P per rank for P persistent elements, and a unit with no sharded part (every parameter
+under the persistence threshold, e.g. a unit of norms and biases) gathers nothing and keeps no
+secondary partition.
 
 Nodes are the Mesh's (node_size consecutive ranks), and ZeroPP shards over all of mesh.world
 (a Mesh with pp = tp = 1). node_size = 1 is legal, but then no rank has a node-mate to share a
@@ -331,15 +354,16 @@ class ZeroPPWarning(UserWarning):
     pass
 
 
-def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantized_weights: bool, hpz: bool,
-                   quantized_gradients: bool, weight_block_numel: int = 2048, grad_block_numel: int = 512,
-                   persistent_numel: int = 0) -> dict:
-    """What one rank sends per forward + backward, ring model (comm/stats.py), from the units' gathered
-    sizes alone (`padded`: each unit's N*s elements; 0 for a unit whose every parameter is persistent) and
-    the persistent elements (`persistent_numel`, all units: never gathered, their gradients all-reduced
-    unquantized, 2(N-1)/N of them per rank): {collective: {link: bytes}} with collective in
-    forward_all_gather / backward_all_gather / gradients and link
-      "ring":   a collective over all N ranks; on a ring of several nodes one rank per node sends across
+def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantized_weights: bool,
+                   hpz: bool, quantized_gradients: bool, weight_block_numel: int = 2048,
+                   grad_block_numel: int = 512, persistent_numel: int = 0) -> dict:
+    """What one rank sends per forward + backward, ring model (comm/stats.py), from the units'
+    gathered sizes alone (`padded`: each unit's N*s elements; 0 for a unit whose every parameter is
+    persistent) and the persistent elements (`persistent_numel`, all units: never gathered, their
+    gradients all-reduced unquantized, 2(N-1)/N of them per rank): {collective: {link: bytes}} with
+    collective in forward_all_gather / backward_all_gather / gradients and link
+      "ring":   a collective over all N ranks; on a ring of several nodes one rank per node sends
+                across
       "node":   inside this rank's node (hpZ's backward gather, qgZ's first all-to-all)
       "across": to the other nodes only (qgZ's second all-to-all)
     The module docstring's table is this, summed over a node's k ranks."""
@@ -350,7 +374,8 @@ def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantize
     for gathered in padded:
         shard = gathered // world
         payload = (gathered + 4 * world * math.ceil(shard / weight_block_numel) if quantized_weights
-                   else gathered * elem_bytes)  # int8 codes + one fp32 scale per block of each shard
+                   # int8 codes + one fp32 scale per block of each shard
+                   else gathered * elem_bytes)
         out["forward_all_gather"]["ring"] += (world - 1) / world * payload
         if hpz:  # from the node-mates' secondary partitions, unquantized
             out["backward_all_gather"]["node"] += (k - 1) / k * gathered * elem_bytes
@@ -359,8 +384,8 @@ def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantize
         if quantized_gradients:
             def wire(n):  # one all-to-all row of n elements: int4 codes + fp32 scales
                 return math.ceil(n / 2) + 4 * math.ceil(n / grad_block_numel)
-            out["gradients"]["node"] += (k - 1) * wire(nodes * shard)      # hop 1: rows for node-mates
-            out["gradients"]["across"] += (nodes - 1) * wire(shard)        # hop 2: rows for other nodes
+            out["gradients"]["node"] += (k - 1) * wire(nodes * shard)  # hop 1: rows for node-mates
+            out["gradients"]["across"] += (nodes - 1) * wire(shard)  # hop 2: rows for other nodes
         else:
             out["gradients"]["ring"] += (world - 1) / world * gathered * elem_bytes
     out["gradients"]["ring"] += 2 * (world - 1) / world * persistent_numel * elem_bytes
@@ -369,39 +394,47 @@ def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantize
 
 class ZeroPP(FSDP):
     def __init__(self, module, mesh, quantized_weights: bool = True, hpz: bool = True,
-                 quantized_gradients: bool = True, weight_block_numel: int = 2048, grad_block_numel: int = 512,
-                 quantizer=None, measure_error: bool = False, **fsdp_kwargs):
+                 quantized_gradients: bool = True, weight_block_numel: int = 2048,
+                 grad_block_numel: int = 512, quantizer=None, measure_error: bool = False,
+                 **fsdp_kwargs):
         check_block_numel(weight_block_numel, "weight_block_numel")
         check_block_numel(grad_block_numel, "grad_block_numel")
         if mesh.pp_size * mesh.tp_size != 1:
-            raise ValueError(f"ZeroPP shards over all {mesh.world.size} ranks of the mesh: build it with pp=1 and "
-                             f"tp=1 (got pp={mesh.pp_size}, tp={mesh.tp_size})")
+            raise ValueError(f"ZeroPP shards over all {mesh.world.size} ranks of the mesh: build "
+                             f"it with pp=1 and tp=1 (got pp={mesh.pp_size}, tp={mesh.tp_size})")
         if hpz and mesh.node_size == 1 and mesh.world.size > 1:
-            warnings.warn("ZeroPP: node_size=1, every rank is its own node: hpZ has no node-mates to share a "
-                          "secondary partition with, so it is off (a no-op). Build the Mesh with node_size > 1 "
-                          "(e.g. the ranks per server) to use it.", ZeroPPWarning, stacklevel=2)
+            warnings.warn("ZeroPP: node_size=1, every rank is its own node: hpZ has no node-mates "
+                          "to share a secondary partition with, so it is off (a no-op). Build the "
+                          "Mesh with node_size > 1 (e.g. the ranks per server) to use it.",
+                          ZeroPPWarning, stacklevel=2)
             hpz = False
         super().__init__(module, mesh.world, **fsdp_kwargs)
-        self.mesh = mesh                                   # nodes: mesh.node (hpZ, qgZ hop 1), mesh.cross_node
-        self.quantized_weights = bool(quantized_weights)   # qwZ: int8 all-gathers from the primary shards
+        self.mesh = mesh  # nodes: mesh.node (hpZ, qgZ hop 1), mesh.cross_node
+        # qwZ: int8 all-gathers from the primary shards
+        self.quantized_weights = bool(quantized_weights)
         self.hpz = bool(hpz)                               # hpZ: backward gathers inside the node
-        self.quantized_gradients = bool(quantized_gradients)  # qgZ: int4 hierarchical all-to-all reduce
-        self.weight_block_numel = weight_block_numel       # elements per int8 scale (DeepSpeed: ~4-8K)
+        # qgZ: int4 hierarchical all-to-all reduce
+        self.quantized_gradients = bool(quantized_gradients)
+        self.weight_block_numel = weight_block_numel  # elements per int8 scale (DeepSpeed: ~4-8K)
         self.grad_block_numel = grad_block_numel           # elements per int4 scale
-        self.quantizer = quantizer or quantize             # where the quantized collectives come from
-        self.measure_error = measure_error                 # also run exact reduce-scatters, to compare
-        self.secondary = {}  # hpZ: unit -> the 1/k of it this rank keeps for its node (each forward's gather)
-        self._filled = {}   # unit -> its shard's version when this forward filled its secondary partition
+        self.quantizer = quantizer or quantize  # where the quantized collectives come from
+        self.measure_error = measure_error  # also run exact reduce-scatters, to compare
+        # hpZ: unit -> the 1/k of it this rank keeps for its node (each forward's gather)
+        self.secondary = {}
+        # unit -> its shard's version when this forward filled its secondary partition
+        self._filled = {}
         self.errors = {}    # this step's quantization error on this rank (see quantization_error)
 
     # ------------------------------------------------------------------ weights: qwZ, hpZ
     def forward(self, *args, **kwargs):
         self._filled.clear()  # a secondary partition lives from a forward to its backward
-        self.errors = {"weights": [0.0, 0.0, 0.0], "gradients": [0.0, 0.0, 0.0]}  # err², ref², max |err|
+        # err², ref², max |err|
+        self.errors = {"weights": [0.0, 0.0, 0.0], "gradients": [0.0, 0.0, 0.0]}
         return super().forward(*args, **kwargs)
 
     def _gathered(self, unit, buf, work):
-        """After a gather from the primary shards (every forward): note the error, keep hpZ's part."""
+        """After a gather from the primary shards (every forward): note the error, keep hpZ's
+        part."""
         work.wait()
         if self.quantized_weights:
             mine = buf[self.comm.rank * unit.layout.shard_numel:][:unit.layout.shard_numel].float()
@@ -419,7 +452,8 @@ class ZeroPP(FSDP):
             self._filled[unit] = unit.shard._version
 
     def _gather_shards(self, unit, buf, src):
-        if not unit.gathered_numel:  # every parameter of the unit is persistent: nothing to gather or keep
+        # every parameter of the unit is persistent: nothing to gather or keep
+        if not unit.gathered_numel:
             return super()._gather_shards(unit, buf, src)
         if self._filled.get(unit) == unit.shard._version:
             # hpZ: the weights have not changed since this forward gathered them: stay in the node
@@ -433,8 +467,9 @@ class ZeroPP(FSDP):
             return
         if self.quantized_weights:
             memory.transient.alloc(f"{self._tag}/{unit.name}", buf)
-            work = self.quantizer.quantized_all_gather(self.comm, buf[:unit.gathered_numel], unit.shard.detach(),
-                                                       self.weight_block_numel, async_op=True)
+            work = self.quantizer.quantized_all_gather(self.comm, buf[:unit.gathered_numel],
+                                                       unit.shard.detach(), self.weight_block_numel,
+                                                       async_op=True)
         else:
             super()._gather_shards(unit, buf, src)
             work = unit.work
@@ -463,19 +498,22 @@ class ZeroPP(FSDP):
         acc[2] = max(acc[2], float(err.abs().max())) if err.numel() else acc[2]
 
     def quantization_error(self) -> dict:
-        """This step, this rank: {"weights"|"gradients": (relative L2 error, max |error|) or None}."""
+        """This step, this rank: {"weights"|"gradients": (relative L2 error, max |error|) or
+        None}."""
         return {kind: (acc[0] ** 0.5 / max(acc[1], 1e-30) ** 0.5, acc[2]) if acc[1] else None
                 for kind, acc in self.errors.items()}
 
     def memory_tensors(self):
-        """FSDP's, plus hpZ's secondary partitions (parameters this rank holds for its node-mates)."""
+        """FSDP's, plus hpZ's secondary partitions (parameters this rank holds for its
+        node-mates)."""
         yield from super().memory_tensors()
         for secondary in self.secondary.values():
             yield "parameters", secondary, None
 
     def extra_repr(self) -> str:
-        return (f"qwZ={self.quantized_weights} (block {self.weight_block_numel}), hpZ={self.hpz} (node of "
-                f"{self.mesh.node_size}), qgZ={self.quantized_gradients} (block {self.grad_block_numel}), "
+        return (f"qwZ={self.quantized_weights} (block {self.weight_block_numel}), hpZ={self.hpz} "
+                f"(node of {self.mesh.node_size}), qgZ={self.quantized_gradients} (block "
+                f"{self.grad_block_numel}), "
                 + super().extra_repr())
 
 

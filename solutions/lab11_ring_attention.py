@@ -8,7 +8,8 @@ Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et a
 FlashAttention (Sec. 3.1); Liu et al. 2023, "Ring Attention with Blockwise Transformers".
 For one query row q and keys split into blocks B_1, B_2, ... the softmax attention
 
-    o = sum_j exp(s_j - L) v_j,   s_j = q.k_j / sqrt(d),   L = log sum_j exp(s_j)   (the log-sum-exp)
+    o = sum_j exp(s_j - L) v_j,   s_j = q.k_j / sqrt(d),
+    L = log sum_j exp(s_j)   (the log-sum-exp)
 
 can be computed block by block. Block B alone gives its own normalized output and log-sum-exp
 
@@ -26,15 +27,16 @@ they reach it around the ring, and never holds more than one block's s_q x s_k s
 Backward needs no merge: with the final L and o saved, block B's share of the gradients is
 (FlashAttention's Algorithm 4, D = rowsum(dO * O)):
 
-    P = exp(S - L)   dV_B = P^T dO   dP = dO V_B^T   dS = P * (dP - D)   dQ += dS K_B / sqrt(d)   dK_B = dS^T Q /
-    sqrt(d)
+    P = exp(S - L)   dV_B = P^T dO   dP = dO V_B^T   dS = P * (dP - D)
+    dQ += dS K_B / sqrt(d)   dK_B = dS^T Q / sqrt(d)
 
 Bytes: a block's scores are s_q x s_k x 4 (fp32), freed after the block; what is kept for backward
 is o (the size of q) and L (s_q fp32 values per head).
 
 Shapes: [batch, heads, tokens, head_dim] (torch's scaled_dot_product_attention layout); L is
 [batch, heads, tokens] in float32. `causal=True` means a DIAGONAL block: queries and keys are the
-same positions, so query i sees keys 0..i of the block. Blocks wholly in the future are never passed.
+same positions, so query i sees keys 0..i of the block. Blocks wholly in the future are never
+passed.
 """
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ def causal_mask(n_queries: int, n_keys: int, device) -> torch.Tensor:
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False):
     """Attention of q to ONE key/value block: (o_B, L_B), the block's normalized output and its
-    log-sum-exp per query row (float32, or float64 for float64 inputs). Scores scaled by 1/sqrt(head_dim)."""
+    log-sum-exp per query row (float32, or float64 for float64 inputs). Scores scaled by
+    1/sqrt(head_dim)."""
     scale = 1.0 / math.sqrt(q.size(-1))
     scores = (q @ k.transpose(-2, -1)).to(score_dtype(q)) * scale  # [b, h, s_q, s_k]
     if causal:
@@ -69,7 +72,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return out, lse
 
 
-def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor):
+def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
+          block_lse: torch.Tensor):
     """Fold one block's (o_B, L_B) into the running (o, L); (None, None) is "no block yet"."""
     if out is None:
         return block_out, block_lse
@@ -108,11 +112,13 @@ the last rank computes cp times the first one's scores (2cp - 1 times its unmask
 half blocks), and in a ring every step waits for the slowest rank.
 
 Load balancing (Megatron-LM's context parallelism and picotron; Brandon et al. 2023's
-"striped" attention is a finer variant): cut the sequence into 2*cp chunks of c = s/(2cp) tokens and give rank r chunks
-r and 2cp-1-r, one from each end. Query chunk r needs r+1 key chunks and chunk 2cp-1-r needs
-2cp-r: every rank computes 2cp+1 chunk pairs (2cp-1 full, 2 diagonal), the same on every rank:
+"striped" attention is a finer variant): cut the sequence into 2*cp chunks of c = s/(2cp) tokens and
+give rank r chunks r and 2cp-1-r, one from each end. Query chunk r needs r+1 key chunks and chunk
+2cp-1-r needs 2cp-r: every rank computes 2cp+1 chunk pairs (2cp-1 full, 2 diagonal), the same on
+every rank:
 
-    scores computed per rank, causal:   contiguous: (r + 1) (s/cp)^2      balanced: (2cp + 1) (s/(2cp))^2
+    scores computed per rank, causal:
+        contiguous: (r + 1) (s/cp)^2      balanced: (2cp + 1) (s/(2cp))^2
 
 (a diagonal pair counted whole: it is computed, then half of it masked). Non-causal attention has
 no imbalance: every rank computes cp (s/cp)^2 scores either way.
@@ -130,28 +136,34 @@ def chunks_of(rank: int, cp: int, balanced: bool) -> list[int]:
 
 
 def check_sequence(seq_len: int, cp: int, balanced: bool):
-    """Context parallelism cuts the sequence into equal chunks: a clear error before any collective."""
+    """Context parallelism cuts the sequence into equal chunks: a clear error before any
+    collective."""
     parts = 2 * cp if balanced else cp
     if seq_len % parts:
         why = (f"2 x cp = {parts} chunks (load balancing: two mirrored chunks per rank)" if balanced
                else f"cp = {cp} shards")
-        raise ValueError(f"context parallelism: sequence length {seq_len} is not divisible into {why}. "
-                         f"Use a sequence length that is a multiple of {parts}")
+        raise ValueError(f"context parallelism: sequence length {seq_len} is not divisible into "
+                         f"{why}. Use a sequence length that is a multiple of {parts}")
 
 
-def shard_sequence(full: torch.Tensor, rank: int, cp: int, balanced: bool, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+def shard_sequence(
+    full: torch.Tensor, rank: int, cp: int, balanced: bool, dim: int = SEQUENCE_DIM
+) -> torch.Tensor:
     """This rank's tokens of a tensor every rank holds whole (no communication)."""
     check_sequence(full.size(dim), cp, balanced)
     pieces = full.chunk(2 * cp if balanced else cp, dim)
     return torch.cat([pieces[i] for i in chunks_of(rank, cp, balanced)], dim)
 
 
-def unshard_sequence(parts: list[torch.Tensor], balanced: bool, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+def unshard_sequence(
+    parts: list[torch.Tensor], balanced: bool, dim: int = SEQUENCE_DIM
+) -> torch.Tensor:
     """The whole sequence from every rank's shard (rank order): the inverse of shard_sequence."""
     cp = len(parts)
     pieces: list = [None] * (2 * cp if balanced else cp)
     for rank, part in enumerate(parts):
-        for index, piece in zip(chunks_of(rank, cp, balanced), part.chunk(2 if balanced else 1, dim)):
+        for index, piece in zip(chunks_of(rank, cp, balanced),
+                                part.chunk(2 if balanced else 1, dim)):
             pieces[index] = piece
     return torch.cat(pieces, dim)
 
@@ -184,13 +196,14 @@ def scores_per_rank(seq_len: int, cp: int, causal: bool, balanced: bool) -> list
 """Ring attention: the sequence split over cp ranks, key/value blocks passed around a ring.
 
 Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
-Context"; Megatron-LM's context parallelism (Korthikanti et al.'s successor, `--context-parallel-size`);
-picotron's `context_parallel`. Each of the cp ranks holds s/cp tokens of q, k and v. Attention
-needs every query against every key, so the key/value blocks travel: at step i rank r holds the
-block of rank (r - i) mod cp, computes its queries against it (online_softmax.block_attention),
-merges the result into its running output (online_softmax.merge), and passes the block on to
-rank r+1 while it computes: the send/recv of step i+1's block is posted (isend/irecv) BEFORE
-step i's compute and waited for after it, so the transfer hides behind the compute when
+Context"; Megatron-LM's context parallelism (Korthikanti et al.'s successor,
+`--context-parallel-size`); picotron's `context_parallel`. Each of the cp ranks holds s/cp tokens of
+q, k and v. Attention needs every query against every key, so the key/value blocks travel: at step i
+rank r holds the block of rank (r - i) mod cp, computes its queries against it
+(online_softmax.block_attention), merges the result into its running output (online_softmax.merge),
+and passes the block on to rank r+1 while it computes: the send/recv of step i+1's block is posted
+(isend/irecv) BEFORE step i's compute and waited for after it, so the transfer hides behind the
+compute when
     time(block compute) >= time(send one block),   2 b (s/cp) h d w / bandwidth.
 No rank ever holds more than its own block and one incoming one: memory O(s/cp), scores O((s/cp)^2).
 
@@ -203,10 +216,12 @@ at its owner. The accumulator of step i is received while step i+1 computes.
 Bytes sent per rank per attention layer (one kv block = K and V of s/cp tokens, 2 b (s/cp) h w,
 h = heads x head_dim, w bytes per element; comm.stats counts each send where it is made):
     forward   (cp - 1) x 2 b (s/cp) h w
-    backward  (cp - 1) x 2 b (s/cp) h w  (the blocks again)  +  cp x 2 b (s/cp) h w  (their gradients)
+    backward  (cp - 1) x 2 b (s/cp) h w  (the blocks again)  +  cp x 2 b (s/cp) h w  (their
+              gradients)
     layer     (3cp - 2) x 2 b s h w / cp  ->  6 b s h w for large cp: the ring does not shrink the
               traffic per rank with cp (Ulysses does, ulysses.py), it hides it behind the compute.
-Activations kept for backward per rank: q, k, v, o (4 b (s/cp) h w) + the log-sum-exp (b heads (s/cp) x 4).
+Activations kept for backward per rank: q, k, v, o (4 b (s/cp) h w) + the log-sum-exp (b heads
+(s/cp) x 4).
 
 Causal attention with `balanced=True`: each rank holds chunks r and 2cp-1-r (layout.py), so every
 rank computes the same (2cp+1) chunk pairs; blocks wholly in the future are skipped, not masked.
@@ -230,9 +245,9 @@ class BlockWork:
         self.forward_scores = 0    # q.k scores computed in forward (a diagonal pair counted whole)
         self.backward_scores = 0   # the same in backward (each pair's scores are recomputed)
         self.pairs = {"full": 0, "diagonal": 0, "skip": 0}  # forward chunk pairs by kind
-        self.compute_s = 0.0       # CPU seconds of this thread in block compute (forward + backward):
+        self.compute_s = 0.0  # CPU seconds of this thread in block compute (forward + backward):
                                    # work, not inflated when ranks share cores
-        self.wait_s = 0.0          # seconds blocked on the ring after the compute (transfer not hidden)
+        self.wait_s = 0.0  # seconds blocked on the ring after the compute (transfer not hidden)
 
     def as_dict(self) -> dict:
         return {"forward_scores": self.forward_scores, "backward_scores": self.backward_scores,
@@ -240,7 +255,8 @@ class BlockWork:
 
 
 def _pairs(rank, source, cp, causal, balanced):
-    """(query chunk index, key chunk index, kind) of every pair this rank meets in `source`'s block."""
+    """(query chunk index, key chunk index, kind) of every pair this rank meets in `source`'s
+    block."""
     return [(qi, ki, pair_kind(a, b, causal)) for qi, a in enumerate(chunks_of(rank, cp, balanced))
             for ki, b in enumerate(chunks_of(source, cp, balanced))]
 
@@ -307,8 +323,9 @@ class RingAttention(torch.autograd.Function):
 
 
 class _Counted:
-    """The kernels as the forward loop calls them, counting in `work` what this rank really computes:
-    each block's scores (a diagonal one counted whole), the pairs by kind and the CPU seconds."""
+    """The kernels as the forward loop calls them, counting in `work` what this rank really
+    computes: each block's scores (a diagonal one counted whole), the pairs by kind and the CPU
+    seconds."""
 
     def __init__(self, kernels, work):
         self.kernels, self.work = kernels, work
@@ -359,7 +376,9 @@ def _forward(ring, q, k, v, causal, balanced, kernels):
             ring.wait(pending)
             blocks = incoming
     # every pair not computed was skipped: cp blocks of pieces x pieces chunk pairs
-    work.pairs["skip"] += cp * pieces * pieces - (work.pairs["full"] + work.pairs["diagonal"] - computed)
+    work.pairs["skip"] += cp * pieces * pieces - (
+        work.pairs["full"] + work.pairs["diagonal"] - computed
+    )
     return torch.cat(outs, SEQUENCE_DIM), torch.cat(lses, SEQUENCE_DIM)
 
 
@@ -378,15 +397,22 @@ def _backward(ring, grad_out, q, k, v, out, lse, causal, balanced):
             incoming, pending = ring.exchange(blocks, KV_TAG)
         t0 = time.thread_time()
         grad_blocks = torch.zeros_like(blocks)  # this rank's share of dK_B, dV_B
-        k_chunks, v_chunks = blocks[0].chunk(pieces, SEQUENCE_DIM), blocks[1].chunk(pieces, SEQUENCE_DIM)
-        dk_chunks, dv_chunks = grad_blocks[0].chunk(pieces, SEQUENCE_DIM), grad_blocks[1].chunk(pieces, SEQUENCE_DIM)
+        k_chunks, v_chunks = (
+            blocks[0].chunk(pieces, SEQUENCE_DIM),
+            blocks[1].chunk(pieces, SEQUENCE_DIM),
+        )
+        dk_chunks, dv_chunks = (
+            grad_blocks[0].chunk(pieces, SEQUENCE_DIM),
+            grad_blocks[1].chunk(pieces, SEQUENCE_DIM),
+        )
         for qi, ki, kind in _pairs(rank, (rank - step) % cp, cp, causal, balanced):
             if kind == "skip":
                 continue
             q_c, out_c, grad_out_c, lse_c, delta_c = (s[qi] for s in split)
             work.backward_scores += q_c.size(SEQUENCE_DIM) * k_chunks[ki].size(SEQUENCE_DIM)
-            dq, dk, dv = online_softmax.block_grads(q_c, k_chunks[ki], v_chunks[ki], out_c, grad_out_c, lse_c,
-                                                    delta_c, causal=kind == "diagonal")
+            dq, dk, dv = online_softmax.block_grads(q_c, k_chunks[ki], v_chunks[ki], out_c,
+                                                    grad_out_c, lse_c, delta_c,
+                                                    causal=kind == "diagonal")
             grad_q_chunks[qi].add_(dq)
             dk_chunks[ki].add_(dk)
             dv_chunks[ki].add_(dv)
@@ -405,18 +431,22 @@ def _backward(ring, grad_out, q, k, v, out, lse, causal, balanced):
     return grad_q, grad_blocks[0], grad_blocks[1]
 
 
-def ring_attention(q, k, v, comm, causal: bool = False, balanced: bool = False, work: BlockWork | None = None,
-                   kernels=online_softmax):
+def ring_attention(q, k, v, comm, causal: bool = False, balanced: bool = False,
+                   work: BlockWork | None = None, kernels=online_softmax):
     """Attention over the whole sequence from this rank's shard [b, heads, s/cp, head_dim] of q, k
     and v (cut by layout.shard_sequence with the same `balanced`): this rank's shard of the output.
     `kernels` supplies block_attention and merge (lab 11 passes the student's)."""
     if not q.shape == k.shape == v.shape:
-        raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must have "
-                         "one shape [batch, heads, tokens/cp, head_dim]")
+        raise ValueError(
+            f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v "
+            f"{tuple(v.shape)} must have one shape [batch, heads, tokens/cp, head_dim]"
+        )
     if balanced and q.size(SEQUENCE_DIM) % 2:
-        raise ValueError(f"ring_attention(balanced=True): this rank's {q.size(SEQUENCE_DIM)} tokens are not two "
-                         "equal chunks: shard the sequence with layout.shard_sequence(..., balanced=True)")
-    return RingAttention.apply(q, k, v, comm, causal, balanced, BlockWork() if work is None else work, kernels)
+        raise ValueError(f"ring_attention(balanced=True): this rank's {q.size(SEQUENCE_DIM)} "
+                         "tokens are not two equal chunks: shard the sequence with "
+                         "layout.shard_sequence(..., balanced=True)")
+    return RingAttention.apply(q, k, v, comm, causal, balanced,
+                               BlockWork() if work is None else work, kernels)
 
 
 def ring_bytes_per_layer(batch: int, seq_len: int, hidden: int, cp: int, bytes_per: int) -> dict:
@@ -425,7 +455,9 @@ def ring_bytes_per_layer(batch: int, seq_len: int, hidden: int, cp: int, bytes_p
     return {"forward": (cp - 1) * block, "backward": (2 * cp - 1) * block if cp > 1 else 0}
 
 
-def attention_activation_bytes(batch: int, seq_len: int, hidden: int, heads: int, cp: int, bytes_per: int) -> int:
+def attention_activation_bytes(
+    batch: int, seq_len: int, hidden: int, heads: int, cp: int, bytes_per: int
+) -> int:
     """The formula side: what attention keeps for backward per rank, q, k, v, o and the fp32
     log-sum-exp, for ring attention, Ulysses and single-process flash SDPA (cp = 1) alike."""
     tokens = seq_len // cp

@@ -2,7 +2,8 @@
 
     from minizero.accelerate import Accelerator            # was: from accelerate import Accelerator
     accelerator = Accelerator(gradient_accumulation_steps=2)
-    model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
+    model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl,
+                                                                scheduler)
     for batch in train_dl:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
@@ -11,17 +12,18 @@
                 accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step(); scheduler.step(); optimizer.zero_grad()
 
-prepare() builds minizero's Engine (minizero.initialize) from Accelerate's settings (config.py): DDP is the
-engine at ZeRO stage 0, DEEPSPEED its zero_stage, FSDP's FULL_SHARD / SHARD_GRAD_OP ZeRO-3 / ZeRO-2. It hands
-back what Accelerate hands back: a model (the engine's forward, returning the model's own outputs), an
-optimizer whose step() and zero_grad() the engine drives, the rank's share of each DataLoader (data.py) and a
-scheduler stepped as Accelerate steps it (num_processes times per optimizer step, once the optimizer stepped).
+prepare() builds minizero's Engine (minizero.initialize) from Accelerate's settings (config.py): DDP
+is the engine at ZeRO stage 0, DEEPSPEED its zero_stage, FSDP's FULL_SHARD / SHARD_GRAD_OP ZeRO-3 /
+ZeRO-2. It hands back what Accelerate hands back: a model (the engine's forward, returning the
+model's own outputs), an optimizer whose step() and zero_grad() the engine drives, the rank's share
+of each DataLoader (data.py) and a scheduler stepped as Accelerate steps it (num_processes times per
+optimizer step, once the optimizer stepped).
 
-Where the step happens follows Accelerate's two paths. DEEPSPEED: backward() runs the engine's backward and,
-at a sync step, its whole step (clip by the config's gradient_clipping, "auto" = 1.0, optimizer, zero);
-clip_grad_norm_ returns the norm the engine clipped by. DDP and FSDP: the step waits for the script, so
-clip_grad_norm_(max_norm) steps the engine with that clip and returns the norm, and optimizer.step() steps
-it without a clip when the script did not clip.
+Where the step happens follows Accelerate's two paths. DEEPSPEED: backward() runs the engine's
+backward and, at a sync step, its whole step (clip by the config's gradient_clipping, "auto" = 1.0,
+optimizer, zero); clip_grad_norm_ returns the norm the engine clipped by. DDP and FSDP: the step
+waits for the script, so clip_grad_norm_(max_norm) steps the engine with that clip and returns the
+norm, and optimizer.step() steps it without a clip when the script did not clip.
 """
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ from minizero.runtime.config import ConfigError
 
 
 class Accelerator:
-    def __init__(self, device_placement: bool = True, split_batches: bool = False, mixed_precision=None,
-                 gradient_accumulation_steps: int = 1, cpu: bool = False, deepspeed_plugin=None, fsdp_plugin=None,
+    def __init__(self, device_placement: bool = True, split_batches: bool = False,
+                 mixed_precision=None, gradient_accumulation_steps: int = 1, cpu: bool = False,
+                 deepspeed_plugin=None, fsdp_plugin=None,
                  step_scheduler_with_optimizer: bool = True, log_with=None, project_dir=None,
                  dataloader_config=None, rng_types=None, kwargs_handlers=None, **unsupported):
         if unsupported:
@@ -52,8 +55,9 @@ class Accelerator:
             raise ConfigError(f"Accelerator({name}=...) is not covered by minizero.accelerate: see "
                               "docs/accelerate.md for the arguments it takes")
         if split_batches:
-            raise ConfigError("Accelerator(split_batches=True) is not covered by minizero.accelerate: each rank "
-                              "takes whole batches of the loader (Accelerate's default)")
+            raise ConfigError("Accelerator(split_batches=True) is not covered by "
+                              "minizero.accelerate: each rank takes whole batches of the loader "
+                              "(Accelerate's default)")
         if rng_types not in (None, ["generator"], ("generator",)):
             raise ConfigError(f"Accelerator(rng_types={rng_types!r}) is not covered by "
                               "minizero.accelerate: allowed None or ['generator'] (the sampler's "
@@ -74,18 +78,20 @@ class Accelerator:
             mixed_precision = mixed_precision.lower()
         self.comm = comm_mod.get() if comm_mod.is_initialized() else None
         world = self.comm.size if self.comm else comm_mod.launched_world_size()
-        self.settings = acc_config.resolve(mixed_precision, gradient_accumulation_steps, cpu, deepspeed_plugin,
-                                           fsdp_plugin, world, torch.cuda.is_available())
+        self.settings = acc_config.resolve(mixed_precision, gradient_accumulation_steps, cpu,
+                                           deepspeed_plugin, fsdp_plugin, world,
+                                           torch.cuda.is_available())
         if self.comm is None:
             self.comm = comm_mod.init()
         if self.settings.cpu and self.comm.device.type != "cpu":
-            raise ConfigError("Accelerator(cpu=True) / ACCELERATE_USE_CPU=true with a GPU present is not covered: "
-                              "minizero computes where its communicator runs (one GPU per rank when CUDA is "
-                              "present); hide the GPUs with CUDA_VISIBLE_DEVICES= to train on the CPU")
+            raise ConfigError("Accelerator(cpu=True) / ACCELERATE_USE_CPU=true with a GPU present "
+                              "is not covered: minizero computes where its communicator runs (one "
+                              "GPU per rank when CUDA is present); hide the GPUs with "
+                              "CUDA_VISIBLE_DEVICES= to train on the CPU")
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.project_dir = project_dir
         self.gradient_state = GradientState(self.settings.gradient_accumulation_steps)
-        self.step = 0              # micro-batches since the last sync (Accelerate's accelerator.step)
+        self.step = 0  # micro-batches since the last sync (Accelerate's accelerator.step)
         self._engines = []
         self._models = []
 
@@ -206,7 +212,8 @@ class Accelerator:
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args, device_placement=None):
-        """Models, optimizers, DataLoaders and schedulers in any order; returned in the same order."""
+        """Models, optimizers, DataLoaders and schedulers in any order; returned in the same
+        order."""
         models = [a for a in args if isinstance(a, torch.nn.Module)]
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
         loaders = [a for a in args if isinstance(a, torch.utils.data.DataLoader)]
@@ -220,14 +227,15 @@ class Accelerator:
                               "minizero.accelerate; remove that section and pass a torch optimizer "
                               "and LR scheduler")
         if other:
-            raise ConfigError(f"accelerator.prepare() got a {type(other[0]).__name__}: minizero.accelerate "
-                              "prepares torch modules, optimizers, DataLoaders and LR schedulers")
+            raise ConfigError(f"accelerator.prepare() got a {type(other[0]).__name__}: "
+                              "minizero.accelerate prepares torch modules, optimizers, DataLoaders "
+                              "and LR schedulers")
         if len(models) > 1 or len(optimizers) > 1:
-            raise ConfigError("accelerator.prepare(): one model with one optimizer per call in minizero.accelerate "
-                              "(several models, as for a GAN, are not covered)")
+            raise ConfigError("accelerator.prepare(): one model with one optimizer per call in "
+                              "minizero.accelerate (several models, as for a GAN, are not covered)")
         if optimizers and not models:
-            raise ConfigError("accelerator.prepare(optimizer) without its model: pass both in the same call (the "
-                              "engine rebuilds the optimizer over its shards)")
+            raise ConfigError("accelerator.prepare(optimizer) without its model: pass both in the "
+                              "same call (the engine rebuilds the optimizer over its shards)")
         dl_cfg = self.dataloader_config
         mapped = {id(d): DataLoaderShard(d, self.comm, self.device, self.gradient_state,
                                          dl_cfg.use_seedable_sampler, dl_cfg.data_seed)
@@ -242,8 +250,9 @@ class Accelerator:
         for s in schedulers:
             opt = next((o for o in self._engines if o.user_optimizer is s.optimizer), None)
             if opt is None:
-                raise ConfigError("accelerator.prepare(scheduler): its optimizer was not prepared; prepare the model, "
-                                  "its optimizer and the scheduler (built on that optimizer)")
+                raise ConfigError("accelerator.prepare(scheduler): its optimizer was not prepared; "
+                                  "prepare the model, its optimizer and the scheduler (built on "
+                                  "that optimizer)")
             mapped[id(s)] = AcceleratedScheduler(s, opt, self)
         out = tuple(mapped[id(a)] for a in args)
         return out[0] if len(out) == 1 else out
@@ -265,8 +274,8 @@ class Accelerator:
     # ------------------------------------------------------------------ the step
     @contextlib.contextmanager
     def accumulate(self, *models):
-        """Accelerate's: sync_gradients is True every gradient_accumulation_steps micro-batches and at the end
-        of the loader; the engine reduces and steps only then."""
+        """Accelerate's: sync_gradients is True every gradient_accumulation_steps micro-batches and
+        at the end of the loader; the engine reduces and steps only then."""
         state = self.gradient_state
         if state.end_of_dataloader and state.in_dataloader:
             self.step = 0
@@ -278,28 +287,33 @@ class Accelerator:
 
     def backward(self, loss, **kwargs):
         if kwargs:
-            raise ConfigError(f"accelerator.backward({sorted(kwargs)[0]}=...) is not covered by minizero.accelerate")
+            raise ConfigError(f"accelerator.backward({sorted(kwargs)[0]}=...) is not covered by "
+                              "minizero.accelerate")
         if not self._engines:
             raise ConfigError("accelerator.backward(): prepare a model and its optimizer first")
         opt = self._engines[-1]
         opt.backward(loss, self.sync_gradients)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        """DeepSpeed: the engine clipped by its config; the norm it measured. DDP/FSDP: step now, clipped."""
+        """DeepSpeed: the engine clipped by its config; the norm it measured. DDP/FSDP: step now,
+        clipped."""
         if norm_type != 2:
-            raise ConfigError(f"clip_grad_norm_(norm_type={norm_type}): minizero clips by the L2 norm only")
+            raise ConfigError(f"clip_grad_norm_(norm_type={norm_type}): minizero clips by the L2 "
+                              "norm only")
         if not self._engines:
-            raise ConfigError("accelerator.clip_grad_norm_(): prepare a model and its optimizer first")
+            raise ConfigError("accelerator.clip_grad_norm_(): prepare a model and its optimizer "
+                              "first")
         return self._engines[-1].clip(max_norm)
 
     def clip_grad_value_(self, parameters, clip_value):
-        raise ConfigError("accelerator.clip_grad_value_ is not covered by minizero.accelerate (the engine clips "
-                          "the global norm): use accelerator.clip_grad_norm_")
+        raise ConfigError("accelerator.clip_grad_value_ is not covered by minizero.accelerate (the "
+                          "engine clips the global norm): use accelerator.clip_grad_norm_")
 
     @contextlib.contextmanager
     def autocast(self, autocast_handler=None):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
-        if dtype is None or self.settings.steps_in_backward:  # DeepSpeed's weights are 16-bit already
+        # DeepSpeed's weights are 16-bit already
+        if dtype is None or self.settings.steps_in_backward:
             yield
             return
         with torch.autocast(device_type=self.device.type, dtype=dtype):
@@ -330,13 +344,15 @@ class Accelerator:
 
     # ------------------------------------------------------------------ across ranks
     def gather(self, tensor):
-        """Every rank's tensor concatenated along dim 0 in rank order (nested lists, tuples, dicts too)."""
+        """Every rank's tensor concatenated along dim 0 in rank order (nested lists, tuples, dicts
+        too)."""
         return _recurse(tensor, self._gather_one)
 
     def _gather_one(self, t):
         t = t.detach().to(self.comm.device)
         one = t.reshape(1) if t.dim() == 0 else t
-        out = torch.empty((self.num_processes * one.shape[0], *one.shape[1:]), dtype=one.dtype, device=one.device)
+        out = torch.empty((self.num_processes * one.shape[0], *one.shape[1:]), dtype=one.dtype,
+                          device=one.device)
         self.comm.all_gather(out, one.contiguous())
         return out
 
@@ -370,25 +386,33 @@ class Accelerator:
                           "resume at an epoch's start (save_state at the end of an epoch)")
 
     def pad_across_processes(self, tensor, dim=0, pad_index=0, pad_first=False):
-        raise ConfigError("accelerator.pad_across_processes is not covered by minizero.accelerate: give every "
-                          "rank tensors of one shape (gather_for_metrics then drops the repeats)")
+        raise ConfigError("accelerator.pad_across_processes is not covered by minizero.accelerate: "
+                          "give every rank tensors of one shape (gather_for_metrics then drops the "
+                          "repeats)")
 
     # ------------------------------------------------------------------ models and checkpoints
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True):
-        """The user's module (under ZeRO-3 its parameters are this rank's pieces: get_state_dict gathers)."""
+        """The user's module (under ZeRO-3 its parameters are this rank's pieces: get_state_dict
+        gathers)."""
         return model.engine.module if isinstance(model, PreparedModel) else model
 
     def get_state_dict(self, model, unwrap: bool = True):
         """The whole model's state dict on every rank (a collective under ZeRO-3)."""
-        return model.engine.full_state_dict() if isinstance(model, PreparedModel) else model.state_dict()
+        return (
+            model.engine.full_state_dict()
+            if isinstance(model, PreparedModel)
+            else model.state_dict()
+        )
 
     def save_state(self, output_dir: str | None = None, **kwargs):
-        """Every rank: the engine's checkpoint (model, optimizer, counters), the schedulers and this rank's RNG
-        state, as Accelerate's save_state keeps them (random_states_<rank>.pkl)."""
+        """Every rank: the engine's checkpoint (model, optimizer, counters), the schedulers and this
+        rank's RNG state, as Accelerate's save_state keeps them (random_states_<rank>.pkl)."""
         output_dir = output_dir or os.path.join(self.project_dir or ".", "checkpoints")
         for k, opt in enumerate(self._engines):
-            client = {"schedulers": [s.scheduler.state_dict() for s in opt.schedulers], "step": self.step}
-            opt.engine.save_checkpoint(output_dir, tag=f"model_{k}" if k else "model", client_state=client)
+            client = {"schedulers": [s.scheduler.state_dict() for s in opt.schedulers],
+                      "step": self.step}
+            opt.engine.save_checkpoint(output_dir, tag=f"model_{k}" if k else "model",
+                                       client_state=client)
         rng = {"random": random.getstate(), "numpy": np.random.get_state(),
                "torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -401,7 +425,8 @@ class Accelerator:
             _, client = opt.engine.load_checkpoint(input_dir, tag=f"model_{k}" if k else "model")
             for s, sd in zip(opt.schedulers, client["schedulers"]):
                 s.scheduler.load_state_dict(sd)
-            for user, ours in zip(opt.user_optimizer.param_groups, opt.engine.optimizer.param_groups):
+            for user, ours in zip(opt.user_optimizer.param_groups,
+                                  opt.engine.optimizer.param_groups):
                 user["lr"] = ours["lr"]  # the restored learning rate, where the scheduler reads it
             self.step = client["step"]
         path = os.path.join(input_dir, f"random_states_{self.process_index}.pkl")
@@ -442,8 +467,9 @@ class AcceleratorState(NamedTuple):
 
 
 class PreparedModel(torch.nn.Module):
-    """What prepare() returns for the model: calling it runs the engine's forward and returns the model's own
-    outputs (the engine alone returns the loss); train()/eval() and parameters() are the model's."""
+    """What prepare() returns for the model: calling it runs the engine's forward and returns the
+    model's own outputs (the engine alone returns the loss); train()/eval() and parameters() are the
+    model's."""
 
     def __init__(self, engine, accelerator):
         super().__init__()
@@ -472,13 +498,14 @@ class PreparedModel(torch.nn.Module):
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
-    """The optimizer prepare() returns. The engine steps its own optimizer over its shards; this one's step()
-    and zero_grad() are where Accelerate's are (module docstring), and its param_groups are the engine's."""
+    """The optimizer prepare() returns. The engine steps its own optimizer over its shards; this
+    one's step() and zero_grad() are where Accelerate's are (module docstring), and its param_groups
+    are the engine's."""
 
     def __init__(self, engine, user_optimizer, accelerator):
         self.engine, self.user_optimizer, self.accelerator = engine, user_optimizer, accelerator
         self.schedulers = []
-        self._pending = False      # DDP/FSDP: a sync backward ran, its step waits for clip or step()
+        self._pending = False  # DDP/FSDP: a sync backward ran, its step waits for clip or step()
         self._stepped = False      # the engine applied a step since the last scheduler step
 
     @property
@@ -498,25 +525,29 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return bool(self.engine.overflow)
 
     def _align(self, sync: bool):
-        """The engine steps every gradient_accumulation_steps micro-steps; accumulate() may sync earlier (the
-        loader's end): move the engine's count so this backward is its boundary exactly when it syncs."""
+        """The engine steps every gradient_accumulation_steps micro-steps; accumulate() may sync
+        earlier (the loader's end): move the engine's count so this backward is its boundary exactly
+        when it syncs."""
         engine = self.engine
         if engine.is_gradient_accumulation_boundary() == sync:
             return
         if not sync:
-            raise RuntimeError("accelerator.backward: the engine would step where accumulate() does not sync; run "
-                               "each micro-batch's backward inside accelerator.accumulate(model)")
+            raise RuntimeError("accelerator.backward: the engine would step where accumulate() "
+                               "does not sync; run each micro-batch's backward inside "
+                               "accelerator.accumulate(model)")
         gas = engine.gradient_accumulation_steps()
         engine.micro_steps = (engine.micro_steps // gas) * gas + gas - 1
 
     def backward(self, loss, sync: bool):
         if self._pending:
-            raise RuntimeError("accelerator.backward: the last synced backward has not stepped yet; call "
-                               "optimizer.step() (or accelerator.clip_grad_norm_) before the next backward")
+            raise RuntimeError("accelerator.backward: the last synced backward has not stepped "
+                               "yet; call optimizer.step() (or accelerator.clip_grad_norm_) before "
+                               "the next backward")
         self._align(sync)
         self.engine.backward(loss)
         if self.accelerator.settings.steps_in_backward or not sync:
-            self._engine_step()   # DeepSpeed: the whole step; otherwise only the engine's micro-step count
+            # DeepSpeed: the whole step; otherwise only the engine's micro-step count
+            self._engine_step()
         else:
             self._pending = True
 
@@ -529,14 +560,16 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         engine.step()
         if boundary:
             self._stepped = True
-            self.user_optimizer._opt_called = True  # the scheduler's "step before optimizer.step" check
+            # the scheduler's "step before optimizer.step" check
+            self.user_optimizer._opt_called = True
 
     def clip(self, max_norm: float):
         if self.accelerator.settings.steps_in_backward:
             norm = self.engine.get_global_grad_norm()
             return None if norm is None else torch.tensor(norm)
         if not self._pending:
-            return None  # not a sync step: Accelerate would clip local gradients the next sync overwrites
+            # not a sync step: Accelerate would clip local gradients the next sync overwrites
+            return None
         self._pending = False
         self._engine_step(clip=max_norm)
         return torch.tensor(self.engine.get_global_grad_norm())
@@ -578,9 +611,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
 
 class AcceleratedScheduler:
-    """Accelerate's AcceleratedScheduler: steps only after the optimizer stepped, num_processes times (each
-    rank's batch is a whole batch of the loader, so one step covers num_processes of them); the learning rates
-    it sets on the script's optimizer go to the engine's."""
+    """Accelerate's AcceleratedScheduler: steps only after the optimizer stepped, num_processes
+    times (each rank's batch is a whole batch of the loader, so one step covers num_processes of
+    them); the learning rates it sets on the script's optimizer go to the engine's."""
 
     def __init__(self, scheduler, optimizer: AcceleratedOptimizer, accelerator):
         self.scheduler, self.optimizer, self.accelerator = scheduler, optimizer, accelerator
@@ -588,10 +621,14 @@ class AcceleratedScheduler:
         self._copy_lr()
 
     def _copy_lr(self):
-        ours, theirs = self.optimizer.engine.optimizer.param_groups, self.optimizer.user_optimizer.param_groups
+        ours, theirs = (
+            self.optimizer.engine.optimizer.param_groups,
+            self.optimizer.user_optimizer.param_groups,
+        )
         if len(ours) != len(theirs):
-            raise ConfigError(f"the scheduler's optimizer has {len(theirs)} param groups and the engine's "
-                              f"{len(ours)}: minizero.accelerate cannot carry its learning rates over")
+            raise ConfigError(f"the scheduler's optimizer has {len(theirs)} param groups and the "
+                              f"engine's {len(ours)}: minizero.accelerate cannot carry its "
+                              "learning rates over")
         for o, t in zip(ours, theirs):
             # every hyperparameter the scheduler may set, not only lr: OneCycleLR cycles Adam's
             # betas (SGD's momentum) too (cv_example.py: 0.011 off Accelerate's third loss)
@@ -636,7 +673,8 @@ def _recurse(data, fn):
         return type(data)({k: _recurse(v, fn) for k, v in data.items()})
     if isinstance(data, (list, tuple)):
         return type(data)(_recurse(v, fn) for v in data)
-    raise TypeError(f"gather/reduce take tensors (or lists, tuples, dicts of them), not {type(data).__name__}")
+    raise TypeError("gather/reduce take tensors (or lists, tuples, dicts of them), not "
+                    f"{type(data).__name__}")
 
 
 def _all_tensors(data) -> bool:

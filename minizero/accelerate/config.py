@@ -1,14 +1,18 @@
-"""Accelerate's configuration on minizero: its config YAML, the ACCELERATE_* variables `accelerate launch` sets,
-its plugins, and the DeepSpeed config it hands the engine, with "auto" filled as Accelerate fills it.
+"""Accelerate's configuration on minizero: its config YAML, the ACCELERATE_* variables
+`accelerate launch` sets, its plugins, and the DeepSpeed config it hands the engine, with "auto"
+filled as Accelerate fills it.
 
-    env = yaml_to_env(load_yaml("default_config.yaml"))    # what `accelerate launch --config_file` exports
-    settings = resolve(mixed_precision=None, ...)            # the Accelerator's: arguments, then the variables
-    ds = deepspeed_config(settings, micro_batch=8, world_size=2, model=model)  # for minizero.initialize
+    # what `accelerate launch --config_file` exports
+    env = yaml_to_env(load_yaml("default_config.yaml"))
+    # the Accelerator's: arguments, then the variables
+    settings = resolve(mixed_precision=None, ...)
+    # for minizero.initialize
+    ds = deepspeed_config(settings, micro_batch=8, world_size=2, model=model)
 
 Names and defaults are Accelerate 1.15's (accelerate/commands/config/cluster.py writes the YAML,
-accelerate/utils/launch.py turns it into variables, accelerate/utils/dataclasses.py's DeepSpeedPlugin and
-accelerator.py's _prepare_deepspeed read them back). Every value is checked here, before any rank meets
-another: a bad one is a ConfigError naming the key and what is allowed.
+accelerate/utils/launch.py turns it into variables, accelerate/utils/dataclasses.py's
+DeepSpeedPlugin and accelerator.py's _prepare_deepspeed read them back). Every value is checked
+here, before any rank meets another: a bad one is a ConfigError naming the key and what is allowed.
 """
 from __future__ import annotations
 
@@ -21,44 +25,49 @@ from minizero import env as mz_env
 from minizero.runtime.config import ConfigError
 
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP")
-NOT_COVERED_TYPES = ("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "XLA",
-                     "MEGATRON_LM")
+NOT_COVERED_TYPES = ("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU",
+                     "XLA", "MEGATRON_LM")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 # FSDP's sharding strategies as minizero's ZeRO stages (FSDP1's ShardingStrategy names)
 FSDP_STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}
 
 # The keys `accelerate config` writes that change nothing for one machine here: accepted, not read.
-INERT_KEYS = {"compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity", "machine_rank",
-              "main_training_function", "rdzv_backend", "same_network", "tpu_env", "tpu_use_cluster",
-              "tpu_use_sudo", "gpu_ids", "main_process_ip", "main_process_port", "dynamo_config", "use_cpu",
-              "num_machines", "distributed_type", "mixed_precision", "num_processes", "deepspeed_config",
-              "fsdp_config"}
-DEEPSPEED_KEYS = {"zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps",
-                  "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model", "deepspeed_config_file",
-                  "deepspeed_multinode_launcher", "offload_optimizer_nvme_path", "offload_param_nvme_path"}
-FSDP_KEYS = {"fsdp_sharding_strategy", "fsdp_offload_params", "fsdp_version", "fsdp_auto_wrap_policy",
-             "fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_state_dict_type", "fsdp_use_orig_params",
-             "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_transformer_layer_cls_to_wrap",
-             "fsdp_min_num_params", "fsdp_reshard_after_forward", "fsdp_activation_checkpointing"}
+INERT_KEYS = {"compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity",
+              "machine_rank", "main_training_function", "rdzv_backend", "same_network", "tpu_env",
+              "tpu_use_cluster", "tpu_use_sudo", "gpu_ids", "main_process_ip", "main_process_port",
+              "dynamo_config", "use_cpu", "num_machines", "distributed_type", "mixed_precision",
+              "num_processes", "deepspeed_config", "fsdp_config"}
+DEEPSPEED_KEYS = {"zero_stage", "offload_optimizer_device", "offload_param_device",
+                  "gradient_accumulation_steps", "gradient_clipping", "zero3_init_flag",
+                  "zero3_save_16bit_model", "deepspeed_config_file", "deepspeed_multinode_launcher",
+                  "offload_optimizer_nvme_path", "offload_param_nvme_path"}
+FSDP_KEYS = {"fsdp_sharding_strategy", "fsdp_offload_params", "fsdp_version",
+             "fsdp_auto_wrap_policy", "fsdp_backward_prefetch", "fsdp_forward_prefetch",
+             "fsdp_state_dict_type", "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading",
+             "fsdp_sync_module_states", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
+             "fsdp_reshard_after_forward", "fsdp_activation_checkpointing"}
 
 
 def default_config_file() -> str:
-    """Accelerate's default path: $HF_HOME/accelerate/default_config.yaml (HF_HOME: ~/.cache/huggingface)."""
-    home = os.environ.get("HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"))
+    """Accelerate's default path: $HF_HOME/accelerate/default_config.yaml (HF_HOME:
+    ~/.cache/huggingface)."""
+    home = os.environ.get("HF_HOME",
+                          os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"))
     return os.path.expanduser(os.path.join(home, "accelerate", "default_config.yaml"))
 
 
 def load_yaml(path: str) -> dict:
     if not os.path.isfile(path):
-        raise ConfigError(f"--config_file {path}: no such file (write one with `accelerate config`, or see "
-                          "docs/accelerate.md for the keys minizero reads)")
-    import yaml  # Accelerate's own dependency; its config files are YAML (or JSON, which YAML reads too)
+        raise ConfigError(f"--config_file {path}: no such file (write one with `accelerate "
+                          "config`, or see docs/accelerate.md for the keys minizero reads)")
+    # Accelerate's own dependency; its config files are YAML (or JSON, which YAML reads too)
+    import yaml
     with open(path) as f:
         cfg = yaml.safe_load(f) or {}
     if not isinstance(cfg, dict):
-        raise ConfigError(f"{path}: an Accelerate config is a mapping of keys (distributed_type: ...), not "
-                          f"{type(cfg).__name__}")
+        raise ConfigError(f"{path}: an Accelerate config is a mapping of keys (distributed_type: "
+                          f"...), not {type(cfg).__name__}")
     return cfg
 
 
@@ -68,7 +77,8 @@ def _choice(cfg: dict, key: str, allowed, default, where: str = ""):
             not all(isinstance(a, int) for a in allowed):
         return next(a for a in allowed if str(a).lower() == value.lower())
     if value not in allowed:
-        raise ConfigError(f"{where}{key}: {value!r} is not allowed: use one of {', '.join(map(str, allowed))}")
+        raise ConfigError(f"{where}{key}: {value!r} is not allowed: use one of "
+                          f"{', '.join(map(str, allowed))}")
     return value
 
 
@@ -81,27 +91,30 @@ def _bool(cfg: dict, key: str, where: str) -> str | None:
 
 
 def yaml_to_env(cfg: dict, path: str = "config") -> dict:
-    """An Accelerate config -> the variables `accelerate launch` sets (utils/launch.py), and num_processes.
-    Returns ({name: text}, num_processes); raises ConfigError for a key or value minizero cannot honour."""
+    """An Accelerate config -> the variables `accelerate launch` sets (utils/launch.py), and
+    num_processes. Returns ({name: text}, num_processes); raises ConfigError for a key or value
+    minizero cannot honour."""
     unknown = set(cfg) - INERT_KEYS - {"fsdp_config", "deepspeed_config"}
     for key in sorted(unknown):
-        if key in ("megatron_lm_config", "fp8_config", "ipex_config", "mpirun_config", "parallelism_config"):
-            raise ConfigError(f"{path}: {key} is not covered by minizero.accelerate (docs/accelerate.md lists "
-                              "what is); remove it")
-        raise ConfigError(f"{path}: unknown key {key!r}; the keys Accelerate writes and minizero reads are "
-                          f"{', '.join(sorted(INERT_KEYS))}")
+        if key in ("megatron_lm_config", "fp8_config", "ipex_config", "mpirun_config",
+                   "parallelism_config"):
+            raise ConfigError(f"{path}: {key} is not covered by minizero.accelerate "
+                              "(docs/accelerate.md lists what is); remove it")
+        raise ConfigError(f"{path}: unknown key {key!r}; the keys Accelerate writes and minizero "
+                          f"reads are {', '.join(sorted(INERT_KEYS))}")
     kind = cfg.get("distributed_type", "NO")
     if kind in NOT_COVERED_TYPES:
-        raise ConfigError(f"{path}: distributed_type {kind} is not covered by minizero.accelerate: use one of "
-                          f"{', '.join(DISTRIBUTED_TYPES)}")
+        raise ConfigError(f"{path}: distributed_type {kind} is not covered by minizero.accelerate: "
+                          f"use one of {', '.join(DISTRIBUTED_TYPES)}")
     kind = _choice(cfg, "distributed_type", DISTRIBUTED_TYPES, "NO", f"{path}: ")
     mixed = _choice(cfg, "mixed_precision", MIXED_PRECISION, "no", f"{path}: ")
     if cfg.get("num_machines", 1) != 1:
-        raise ConfigError(f"{path}: num_machines {cfg['num_machines']!r}: minizero.accelerate launches one "
-                          "machine; use 1")
+        raise ConfigError(f"{path}: num_machines {cfg['num_machines']!r}: minizero.accelerate "
+                          "launches one machine; use 1")
     nprocs = cfg.get("num_processes", 1)
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
-        raise ConfigError(f"{path}: num_processes {nprocs!r} is not allowed: use a whole number >= 1")
+        raise ConfigError(f"{path}: num_processes {nprocs!r} is not allowed: use a whole number >= "
+                          "1")
     out = {"ACCELERATE_MIXED_PRECISION": mixed}
     if cfg.get("use_cpu") is True:
         out["ACCELERATE_USE_CPU"] = "true"
@@ -113,22 +126,24 @@ def yaml_to_env(cfg: dict, path: str = "config") -> dict:
     if kind == "FSDP":
         out.update(_fsdp_env(cfg.get("fsdp_config") or {}, f"{path}: fsdp_config."))
     elif cfg.get("fsdp_config"):
-        raise ConfigError(f"{path}: fsdp_config is given but distributed_type is {kind}: set distributed_type: "
-                          "FSDP, or remove fsdp_config")
+        raise ConfigError(f"{path}: fsdp_config is given but distributed_type is {kind}: set "
+                          "distributed_type: FSDP, or remove fsdp_config")
     return out, nprocs
 
 
 def _only_known(section: dict, keys, where: str):
     unknown = set(section) - set(keys)
     if unknown:
-        raise ConfigError(f"{where}{sorted(unknown)[0]}: not a key minizero reads; allowed: {', '.join(sorted(keys))}")
+        raise ConfigError(f"{where}{sorted(unknown)[0]}: not a key minizero reads; allowed: "
+                          f"{', '.join(sorted(keys))}")
 
 
 def _deepspeed_env(ds: dict, where: str) -> dict:
     _only_known(ds, DEEPSPEED_KEYS, where)
     out = {"ACCELERATE_USE_DEEPSPEED": "true"}
     if "zero_stage" in ds:
-        out["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = str(_choice(ds, "zero_stage", (0, 1, 2, 3), 2, where))
+        out["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = str(_choice(ds, "zero_stage", (0, 1, 2, 3), 2,
+                                                             where))
     for key, var in (("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
                      ("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")):
         if key in ds:
@@ -136,12 +151,16 @@ def _deepspeed_env(ds: dict, where: str) -> dict:
     if "gradient_accumulation_steps" in ds:
         gas = ds["gradient_accumulation_steps"]
         if not isinstance(gas, int) or isinstance(gas, bool) or gas < 1:
-            raise ConfigError(f"{where}gradient_accumulation_steps: {gas!r} is not allowed: use a whole number >= 1")
+            raise ConfigError(f"{where}gradient_accumulation_steps: {gas!r} is not allowed: use a "
+                              "whole number >= 1")
         out["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(gas)
     if "gradient_clipping" in ds:
         clip = ds["gradient_clipping"]
-        if clip != "auto" and (not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0):
-            raise ConfigError(f"{where}gradient_clipping: {clip!r} is not allowed: use a number >= 0 (or auto)")
+        if clip != "auto" and (
+            not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0
+        ):
+            raise ConfigError(f"{where}gradient_clipping: {clip!r} is not allowed: use a number >= "
+                              "0 (or auto)")
         out["ACCELERATE_GRADIENT_CLIPPING"] = str(clip).lower()
     flag = _bool(ds, "zero3_init_flag", where)
     if flag is not None:
@@ -155,7 +174,8 @@ def _fsdp_env(fsdp: dict, where: str) -> dict:
     _only_known(fsdp, FSDP_KEYS, where)
     out = {"ACCELERATE_USE_FSDP": "true"}
     if fsdp.get("fsdp_version", 1) not in (1, 2):
-        raise ConfigError(f"{where}fsdp_version: {fsdp['fsdp_version']!r} is not allowed: use 1 or 2")
+        raise ConfigError(f"{where}fsdp_version: {fsdp['fsdp_version']!r} is not allowed: use 1 or "
+                          "2")
     if "fsdp_sharding_strategy" in fsdp:
         out["FSDP_SHARDING_STRATEGY"] = str(fsdp["fsdp_sharding_strategy"])
     elif fsdp.get("fsdp_reshard_after_forward") is False:  # FSDP2's way of saying SHARD_GRAD_OP
@@ -170,7 +190,7 @@ def _fsdp_env(fsdp: dict, where: str) -> dict:
 @dataclass
 class DeepSpeedPlugin:
     """Accelerate's DeepSpeedPlugin, its fields and environment defaults (utils/dataclasses.py)."""
-    hf_ds_config: object = None            # a DeepSpeed JSON path or dict; its "auto" values are filled
+    hf_ds_config: object = None  # a DeepSpeed JSON path or dict; its "auto" values are filled
     gradient_accumulation_steps: object = None
     gradient_clipping: object = None
     zero_stage: int | None = None
@@ -191,21 +211,24 @@ class DeepSpeedPlugin:
     def __post_init__(self):
         read = _env_reader()
         if self.gradient_accumulation_steps is None:
-            self.gradient_accumulation_steps = read("ACCELERATE_GRADIENT_ACCUMULATION_STEPS") or "auto"
+            self.gradient_accumulation_steps = (
+                read("ACCELERATE_GRADIENT_ACCUMULATION_STEPS") or "auto"
+            )
         if self.gradient_clipping is None:
             self.gradient_clipping = read("ACCELERATE_GRADIENT_CLIPPING")
         if self.zero_stage is None:
             self.zero_stage = read("ACCELERATE_DEEPSPEED_ZERO_STAGE")
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"DeepSpeedPlugin(zero_stage={self.zero_stage!r}) is not allowed: use 0, 1, 2 or 3")
+            raise ConfigError(f"DeepSpeedPlugin(zero_stage={self.zero_stage!r}) is not allowed: "
+                              "use 0, 1, 2 or 3")
         if self.offload_optimizer_device is None:
             self.offload_optimizer_device = read("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
         if self.offload_param_device is None:
             self.offload_param_device = read("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")
         for key in ("offload_optimizer_device", "offload_param_device"):
             if getattr(self, key) not in OFFLOAD_DEVICES:
-                raise ConfigError(f"DeepSpeedPlugin({key}={getattr(self, key)!r}) is not allowed: use none, cpu "
-                                  "or nvme")
+                raise ConfigError(f"DeepSpeedPlugin({key}={getattr(self, key)!r}) is not allowed: "
+                                  "use none, cpu or nvme")
         if self.hf_ds_config is None:
             self.hf_ds_config = read("ACCELERATE_DEEPSPEED_CONFIG_FILE")
         if isinstance(self.hf_ds_config, str):
@@ -215,8 +238,9 @@ class DeepSpeedPlugin:
                 self.hf_ds_config = json.load(f)
         if self.hf_ds_config is not None:
             if "zero_optimization" not in self.hf_ds_config:  # Accelerate's own check
-                raise ConfigError("deepspeed_config_file: give its zero_optimization section (Accelerate requires "
-                                  "it: 'Please specify the ZeRO optimization config in the DeepSpeed config.')")
+                raise ConfigError("deepspeed_config_file: give its zero_optimization section "
+                                  "(Accelerate requires it: 'Please specify the ZeRO optimization "
+                                  "config in the DeepSpeed config.')")
             self.hf_ds_config = copy.deepcopy(self.hf_ds_config)
             self.hf_ds_config.setdefault("gradient_accumulation_steps", 1)
             stage = self.hf_ds_config["zero_optimization"].get("stage", self.zero_stage)
@@ -230,7 +254,8 @@ class DeepSpeedPlugin:
 
 @dataclass
 class FullyShardedDataParallelPlugin:
-    """Accelerate's FSDP plugin, as minizero's ZeRO: FULL_SHARD is ZeRO-3, SHARD_GRAD_OP ZeRO-2, NO_SHARD DDP."""
+    """Accelerate's FSDP plugin, as minizero's ZeRO: FULL_SHARD is ZeRO-3, SHARD_GRAD_OP ZeRO-2,
+    NO_SHARD DDP."""
     sharding_strategy: str | None = None
     cpu_offload: bool | None = None
     fsdp_version: int = 1
@@ -253,14 +278,17 @@ class FullyShardedDataParallelPlugin:
         read = _env_reader()
         if self.sharding_strategy is None:  # Accelerate's default: FULL_SHARD
             self.sharding_strategy = read("FSDP_SHARDING_STRATEGY") or "FULL_SHARD"
-        name = getattr(self.sharding_strategy, "name", self.sharding_strategy)  # torch's enum or its name
+        # torch's enum or its name
+        name = getattr(self.sharding_strategy, "name", self.sharding_strategy)
         if name == "HYBRID_SHARD":
-            raise ConfigError("FSDP sharding_strategy HYBRID_SHARD is not covered by minizero.accelerate: use "
-                              "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD (minizero's hybrid sharding is the engine's "
-                              "zero_hpz_partition_size)")
+            raise ConfigError(
+                "FSDP sharding_strategy HYBRID_SHARD is not covered by "
+                "minizero.accelerate: use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD "
+                "(minizero's hybrid sharding is the engine's zero_hpz_partition_size)"
+            )
         if name not in FSDP_STAGES:
-            raise ConfigError(f"FSDP sharding_strategy {name!r} is not allowed: use FULL_SHARD, SHARD_GRAD_OP or "
-                              "NO_SHARD")
+            raise ConfigError(f"FSDP sharding_strategy {name!r} is not allowed: use FULL_SHARD, "
+                              "SHARD_GRAD_OP or NO_SHARD")
         self.sharding_strategy = name
         if self.cpu_offload is None:
             self.cpu_offload = read("FSDP_OFFLOAD_PARAMS")
@@ -268,8 +296,8 @@ class FullyShardedDataParallelPlugin:
 
 
 def _env_reader():
-    """Accelerate's variables from the environment, over those of ACCELERATE_CONFIG_FILE when one is named
-    (a script started by mpirun or torchrun, not by a launcher that exports them)."""
+    """Accelerate's variables from the environment, over those of ACCELERATE_CONFIG_FILE when one is
+    named (a script started by mpirun or torchrun, not by a launcher that exports them)."""
     environ = dict(os.environ)
     path = mz_env.accelerate_get("ACCELERATE_CONFIG_FILE")
     if path and not any(k.startswith(("ACCELERATE_USE_", "ACCELERATE_MIXED")) for k in environ):
@@ -297,8 +325,9 @@ class Settings:
 
     @property
     def steps_in_backward(self) -> bool:
-        """DeepSpeed's engine steps inside accelerator.backward and clips by its config; DDP and FSDP step at
-        optimizer.step() and clip where the script calls clip_grad_norm_ (Accelerate's two paths)."""
+        """DeepSpeed's engine steps inside accelerator.backward and clips by its config; DDP and
+        FSDP step at optimizer.step() and clip where the script calls clip_grad_norm_ (Accelerate's
+        two paths)."""
         return self.distributed_type == "DEEPSPEED"
 
 
@@ -309,11 +338,13 @@ def resolve(mixed_precision, gradient_accumulation_steps, cpu, deepspeed_plugin,
     if mixed_precision is None:
         mixed_precision = read("ACCELERATE_MIXED_PRECISION")
     if mixed_precision not in MIXED_PRECISION:
-        raise ConfigError(f"Accelerator(mixed_precision={mixed_precision!r}) is not allowed: use no, fp16 or bf16 "
-                          "(fp8 is not covered by minizero)")
+        raise ConfigError(f"Accelerator(mixed_precision={mixed_precision!r}) is not allowed: use "
+                          "no, fp16 or bf16 (fp8 is not covered by minizero)")
     if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
-        raise ConfigError(f"Accelerator(gradient_accumulation_steps={gradient_accumulation_steps!r}) is not "
-                          "allowed: use a whole number >= 1")
+        raise ConfigError(
+            f"Accelerator(gradient_accumulation_steps={gradient_accumulation_steps!r}) is not "
+            "allowed: use a whole number >= 1"
+        )
     if gradient_accumulation_steps == 1:
         gradient_accumulation_steps = read("ACCELERATE_GRADIENT_ACCUMULATION_STEPS") or 1
     cpu = bool(cpu or read("ACCELERATE_USE_CPU"))  # asked for; without CUDA the CPU is used anyway
@@ -322,25 +353,26 @@ def resolve(mixed_precision, gradient_accumulation_steps, cpu, deepspeed_plugin,
     if fsdp_plugin is None and read("ACCELERATE_USE_FSDP"):
         fsdp_plugin = FullyShardedDataParallelPlugin()
     if deepspeed_plugin is not None and fsdp_plugin is not None:
-        raise ConfigError("both DeepSpeed and FSDP are asked for (deepspeed_plugin / ACCELERATE_USE_DEEPSPEED and "
-                          "fsdp_plugin / ACCELERATE_USE_FSDP): pick one")
+        raise ConfigError("both DeepSpeed and FSDP are asked for (deepspeed_plugin / "
+                          "ACCELERATE_USE_DEEPSPEED and fsdp_plugin / ACCELERATE_USE_FSDP): pick "
+                          "one")
     if deepspeed_plugin is not None:
         gas = deepspeed_plugin.gradient_accumulation_steps
         if gas != "auto" and gas != gradient_accumulation_steps:
             gradient_accumulation_steps = gas  # Accelerate: "Using DeepSpeed's value."
-        return Settings("DEEPSPEED", mixed_precision, gradient_accumulation_steps, cpu, deepspeed_plugin.zero_stage,
-                        deepspeed_plugin=deepspeed_plugin)
+        return Settings("DEEPSPEED", mixed_precision, gradient_accumulation_steps, cpu,
+                        deepspeed_plugin.zero_stage, deepspeed_plugin=deepspeed_plugin)
     if fsdp_plugin is not None:
-        return Settings("FSDP", mixed_precision, gradient_accumulation_steps, cpu, fsdp_plugin.zero_stage,
-                        fsdp_plugin=fsdp_plugin)
+        return Settings("FSDP", mixed_precision, gradient_accumulation_steps, cpu,
+                        fsdp_plugin.zero_stage, fsdp_plugin=fsdp_plugin)
     kind = "NO" if world_size == 1 else "MULTI_CPU" if cpu or not cuda else "MULTI_GPU"
     return Settings(kind, mixed_precision, gradient_accumulation_steps, cpu, 0)
 
 
 def deepspeed_config(s: Settings, micro_batch: int | None, world_size: int, model) -> dict:
-    """The DeepSpeed config the engine gets: the plugin's (or its file's), "auto" filled as Accelerate's
-    _prepare_deepspeed fills it. DDP and FSDP get the same config shape with their stage and no clipping (the
-    script's clip_grad_norm_ sets it per step)."""
+    """The DeepSpeed config the engine gets: the plugin's (or its file's), "auto" filled as
+    Accelerate's _prepare_deepspeed fills it. DDP and FSDP get the same config shape with their
+    stage and no clipping (the script's clip_grad_norm_ sets it per step)."""
     plugin = s.deepspeed_plugin
     if plugin is not None and plugin.hf_ds_config is not None:
         cfg = copy.deepcopy(plugin.hf_ds_config)
@@ -357,35 +389,45 @@ def deepspeed_config(s: Settings, micro_batch: int | None, world_size: int, mode
         if offload_par != "none":
             cfg["zero_optimization"]["offload_param"] = {"device": offload_par}
         cfg["gradient_clipping"] = plugin.gradient_clipping if plugin else 0.0
-        # zero3_init_flag is read by whoever builds the model (transformers' from_pretrained under zero.Init);
-        # prepare() gets a model already built, as Accelerate's does: nothing for the engine
+        # zero3_init_flag is read by whoever builds the model (transformers' from_pretrained under
+        # zero.Init); prepare() gets a model already built,
+        # as Accelerate's does: nothing for the engine
     if micro_batch is None and _is_auto(cfg, "train_micro_batch_size_per_gpu"):
-        raise ConfigError("under DeepSpeed, accelerator.prepare() needs a DataLoader with an integer batch_size in "
-                          "the same call (or set train_micro_batch_size_per_gpu in the DeepSpeed config file): it "
-                          "fills train_micro_batch_size_per_gpu from it, as Accelerate does")
+        raise ConfigError("under DeepSpeed, accelerator.prepare() needs a DataLoader with an "
+                          "integer batch_size in the same call (or set "
+                          "train_micro_batch_size_per_gpu in the DeepSpeed config file): it fills "
+                          "train_micro_batch_size_per_gpu from it, as Accelerate does")
     fills = {"gradient_clipping": 1.0, "gradient_accumulation_steps": s.gradient_accumulation_steps,
              "zero_optimization.stage": s.stage}
-    mbs = micro_batch if _is_auto(cfg, "train_micro_batch_size_per_gpu") else cfg.get("train_micro_batch_size_per_gpu")
+    mbs = (
+        micro_batch
+        if _is_auto(cfg, "train_micro_batch_size_per_gpu")
+        else cfg.get("train_micro_batch_size_per_gpu")
+    )
     if mbs is not None:
         fills["train_micro_batch_size_per_gpu"] = mbs
-        fills["train_batch_size"] = mbs * _value(cfg, "gradient_accumulation_steps", s.gradient_accumulation_steps) \
+        fills["train_batch_size"] = mbs * _value(cfg, "gradient_accumulation_steps",
+                                                 s.gradient_accumulation_steps) \
             * world_size
-    hidden = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+    hidden = ("zero_optimization.reduce_bucket_size",
+              "zero_optimization.stage3_prefetch_bucket_size",
               "zero_optimization.stage3_param_persistence_threshold")
     if any(_is_auto(cfg, k) for k in hidden):
         size = getattr(getattr(model, "config", None), "hidden_size", None)
         if size is None:
-            raise ConfigError(f"the DeepSpeed config's {[k for k in hidden if _is_auto(cfg, k)]} are \"auto\" and "
-                              "the model has no config.hidden_size to fill them from (Accelerate's rule): give "
-                              "integers")
-        fills.update({hidden[0]: size * size, hidden[1]: int(0.9 * size * size), hidden[2]: 10 * size})
+            raise ConfigError(f"the DeepSpeed config's {[k for k in hidden if _is_auto(cfg, k)]} "
+                              "are \"auto\" and the model has no config.hidden_size to fill them "
+                              "from (Accelerate's rule): give integers")
+        fills.update({hidden[0]: size * size, hidden[1]: int(0.9 * size * size),
+                      hidden[2]: 10 * size})
     fills["fp16.enabled"] = s.mixed_precision == "fp16"
     fills["bf16.enabled"] = s.mixed_precision == "bf16"
     for key, value in fills.items():
         if _is_auto(cfg, key):
             _set(cfg, key, value)
     if s.distributed_type == "DEEPSPEED" or s.mixed_precision == "fp16":
-        for name in ("fp16", "bf16"):  # DeepSpeed's weights in 16 bits, fp32 masters (Accelerate's DS path)
+        # DeepSpeed's weights in 16 bits, fp32 masters (Accelerate's DS path)
+        for name in ("fp16", "bf16"):
             if s.mixed_precision == name:
                 cfg.setdefault(name, {})["enabled"] = True
     cfg["steps_per_print"] = float("inf")  # Accelerate's: DeepSpeed never logs to stdout

@@ -6,10 +6,10 @@ even_batches=True, SeedableRandomSampler, DataLoaderShard).
     rank 0 of 2:                      b0    b2    b4 + the first indices again (even_batches)
     rank 1 of 2:                         b1    b3    a batch of the first indices
 
-Rank r takes batches r, r+n, r+2n, ...: the global batch of one step is n of the original batches, so the
-same script sees the same samples per step at any rank count. A short tail is completed with the epoch's
-first samples so every rank runs the same number of steps; gather_for_metrics drops those repeats again
-(the loader's `remainder`).
+Rank r takes batches r, r+n, r+2n, ...: the global batch of one step is n of the original batches,
+so the same script sees the same samples per step at any rank count. A short tail is completed with
+the epoch's first samples so every rank runs the same number of steps; gather_for_metrics drops
+those repeats again (the loader's `remainder`).
 
 The prepared loader is a torch DataLoader over the same dataset, collate_fn, workers and generator,
 built and iterated as Accelerate's, so it draws from torch's global generator exactly when
@@ -33,7 +33,9 @@ _LOADER_KWARGS = {"num_workers": 0, "collate_fn": None, "pin_memory": False, "ti
                   "prefetch_factor": 2, "persistent_workers": False, "pin_memory_device": ""}
 
 
-def shard_batches(batches: list, num_processes: int, process_index: int, batch_size, drop_last: bool) -> list:
+def shard_batches(
+    batches: list, num_processes: int, process_index: int, batch_size, drop_last: bool
+) -> list:
     """BatchSamplerShard._iter_with_no_split, as a list: this rank's batches of one epoch."""
     return list(iter_shard(batches, num_processes, process_index, batch_size, drop_last))
 
@@ -46,12 +48,15 @@ def iter_shard(batches, num_processes: int, process_index: int, batch_size, drop
         if idx < num_processes:
             initial += batch  # the epoch's first samples, to complete a short tail
         group.append(batch)
-        if idx % num_processes == num_processes - 1 and (batch_size is None or len(batch) == batch_size):
+        if idx % num_processes == num_processes - 1 and (
+            batch_size is None or len(batch) == batch_size
+        ):
             yield group[process_index]
             group = []  # a group ending in a short batch (the last one) stays: the tail below
     if drop_last or not group:
         return
-    tail = [b for b in group if batch_size is None or len(b) == batch_size]  # full batches of a last group
+    # full batches of a last group
+    tail = [b for b in group if batch_size is None or len(b) == batch_size]
     short = [b for b in group if batch_size is not None and len(b) != batch_size]
     while len(initial) < num_processes * batch_size:
         initial += initial
@@ -129,7 +134,8 @@ class GradientState:
 
 
 class DataLoaderShard(DataLoader):
-    """A prepared DataLoader: this rank's batches, moved to the device, the state accumulate() reads."""
+    """A prepared DataLoader: this rank's batches, moved to the device, the state accumulate()
+    reads."""
 
     def __init__(self, loader: DataLoader, comm, device, state: GradientState,
                  use_seedable_sampler=False, data_seed=None):

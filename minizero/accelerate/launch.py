@@ -1,16 +1,19 @@
-"""`accelerate launch` for minizero scripts: python -m minizero.accelerate.launch [flags] script.py [args].
+"""`accelerate launch` for minizero scripts: python -m minizero.accelerate.launch [flags] script.py
+[args].
 
     python -m minizero.accelerate.launch --config_file default_config.yaml train.py --epochs 2
 
-It reads Accelerate's config YAML (--config_file, else $ACCELERATE_CONFIG_FILE, else Accelerate's default
-path), lets the flags below override it, exports the ACCELERATE_* variables `accelerate launch` exports
-(accelerate/utils/launch.py) and starts num_processes ranks of the script with mpirun (torchrun when there is
-no mpirun). A bad key or value is one line naming it, exit 2, before any rank starts.
+It reads Accelerate's config YAML (--config_file, else $ACCELERATE_CONFIG_FILE, else Accelerate's
+default path), lets the flags below override it, exports the ACCELERATE_* variables
+`accelerate launch` exports (accelerate/utils/launch.py) and starts num_processes ranks of the
+script with mpirun (torchrun when there is no mpirun). A bad key or value is one line naming it,
+exit 2, before any rank starts.
 
-Flags (Accelerate's names): --config_file, --num_processes, --mixed_precision, --cpu, --use_deepspeed,
---zero_stage, --offload_optimizer_device, --offload_param_device, --gradient_accumulation_steps,
---gradient_clipping, --deepspeed_config_file, --use_fsdp, --fsdp_sharding_strategy, --main_process_port,
--m/--module. Anything else of Accelerate's (multi-node, TPU, dynamo, Megatron-LM) is refused by argparse.
+Flags (Accelerate's names): --config_file, --num_processes, --mixed_precision, --cpu,
+--use_deepspeed, --zero_stage, --offload_optimizer_device, --offload_param_device,
+--gradient_accumulation_steps, --gradient_clipping, --deepspeed_config_file, --use_fsdp,
+--fsdp_sharding_strategy, --main_process_port, -m/--module. Anything else of Accelerate's
+(multi-node, TPU, dynamo, Megatron-LM) is refused by argparse.
 """
 from __future__ import annotations
 
@@ -25,9 +28,12 @@ from minizero.runtime.config import ConfigError
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minizero.accelerate.launch", allow_abbrev=False,
-                                description="Accelerate's launch, running minizero's Accelerator ranks")
-    p.add_argument("--config_file", default=None, help="Accelerate's config YAML (default: Accelerate's path)")
-    p.add_argument("--num_processes", type=int, default=None, help="ranks to start (default: the config's)")
+                                description="Accelerate's launch, running minizero's Accelerator "
+                                            "ranks")
+    p.add_argument("--config_file", default=None,
+                   help="Accelerate's config YAML (default: Accelerate's path)")
+    p.add_argument("--num_processes", type=int, default=None,
+                   help="ranks to start (default: the config's)")
     p.add_argument("--mixed_precision", choices=acc_config.MIXED_PRECISION, default=None)
     p.add_argument("--cpu", action="store_true", help="train on the CPU even with a GPU")
     p.add_argument("--use_deepspeed", action="store_true")
@@ -70,8 +76,8 @@ def environment(args) -> tuple[dict, int]:
     if args.cpu:
         out["ACCELERATE_USE_CPU"] = "true"
     if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps < 1:
-        raise ConfigError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: use a whole number "
-                          ">= 1")
+        raise ConfigError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: use "
+                          "a whole number >= 1")
     nprocs = args.num_processes if args.num_processes is not None else nprocs
     if nprocs < 1:
         raise ConfigError(f"--num_processes {nprocs}: use a whole number >= 1")
@@ -99,8 +105,10 @@ def main(argv=None) -> int:
     from minizero import env as mz_env
     from minizero.launch import LaunchError, find_mpirun
     if nprocs > mz_env.get("MINIZERO_MAX_RANKS"):
-        sys.stderr.write(f"{p.prog}: {nprocs} ranks: this machine allows at most {mz_env.get('MINIZERO_MAX_RANKS')} "
-                         "(MINIZERO_MAX_RANKS raises the cap)\n")
+        sys.stderr.write(
+            f"{p.prog}: {nprocs} ranks: this machine allows at most "
+            f"{mz_env.get('MINIZERO_MAX_RANKS')} (MINIZERO_MAX_RANKS raises the cap)\n"
+        )
         return 2
     if args.main_process_port is not None and not 0 < args.main_process_port < 65536:
         sys.stderr.write(f"{p.prog}: --main_process_port {args.main_process_port}: give a port "
@@ -114,14 +122,16 @@ def main(argv=None) -> int:
         sys.stderr.write(f"{p.prog}: rendezvous port {port} (free, chosen here; "
                          "--main_process_port sets one)\n")
     child = {**os.environ, **extra, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    child.pop("ACCELERATE_CONFIG_FILE", None)  # the ranks read the variables, as under `accelerate launch`
+    # the ranks read the variables, as under `accelerate launch`
+    child.pop("ACCELERATE_CONFIG_FILE", None)
     child.setdefault("OMP_NUM_THREADS", "1")
     script = ["-m", args.training_script] if args.module else [args.training_script]
     try:
-        cmd = [find_mpirun(), "-n", str(nprocs), sys.executable, *script, *args.training_script_args]
+        cmd = [find_mpirun(), "-n", str(nprocs), sys.executable, *script,
+               *args.training_script_args]
     except LaunchError:
-        cmd = [sys.executable, "-m", "minizero", "torchrun", "--nproc-per-node", str(nprocs), "--master-port",
-               str(port), *script, *args.training_script_args]
+        cmd = [sys.executable, "-m", "minizero", "torchrun", "--nproc-per-node", str(nprocs),
+               "--master-port", str(port), *script, *args.training_script_args]
     try:
         return subprocess.call(cmd, env=child)
     except KeyboardInterrupt:

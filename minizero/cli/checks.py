@@ -1,6 +1,6 @@
-"""Command-line values checked at the edge: argparse types that name the allowed range, and output paths
-checked before any work starts (a command that would compute for minutes and then fail to write its
-result says so at once instead). Every failure is argparse's one line and exit code 2."""
+"""Command-line values checked at the edge: argparse types that name the allowed range, and output
+paths checked before any work starts (a command that would compute for minutes and then fail to
+write its result says so at once instead). Every failure is argparse's one line and exit code 2."""
 from __future__ import annotations
 
 import argparse
@@ -31,7 +31,9 @@ def whole(lo: int, hi: int | None = None):
 
 def number(lo: float, hi: float = math.inf, open_low: bool = False):
     """An argparse type: a finite number in [lo, hi] ((lo, hi] with open_low)."""
-    allowed = f"a number {'>' if open_low else '>='} {lo:g}" + (f" and <= {hi:g}" if hi != math.inf else "")
+    allowed = f"a number {'>' if open_low else '>='} {lo:g}" + (
+        f" and <= {hi:g}" if hi != math.inf else ""
+    )
 
     def check(text: str) -> float:
         try:
@@ -45,15 +47,17 @@ def number(lo: float, hi: float = math.inf, open_low: bool = False):
 
 
 def output_file(parser: argparse.ArgumentParser, flag: str, path: str | None):
-    """`path` (the value of `flag`) can be written: its folder exists and takes a file. Checked by creating and
-    removing a temporary file there, so nothing is left behind (os.access says yes to root everywhere)."""
+    """`path` (the value of `flag`) can be written: its folder exists and takes a file. Checked by
+    creating and removing a temporary file there, so nothing is left behind (os.access says yes to
+    root everywhere)."""
     if path is None:
         return
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         parser.error(f"{flag} {path}: is a folder; give a file name")
     if not os.path.isdir(folder):
-        parser.error(f"{flag} {path}: its folder {folder} does not exist; create it first or choose another path")
+        parser.error(f"{flag} {path}: its folder {folder} does not exist; create it first or "
+                     "choose another path")
     try:
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
@@ -61,8 +65,8 @@ def output_file(parser: argparse.ArgumentParser, flag: str, path: str | None):
 
 
 def output_folder(parser: argparse.ArgumentParser, flag: str, path: str | None):
-    """`path` (the value of `flag`) is a folder that exists or can be made, and takes files. Call it last among
-    the checks: it makes the folder (the command's first act anyway)."""
+    """`path` (the value of `flag`) is a folder that exists or can be made, and takes files. Call it
+    last among the checks: it makes the folder (the command's first act anyway)."""
     if path is None:
         return
     existed = os.path.isdir(path)

@@ -12,8 +12,8 @@ category, and bytes sent per step, each against its formula.
 
 Each strategy is one entry in STRATEGIES: a function that wraps the model and returns
 (wrapped model, optimizer, step_fn, ZeRO stage); step_fn runs forward, backward and the
-optimizer step, and the memory is measured before the gradients are released. Everything is fp32 Adam, so the estimator
-is called with 4-byte parameters and gradients and K = 8 (Adam's m and v).
+optimizer step, and the memory is measured before the gradients are released. Everything is fp32
+Adam, so the estimator is called with 4-byte parameters and gradients and K = 8 (Adam's m and v).
 """
 from __future__ import annotations
 
@@ -87,10 +87,12 @@ STRATEGIES = {"ddp": _ddp, "zero1": _zero1, "zero2": _zero2, "zero3": _zero3}
 
 def _run_strategy(comm, strategy, steps, global_batch, lr, seed, progress):
     if comm.device.type == "cuda":  # each strategy's own high-water mark, not the previous one's
-        gc.collect()  # the previous strategy's wrapper, hooks and buffers (reference cycles) freed first
+        # the previous strategy's wrapper, hooks and buffers (reference cycles) freed first
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(comm.device)
-    # what the process holds before this strategy's model exists (cuBLAS's workspaces, once warmed up)
+    # what the process holds before this strategy's
+    # model exists (cuBLAS's workspaces, once warmed up)
     base = torch.cuda.memory_allocated(comm.device) if comm.device.type == "cuda" else None
     model = TinyGPT(GPTConfig(**DEMO_CONFIG), seed=seed).to(comm.device)
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -100,8 +102,8 @@ def _run_strategy(comm, strategy, steps, global_batch, lr, seed, progress):
     bar = None
     if progress and comm.rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=steps, desc=f"{strategy:>5} on {comm.size} rank{'s' * (comm.size != 1)}", file=sys.stdout,
-                   mininterval=0.2)
+        bar = tqdm(total=steps, desc=f"{strategy:>5} on {comm.size} rank{'s' * (comm.size != 1)}",
+                   file=sys.stdout, mininterval=0.2)
     for s in range(steps):
         x, y = (t.to(comm.device) for t in shard(data.batch(s, global_batch), comm.rank, comm.size))
         memory.transient.reset()
@@ -144,7 +146,8 @@ def train_worker(comm, strategies=("ddp", "zero1", "zero2", "zero3"), steps=40, 
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategy {unknown}; choose from {sorted(STRATEGIES)}")
-    if comm.device.type == "cuda":  # cuBLAS keeps a workspace per handle for the process's life (about 67 MB
+    # cuBLAS keeps a workspace per handle for the process's life (about 67 MB
+    if comm.device.type == "cuda":
         # on an H200): allocate it before the first strategy so every strategy's baseline holds it
         warm = TinyGPT(GPTConfig(**DEMO_CONFIG), seed=seed).to(comm.device)
         idx = torch.zeros(2, DEMO_CONFIG["block_size"], dtype=torch.long, device=comm.device)
@@ -183,11 +186,12 @@ def report(results, out=sys.stdout):
     """One row per strategy and rank: measured next to formula."""
     n = len(results)
     first = results[0]["runs"][0]
-    print(f"\n{n} rank{'s' * (n != 1)}, TinyGPT with {first['psi']:,} parameters, fp32 Adam. MB per rank: measured by "
-          f"the ledger, (formula) from the estimator; bytes sent per step, (formula) from the ring model.", file=out)
-    head = (f"{'strategy':>8} {'rank':>4} | {'final loss':>10} | {'params':>7} {'(formula)':>9} | {'grads':>7} "
-            f"{'(formula)':>9} | {'optim':>7} {'(formula)':>9} | {'total':>7} | {'sent/step':>9} {'(formula)':>9} | "
-            f"{'step ms':>7}")
+    print(f"\n{n} rank{'s' * (n != 1)}, TinyGPT with {first['psi']:,} parameters, fp32 Adam. MB "
+          "per rank: measured by the ledger, (formula) from the estimator; bytes sent per step, "
+          "(formula) from the ring model.", file=out)
+    head = (f"{'strategy':>8} {'rank':>4} | {'final loss':>10} | {'params':>7} {'(formula)':>9} | "
+            f"{'grads':>7} {'(formula)':>9} | {'optim':>7} {'(formula)':>9} | {'total':>7} | "
+            f"{'sent/step':>9} {'(formula)':>9} | {'step ms':>7}")
     print(head + "\n" + "-" * len(head), file=out)
     ref = results[0]["single_process_losses"]
     for i, run0 in enumerate(results[0]["runs"]):
@@ -197,19 +201,24 @@ def report(results, out=sys.stdout):
             # ZeRO keeps the fp32 master inside the optimizer state when it is separate: compare
             # master + optimizer state with the paper's K*Psi/N term
             optim = cat.get("optimizer_state", 0) + cat.get("master_params", 0)
-            print(f"{r['strategy']:>8} {res['rank']:>4} | {r['losses'][-1]:>10.6f} | {_mb(cat.get('parameters', 0))} "
-                  f"{_mb(e['parameters']):>9} | {_mb(cat.get('gradients', 0))} {_mb(e['gradients']):>9} | {_mb(optim)} "
-                  f"{_mb(e['optimizer_state']):>9} | {_mb(r['ledger']['total'])} | {_mb(r['sent_per_step']):>9} "
-                  f"{_mb(r['bytes_formula']):>9} | {r['median_step_s'] * 1e3:7.1f}", file=out)
-    curves = [tuple(res["runs"][i]["losses"]) for i in range(len(results[0]["runs"])) for res in results]
+            print(f"{r['strategy']:>8} {res['rank']:>4} | {r['losses'][-1]:>10.6f} | "
+                  f"{_mb(cat.get('parameters', 0))} {_mb(e['parameters']):>9} | "
+                  f"{_mb(cat.get('gradients', 0))} {_mb(e['gradients']):>9} | {_mb(optim)} "
+                  f"{_mb(e['optimizer_state']):>9} | {_mb(r['ledger']['total'])} | "
+                  f"{_mb(r['sent_per_step']):>9} {_mb(r['bytes_formula']):>9} | "
+                  f"{r['median_step_s'] * 1e3:7.1f}", file=out)
+    curves = [
+        tuple(res["runs"][i]["losses"]) for i in range(len(results[0]["runs"])) for res in results
+    ]
     same_ranks = all(len({tuple(res["runs"][i]["losses"]) for res in results}) == 1
                      for i in range(len(results[0]["runs"])))
     gap = max(abs(a - b) for c in curves for a, b in zip(c, ref))
-    print(f"\nEvery rank reports the same loss curve: {same_ranks}. One process on the full batch ends at "
-          f"{ref[-1]:.6f}; the largest gap of any strategy along the curve is {gap:.1e} (float summation order).",
+    print(f"\nEvery rank reports the same loss curve: {same_ranks}. One process on the full batch "
+          f"ends at {ref[-1]:.6f}; the largest gap of any strategy along the curve is {gap:.1e} "
+          "(float summation order).",
           file=out)
-    print("Measured memory exceeds the formula by Adam's 4-byte step counters and by padding to a multiple of N; "
-          "ZeRO-3's sent bytes by that padding too.", file=out)
+    print("Measured memory exceeds the formula by Adam's 4-byte step counters and by padding to a "
+          "multiple of N; ZeRO-3's sent bytes by that padding too.", file=out)
 
 
 def plot(results, path):
@@ -220,25 +229,38 @@ def plot(results, path):
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
     for i, r in enumerate(runs):
         a.plot(r["losses"], label=r["strategy"], lw=2.5 - 0.5 * i, alpha=0.85)
-    a.plot(results[0]["single_process_losses"], color="k", lw=0.8, ls=":", label="1 process, full batch")
+    a.plot(results[0]["single_process_losses"], color="k", lw=0.8, ls=":",
+           label="1 process, full batch")
     a.set(xlabel="step", ylabel="global-batch loss", title="loss: the strategies coincide")
     a.legend()
     cats = ["parameters", "gradients", "optimizer_state"]
     names = [r["strategy"] for r in runs]
     bottom = [0.0] * len(runs)
     for cat in cats:
-        vals = [(r["ledger"]["by_category"].get(cat, 0) + (r["ledger"]["by_category"].get("master_params", 0)
-                 if cat == "optimizer_state" else 0)) / 1e6 for r in runs]
+        vals = [
+            (
+                r["ledger"]["by_category"].get(cat, 0)
+                + (
+                    r["ledger"]["by_category"].get("master_params", 0)
+                    if cat == "optimizer_state"
+                    else 0
+                )
+            )
+            / 1e6
+            for r in runs
+        ]
         b.bar(names, vals, bottom=bottom, label=f"{cat} (measured)")
         bottom = [x + v for x, v in zip(bottom, vals)]
     for j, r in enumerate(runs):
         est = sum(r["estimate"].values()) / 1e6
         b.hlines(est, j - 0.4, j + 0.4, color="k", lw=2, label="formula" if j == 0 else None)
-    b.set(ylabel="MB per rank (rank 0)", title=f"model-state memory on {len(results)} rank{'s' * (len(results) != 1)}")
+    b.set(ylabel="MB per rank (rank 0)",
+          title=f"model-state memory on {len(results)} rank{'s' * (len(results) != 1)}")
     b.legend(fontsize=8)
     c.bar(names, [r["sent_per_step"] / 1e6 for r in runs], color="tab:purple", label="measured")
     for j, r in enumerate(runs):
-        c.hlines(r["bytes_formula"] / 1e6, j - 0.4, j + 0.4, color="k", lw=2, label="formula" if j == 0 else None)
+        c.hlines(r["bytes_formula"] / 1e6, j - 0.4, j + 0.4, color="k", lw=2,
+                 label="formula" if j == 0 else None)
     c.set(ylabel="MB sent per rank per step", title="communication: ZeRO-3 pays 1.5x")
     c.legend(fontsize=8)
     fig.tight_layout()
@@ -250,7 +272,8 @@ def main(argv=None) -> int:
     from minizero.cli import checks
     ap = checks.Parser(prog="minizero demo", description=__doc__.splitlines()[0])
     ap.add_argument("--nprocs", type=checks.whole(1), default=4, help="ranks (default 4)")
-    ap.add_argument("--steps", type=checks.whole(1), default=60, help="training steps of each strategy (default 60)")
+    ap.add_argument("--steps", type=checks.whole(1), default=60,
+                    help="training steps of each strategy (default 60)")
     ap.add_argument("--strategy", action="append", choices=sorted(STRATEGIES),
                     help="repeatable; default: ddp, zero1, zero2, zero3")
     ap.add_argument("--png", default="demo.png", help="where to write the plot")
@@ -259,8 +282,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from minizero import launch
     t0 = time.time()
-    results = launch.run("minizero.cli.demo:train_worker", nprocs=args.nprocs, timeout=args.timeout, stream=True,
-                         args={"strategies": args.strategy or list(STRATEGIES), "steps": args.steps})
+    results = launch.run("minizero.cli.demo:train_worker", nprocs=args.nprocs, timeout=args.timeout,
+                         stream=True,
+                         args={"strategies": args.strategy or list(STRATEGIES),
+                               "steps": args.steps})
     report(results)
     plot(results, args.png)
     print(f"wrote {args.png}   ({time.time() - t0:.1f}s)")

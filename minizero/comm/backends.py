@@ -31,14 +31,16 @@ class _Heartbeat:
 
     Two pwrite syscalls per collective: cheap, and it lets a launcher or the watchdog say
     "timed out: rank 2 in all_gather" instead of just "timed out". A rank is IN a collective only
-    while it blocks in one; an async op launched and not waited for reads "idle (in flight: ...)"."""
+    while it blocks in one; an async op launched and not waited for reads "idle (in flight:
+    ...)"."""
 
     def __init__(self):
         self.fd = None
         self.directory = None  # where the job's heartbeat files live
         self.text = ""         # the last state written
         self.since = 0.0       # time.monotonic() when it was written
-        self.context = ""      # what the code above the collectives is doing, e.g. "pipeline F2 on stage 1"
+        # what the code above the collectives is doing, e.g. "pipeline F2 on stage 1"
+        self.context = ""
 
     def open(self, rank: int, directory: str | None = None):
         d = directory or mz_env.get("MINIZERO_HEARTBEAT_DIR")
@@ -73,7 +75,10 @@ def describe_ranks(directory: str, nprocs: int, ages: bool = False) -> dict[int,
             with open(path) as f:
                 text = f.read().strip()
             age = time.time() - os.path.getmtime(path)
-            with open(os.path.join(directory, f"rank{r}.pid")) as f, open(f"/proc/{int(f.read())}/stat") as st:
+            with (
+                open(os.path.join(directory, f"rank{r}.pid")) as f,
+                open(f"/proc/{int(f.read())}/stat") as st,
+            ):
                 state = st.read().rsplit(")", 1)[1].split()[0]  # R running, S sleeping, T stopped
         except (OSError, ValueError, IndexError):
             pass
@@ -84,7 +89,9 @@ def describe_ranks(directory: str, nprocs: int, ages: bool = False) -> dict[int,
             desc = f"was in its own code, not a collective{since} ({text})"
         else:
             desc = f"in {text}{since}"
-        where[r] = desc + (" - its process is STOPPED (SIGSTOP, a debugger?)" if ages and state == "T" else "")
+        where[r] = desc + (
+            " - its process is STOPPED (SIGSTOP, a debugger?)" if ages and state == "T" else ""
+        )
     return where
 
 
@@ -109,14 +116,17 @@ class Work:
         if not self._done:
             heartbeat.beat(self._op)
             try:
-                with label("mz.wait"):  # a profiler range (comm/labels.py): this rank blocked on the op
+                # a profiler range (comm/labels.py): this rank blocked on the op
+                with label("mz.wait"):
                     if sleep_s is not None and self._poll is not None:
                         while not self._poll():
                             time.sleep(sleep_s)
                     self._waiter()
             except Exception as e:  # noqa: BLE001  gloo's RuntimeError, mpi4py's MPI.Exception
                 if _peer_lost(e):
-                    raise RankLost(e, heartbeat.text if heartbeat.fd is not None else self._op) from None
+                    raise RankLost(
+                        e, heartbeat.text if heartbeat.fd is not None else self._op
+                    ) from None
                 raise
             if self._on_done:
                 self._on_done()
@@ -132,29 +142,33 @@ class Work:
 
 
 class RankLost(RuntimeError):
-    """A collective failed because a peer process ended in the middle of it (kill -9, the OOM killer):
-    the backend's own error, said in one line. comm.init's excepthook (report_rank_lost) prints just this line (no
-    traceback of the survivor's code: the fault is the dead rank's), and only when no job reaper
-    (comm/reaper.py) names the dead rank instead."""
+    """A collective failed because a peer process ended in the middle of it (kill -9, the OOM
+    killer): the backend's own error, said in one line. comm.init's excepthook (report_rank_lost)
+    prints just this line (no traceback of the survivor's code: the fault is the dead rank's), and
+    only when no job reaper (comm/reaper.py) names the dead rank instead."""
 
     def __init__(self, error: Exception, doing: str):
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        super().__init__(f"rank {launched_rank()}: a peer rank ended during {doing or 'a collective'} (killed: "
-                         f"SIGKILL, the OOM killer? the launcher's report names its process) [{first}]")
+        super().__init__(f"rank {launched_rank()}: a peer rank ended during "
+                         f"{doing or 'a collective'} (killed: SIGKILL, the OOM killer? the "
+                         f"launcher's report names its process) [{first}]")
 
 
 def _peer_lost(error: Exception) -> bool:
     """The backend's error says the other side of a connection went away."""
-    if type(error).__module__ == "mpi4py.MPI":  # only a failed process: a truncation is the caller's bug
+    # only a failed process: a truncation is the caller's bug
+    if type(error).__module__ == "mpi4py.MPI":
         mpi = mpi_module()
         failed = (getattr(mpi, "ERR_PROC_FAILED", -1), getattr(mpi, "ERR_PROC_FAILED_PENDING", -1))
         return error.Get_error_class() in failed
     text = str(error)
-    return any(w in text for w in ("Connection closed by peer", "Connection reset by peer", "remote worker crash"))
+    return any(w in text for w in ("Connection closed by peer", "Connection reset by peer",
+                                   "remote worker crash"))
 
 
 def report_rank_lost(kind, value, tb, prior=sys.excepthook):
-    """sys.excepthook of a multi-rank process (comm.init): RankLost in one line, anything else as before."""
+    """sys.excepthook of a multi-rank process (comm.init): RankLost in one line, anything else as
+    before."""
     if not isinstance(value, RankLost):
         return prior(kind, value, tb)
     if not reaper_running():
@@ -172,7 +186,9 @@ def mpi_module():
     try:
         from mpi4py import MPI
     except ImportError as e:  # pragma: no cover - install problem
-        raise RuntimeError("mpi4py is not installed: run `make setup` (or pip install mpi4py mpich)") from e
+        raise RuntimeError(
+            "mpi4py is not installed: run `make setup` (or pip install mpi4py mpich)"
+        ) from e
     return MPI
 
 
@@ -184,7 +200,8 @@ class MPIBackend:
     CUDA tensors are staged through the host: copied to a CPU buffer, moved by MPI, copied back
     when the op completes. That is how several ranks share ONE GPU (NCCL refuses two ranks on one
     device, and gloo has no CUDA reduce-scatter, all-to-all or send/recv): the GPU check runs its
-    multi-rank parts this way. `stage_all` stages CPU tensors too, so the CPU suite runs that path."""
+    multi-rank parts this way. `stage_all` stages CPU tensors too, so the CPU suite runs that
+    path."""
 
     def __init__(self, mpi_comm, stage_all: bool = False):
         self.MPI = mpi_module()
@@ -192,14 +209,15 @@ class MPIBackend:
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.stage_all = stage_all
-        self._ops = {"sum": self.MPI.SUM, "avg": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}
+        self._ops = {"sum": self.MPI.SUM, "avg": self.MPI.SUM, "max": self.MPI.MAX,
+                     "min": self.MPI.MIN}
 
     def _staged(self, t) -> bool:
         return self.stage_all or t.device.type != "cpu"
 
     def _host(self, t, read=True):
-        """The CPU tensor MPI works on for `t`: t itself, or (staged) a host copy of it (read=True) or
-        an empty host buffer of its shape (read=False: an output the op overwrites)."""
+        """The CPU tensor MPI works on for `t`: t itself, or (staged) a host copy of it (read=True)
+        or an empty host buffer of its shape (read=False: an output the op overwrites)."""
         t = t.detach()
         if not self._staged(t):
             return t
@@ -207,7 +225,8 @@ class MPIBackend:
 
     @staticmethod
     def _back(t, host):
-        """on_done of an op that writes `t`: copy the host buffer back into it when it was staged."""
+        """on_done of an op that writes `t`: copy the host buffer back into it when it was
+        staged."""
         def done():
             if host.data_ptr() != t.data_ptr():
                 t.detach().copy_(host)
@@ -224,8 +243,10 @@ class MPIBackend:
         return t.numpy()
 
     def _reduction(self, tensors, start, op):
-        """Run a reduction; for 16-bit floats (and staged tensors) reduce a host fp32 copy and write it back."""
-        sixteen_bit = tensors[0].dtype in (torch.bfloat16, torch.float16)  # fp16 or bf16: MPI has neither
+        """Run a reduction; for 16-bit floats (and staged tensors) reduce a host fp32 copy and write
+        it back."""
+        # fp16 or bf16: MPI has neither
+        sixteen_bit = tensors[0].dtype in (torch.bfloat16, torch.float16)
         work = [self._host(t).float() if sixteen_bit else self._host(t) for t in tensors]
         req = start(*[w.numpy() for w in work], self._ops[op])
 
@@ -238,19 +259,24 @@ class MPIBackend:
         return Work(req.Wait, "reduction", done)
 
     def all_reduce(self, t, op):
-        return self._reduction([t], lambda b, mop: self.mpi_comm.Iallreduce(self.MPI.IN_PLACE, b, mop), op)
+        return self._reduction([t], lambda b,
+                               mop: self.mpi_comm.Iallreduce(self.MPI.IN_PLACE, b, mop), op)
 
     def reduce_scatter(self, out, inp, op):
-        return self._reduction([out, inp], lambda o, i, mop: self.mpi_comm.Ireduce_scatter_block(i, o, mop), op)
+        return self._reduction([out, inp], lambda o, i,
+                               mop: self.mpi_comm.Ireduce_scatter_block(i, o, mop), op)
 
     def reduce(self, t, dst, op):
         if self.rank == dst:
-            return self._reduction([t], lambda b, mop: self.mpi_comm.Ireduce(self.MPI.IN_PLACE, b, mop, root=dst), op)
+            return self._reduction([t], lambda b,
+                                   mop: self.mpi_comm.Ireduce(self.MPI.IN_PLACE, b, mop, root=dst),
+                                   op)
         # non-roots only send; their tensor is left as it was
         buf = self._host(t)
         if t.dtype in (torch.bfloat16, torch.float16):
             buf = buf.float()
-        return Work(self.mpi_comm.Ireduce(buf.numpy(), None, self._ops[op], root=dst).Wait, "reduce")
+        return Work(self.mpi_comm.Ireduce(buf.numpy(), None, self._ops[op], root=dst).Wait,
+                    "reduce")
 
     def all_gather(self, out, inp):
         h_out = self._host(out, read=False)
@@ -259,7 +285,8 @@ class MPIBackend:
 
     def broadcast(self, t, src):
         h = self._host(t)
-        return Work(self.mpi_comm.Ibcast(self._view(h), root=src).Wait, "broadcast", self._back(t, h))
+        return Work(self.mpi_comm.Ibcast(self._view(h), root=src).Wait, "broadcast",
+                    self._back(t, h))
 
     def all_to_all(self, out, inp):
         h_out = self._host(out, read=False)
@@ -269,7 +296,8 @@ class MPIBackend:
     def isend(self, t, dst, tag):
         h = self._host(t)
         req = self.mpi_comm.Isend(self._view(h), dest=dst, tag=tag)
-        return Work(req.Wait, "send", on_done=lambda h=h: None, poll=req.Test)  # the handle keeps a staged copy alive
+        # the handle keeps a staged copy alive
+        return Work(req.Wait, "send", on_done=lambda h=h: None, poll=req.Test)
 
     def irecv(self, t, src, tag):
         h = self._host(t, read=False)
@@ -318,32 +346,48 @@ class TorchBackend:
 
     def reduce_scatter(self, out, inp, op):
         # *_single: the forms that do not emit FutureWarnings in torch 2.13 (older torch: *_tensor)
-        reduce_scatter = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
-        w = reduce_scatter(out.detach(), inp.detach(), self._ops[op], group=self.group, async_op=True)
+        reduce_scatter = (
+            getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
+        )
+        w = reduce_scatter(out.detach(), inp.detach(), self._ops[op], group=self.group,
+                           async_op=True)
         return self._maybe_avg(out, op, w)
 
     def reduce(self, t, dst, op):
-        w = self.dist.reduce(t.detach(), self.ranks[dst], self._ops[op], group=self.group, async_op=True)
+        w = self.dist.reduce(t.detach(), self.ranks[dst], self._ops[op], group=self.group,
+                             async_op=True)
         return self._maybe_avg(t, op if self.rank == dst else "sum", w)
 
     def all_gather(self, out, inp):
-        all_gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
-        return Work(all_gather(out.detach(), inp.detach(), group=self.group, async_op=True).wait, "all_gather")
+        all_gather = (
+            getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+        )
+        return Work(all_gather(out.detach(), inp.detach(), group=self.group, async_op=True).wait,
+                    "all_gather")
 
     def broadcast(self, t, src):
-        return Work(self.dist.broadcast(t.detach(), self.ranks[src], group=self.group, async_op=True).wait, "broadcast")
+        return Work(
+            self.dist.broadcast(t.detach(), self.ranks[src], group=self.group, async_op=True).wait,
+            "broadcast",
+        )
 
     def all_to_all(self, out, inp):
-        return Work(self.dist.all_to_all_single(out.detach(), inp.detach(), group=self.group, async_op=True).wait,
-                    "all_to_all")
+        return Work(
+            self.dist.all_to_all_single(
+                out.detach(), inp.detach(), group=self.group, async_op=True
+            ).wait,
+            "all_to_all",
+        )
 
-    # No poll: gloo's p2p work reports is_completed() only once wait() ran (so polling would never end),
-    # and its wait() sleeps on a condition variable instead of spinning, so it needs none.
+    # No poll: gloo's p2p work reports is_completed() only once wait() ran (so polling would never
+    # end), and its wait() sleeps on a condition variable instead of spinning, so it needs none.
     def isend(self, t, dst, tag):
-        return Work(self.dist.isend(t.detach(), self.ranks[dst], group=self.group, tag=tag).wait, "send")
+        return Work(self.dist.isend(t.detach(), self.ranks[dst], group=self.group, tag=tag).wait,
+                    "send")
 
     def irecv(self, t, src, tag):
-        return Work(self.dist.irecv(t.detach(), self.ranks[src], group=self.group, tag=tag).wait, "recv")
+        return Work(self.dist.irecv(t.detach(), self.ranks[src], group=self.group, tag=tag).wait,
+                    "recv")
 
     def barrier(self):
         self.dist.barrier(group=self.group)
@@ -399,53 +443,70 @@ def init_torch_distributed(device: torch.device, timeout_s: float | None = None)
             s.bind(("127.0.0.1" if size == 1 else "", 0))
             port = s.getsockname()[1]
             s.close()
-            addr_port = (socket.gethostbyname(socket.gethostname()) if mz_env.get("MINIZERO_MULTINODE")
-                         else "127.0.0.1", port)
+            addr_port = (
+                socket.gethostbyname(socket.gethostname())
+                if mz_env.get("MINIZERO_MULTINODE")
+                else "127.0.0.1",
+                port,
+            )
         addr, port = c.bcast(addr_port, root=0)
         url, where = f"tcp://{addr}:{port}", f"{addr}:{port} (from MPI rank 0)"
     else:
         if int(env.get("WORLD_SIZE", "1")) > 1:
-            missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in env]
-            raise RuntimeError(f"WORLD_SIZE={env['WORLD_SIZE']} but {', '.join(missing)} not set: start the ranks with "
-                               "`torchrun --nproc_per_node N ...` (it sets all four) or `mpirun -n N ...`, or unset "
-                               "WORLD_SIZE to run on one rank")
+            missing = [
+                v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in env
+            ]
+            raise RuntimeError(f"WORLD_SIZE={env['WORLD_SIZE']} but {', '.join(missing)} not set: "
+                               "start the ranks with `torchrun --nproc_per_node N ...` (it sets "
+                               "all four) or `mpirun -n N ...`, or unset WORLD_SIZE to run on one "
+                               "rank")
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         rank, size, url = 0, 1, f"tcp://127.0.0.1:{s.getsockname()[1]}"
         s.close()
         where = url
     def failed(why: str) -> RuntimeError:
-        return RuntimeError(f"rank {rank} of {size}: the torch.distributed rendezvous at {where} did not complete "
-                            f"within {timeout_s:g} s ({why}). Are all {size} ranks started, and can they reach that "
-                            "address? torchrun starts them all; a hand-set WORLD_SIZE needs every rank "
-                            "(MINIZERO_INIT_TIMEOUT_S sets the wait).")
+        return RuntimeError(f"rank {rank} of {size}: the torch.distributed rendezvous at {where} "
+                            f"did not complete within {timeout_s:g} s ({why}). Are all {size} "
+                            "ranks started, and can they reach that address? torchrun starts them "
+                            "all; a hand-set WORLD_SIZE needs every rank (MINIZERO_INIT_TIMEOUT_S "
+                            "sets the wait).")
 
     started = time.monotonic()
-    if which == "torchrun" and rank != 0 and not _reachable(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout_s):
-        # torch's client would retry for twice the timeout, printing a C++ stack dump per try (134 s at 60)
-        raise failed(f"nothing listens at {env['MASTER_ADDR']}:{env['MASTER_PORT']}: rank 0's store never started")
+    if which == "torchrun" and rank != 0 and not _reachable(env["MASTER_ADDR"],
+                                                            int(env["MASTER_PORT"]), timeout_s):
+        # torch's client would retry for twice the timeout,
+        # printing a C++ stack dump per try (134 s at 60)
+        raise failed(f"nothing listens at {env['MASTER_ADDR']}:{env['MASTER_PORT']}: rank 0's "
+                     "store never started")
     try:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=url, rank=rank,
-                                world_size=size, timeout=datetime.timedelta(
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=url,
+                                rank=rank, world_size=size, timeout=datetime.timedelta(
                                     seconds=max(1.0, timeout_s - (time.monotonic() - started))))
     except Exception as e:  # noqa: BLE001  torch raises several types for a failed rendezvous
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise failed(f"{type(e).__name__}: {first}") from None
-    # init_process_group's timeout is also every later collective's: a rank waiting at a gather while another
-    # finishes a minute-long step (bench scale: 113 s steps at 2.1B parameters) would fail after timeout_s.
-    # Collectives get torch's own default back (30 min for gloo, 10 for NCCL); the watchdog
-    # (MINIZERO_WATCHDOG_S) names a hung rank long before that.
+    # init_process_group's timeout is also every later collective's: a rank waiting at a gather
+    # while another finishes a minute-long step (bench scale: 113 s steps at 2.1B parameters) would
+    # fail after timeout_s. Collectives get torch's own default back (30 min for gloo, 10 for NCCL);
+    # the watchdog (MINIZERO_WATCHDOG_S) names a hung rank long before that.
     from torch.distributed import constants
-    dist.distributed_c10d._set_pg_timeout((device.type == "cuda" and constants.default_pg_nccl_timeout)
-                                          or constants.default_pg_timeout)
+
+    dist.distributed_c10d._set_pg_timeout(
+        (device.type == "cuda" and constants.default_pg_nccl_timeout)
+        or constants.default_pg_timeout
+    )
 
 
 def _reachable(addr: str, port: int, timeout_s: float) -> bool:
-    """Whether something accepts connections at addr:port within timeout_s (tried every 0.2 s, silently)."""
+    """Whether something accepts connections at addr:port within timeout_s (tried every 0.2 s,
+    silently)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
+            socket.create_connection(
+                (addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))
+            ).close()
             return True
         except OSError:
             if time.monotonic() >= deadline:

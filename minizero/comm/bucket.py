@@ -14,14 +14,19 @@ from contextlib import contextmanager
 import torch
 
 
-def group_params(numels: list[int], bucket_numel: int, dtypes: list | None = None) -> list[list[int]]:
+def group_params(
+    numels: list[int], bucket_numel: int, dtypes: list | None = None
+) -> list[list[int]]:
     """Indices into `numels`, walked backwards, cut into groups of about `bucket_numel` elements.
 
-    A group closes when the next parameter would overflow it or (dtypes given) change dtype, since one
-    flat buffer has one dtype. A parameter bigger than the cap gets a group of its own."""
+    A group closes when the next parameter would overflow it or (dtypes given) change dtype, since
+    one flat buffer has one dtype. A parameter bigger than the cap gets a group of its own."""
     groups, current, numel = [], [], 0
     for i in reversed(range(len(numels))):
-        if current and (numel + numels[i] > bucket_numel or (dtypes is not None and dtypes[i] != dtypes[current[0]])):
+        if current and (
+            numel + numels[i] > bucket_numel
+            or (dtypes is not None and dtypes[i] != dtypes[current[0]])
+        ):
             groups.append(current)
             current, numel = [], 0
         current.append(i)
@@ -32,13 +37,15 @@ def group_params(numels: list[int], bucket_numel: int, dtypes: list | None = Non
 
 
 class Bucket:
-    """A range [lo, hi) of a flat gradient order, its parameters' slots, and the reduction in flight on it."""
+    """A range [lo, hi) of a flat gradient order, its parameters' slots, and the reduction in flight
+    on it."""
 
-    def __init__(self, name: str, params: list, index: list[int], offsets: list[int], lo: int, hi: int,
-                 shard_numel: int | None = None, world: int = 1):
-        """params: the bucket's parameters in slot order; index[s]: params[s]'s position in its owner's
-        parameter list; offsets[s]: where its slot starts in the flat order. shard_numel, world: the flat
-        order is sharded over `world` ranks, shard_numel elements each (ZeRO-2), which sets `parts`."""
+    def __init__(self, name: str, params: list, index: list[int], offsets: list[int], lo: int,
+                 hi: int, shard_numel: int | None = None, world: int = 1):
+        """params: the bucket's parameters in slot order; index[s]: params[s]'s position in its
+        owner's parameter list; offsets[s]: where its slot starts in the flat order. shard_numel,
+        world: the flat order is sharded over `world` ranks, shard_numel elements each (ZeRO-2),
+        which sets `parts`."""
         self.name = name                     # its name in memory.transient
         self.params = params
         self.index = index
@@ -73,7 +80,8 @@ class Bucket:
 class SyncSwitch:
     """torch DDP's two ways to accumulate gradients locally: `with model.no_sync():` and
     `model.require_backward_grad_sync = False` (nanoGPT's idiom). Backwards while the switch is off
-    only add into p.grad; the next one with it on reduces the sum, once. A wrapper sets self._sync = True."""
+    only add into p.grad; the next one with it on reduces the sum, once. A wrapper sets self._sync =
+    True."""
 
     @contextmanager
     def no_sync(self):

@@ -7,8 +7,9 @@ send/recv, barrier), `async_op=True` handles so communication can overlap comput
 
 Backends (comm/backends.py), chosen in ONE place, `select_backend_and_device`, from the launcher
 that started the process (comm/launcher.py):
-  * "mpi"   : mpi4py on CPU tensors (the default on CPU under mpirun); CUDA tensors are staged through
-              the host, so several ranks can share one GPU (MINIZERO_BACKEND=mpi; NCCL refuses that);
+  * "mpi"   : mpi4py on CPU tensors (the default on CPU under mpirun); CUDA tensors are staged
+              through the host, so several ranks can share one GPU (MINIZERO_BACKEND=mpi; NCCL
+              refuses that);
   * "torch" : torch.distributed, NCCL on CUDA and gloo on CPU.
 
 Accounting (comm/stats.py): every call adds to `comm.stats` the bytes THIS rank sends under
@@ -25,8 +26,8 @@ import torch
 
 from minizero import env as mz_env
 from minizero import host
-from minizero.comm.backends import (MPIBackend, TorchBackend, heartbeat, init_torch_distributed, mpi_module,
-                                    report_rank_lost)
+from minizero.comm.backends import (MPIBackend, TorchBackend, heartbeat, init_torch_distributed,
+                                    mpi_module, report_rank_lost)
 from minizero.comm.labels import label
 from minizero.comm.launcher import launched_world_size, launcher, local_rank
 from minizero.comm.stats import CommStats, ring_bytes_split
@@ -71,7 +72,8 @@ class Communicator:
         self.size = impl.size     # ranks in this group
         self.stats = CommStats()  # bytes this rank sent through this group (comm/stats.py)
         self.parent_ranks = None  # parent_ranks[i]: member i's rank in the parent (set by split)
-        self.node_of = None       # node_of[i]: the simulated node of member i (set_nodes; None: ask the parent)
+        # node_of[i]: the simulated node of member i (set_nodes; None: ask the parent)
+        self.node_of = None
         # debug: compare shapes/dtypes across ranks before every collective (one extra
         # small all-gather each time): turns a silent hang or garbage into a clear error.
         self.debug = mz_env.get("MINIZERO_DEBUG") if debug is None else debug
@@ -79,7 +81,8 @@ class Communicator:
             heartbeat.open(self.rank)
 
     def __repr__(self):
-        return f"Communicator({self.name}: rank {self.rank}/{self.size}, {self.backend}, {self.device})"
+        return (f"Communicator({self.name}: rank {self.rank}/{self.size}, {self.backend}, "
+                f"{self.device})")
 
     # -- bookkeeping shared by every op
     def set_nodes(self, node_of):
@@ -90,7 +93,8 @@ class Communicator:
         self.node_of = list(node_of)
 
     def node_map(self):
-        """node_map()[i] = node of member i, from the nearest set_nodes up the parents; None: one node."""
+        """node_map()[i] = node of member i, from the nearest set_nodes up the parents; None: one
+        node."""
         members, c = list(range(self.size)), self
         while c.node_of is None:
             if c.parent is None:
@@ -100,7 +104,8 @@ class Communicator:
 
     def _count(self, op, payload_bytes, peer=None):
         nodes = self.node_map()
-        cross = 0.0 if nodes is None else ring_bytes_split(op, payload_bytes, nodes, self.rank, peer)[1]
+        cross = 0.0 if nodes is None else ring_bytes_split(op, payload_bytes, nodes, self.rank,
+                                                           peer)[1]
         c = self
         while c is not None:
             c.stats.add(op, payload_bytes, self.size, cross)
@@ -108,26 +113,32 @@ class Communicator:
 
     def _enter(self, op, *tensors, check=True):
         for t in tensors:
-            if host.is_host(t):  # MINIZERO_STRICT_HOST: what NCCL says of an offload tier's CPU tensor
-                raise ValueError(f"{op}: tensor on the host, communicator {self.name} is on the device "
-                                 f"(MINIZERO_STRICT_HOST=1: on a GPU this is 'tensor on cpu, communicator "
-                                 f"{self.name} is on cuda'): move it with .to(comm.device) first")
+            # MINIZERO_STRICT_HOST: what NCCL says of an offload tier's CPU tensor
+            if host.is_host(t):
+                raise ValueError(f"{op}: tensor on the host, communicator {self.name} is on the "
+                                 "device (MINIZERO_STRICT_HOST=1: on a GPU this is 'tensor on "
+                                 f"cpu, communicator {self.name} is on cuda'): move it with "
+                                 ".to(comm.device) first")
             if t.device != self.device and not (self.backend == "mpi" and t.device.type == "cpu"):
-                raise ValueError(f"{op}: tensor on {t.device}, communicator {self.name} is on {self.device}")
+                raise ValueError(f"{op}: tensor on {t.device}, communicator {self.name} is on "
+                                 f"{self.device}")
             if not t.is_contiguous():
-                raise ValueError(f"{op}: tensor of shape {tuple(t.shape)} is not contiguous; call .contiguous()")
+                raise ValueError(f"{op}: tensor of shape {tuple(t.shape)} is not contiguous; call "
+                                 ".contiguous()")
         if self.debug and check and self.size > 1:
             sig = [(op, tuple(t.shape), str(t.dtype)) for t in tensors]
             sigs = self._impl.allgather_obj(sig)
             if any(s != sigs[0] for s in sigs):
                 desc = "; ".join(f"rank {r}: {s}" for r, s in enumerate(sigs))
                 raise ValueError(f"{op} on {self.name}: ranks disagree on shapes/dtypes: {desc}")
-        self._where = f"{op} ({sum(t.numel() * t.element_size() for t in tensors)} B) on {self.name}"
+        self._where = (f"{op} ({sum(t.numel() * t.element_size() for t in tensors)} B) on "
+                       f"{self.name}")
         heartbeat.beat(self._where)
 
     def _run(self, op, payload, launch, async_op):
         self._count(op, payload)
-        with label(f"mz.{op}"):  # a profiler range (comm/labels.py): the launch, and the wait when blocking
+        # a profiler range (comm/labels.py): the launch, and the wait when blocking
+        with label(f"mz.{op}"):
             work = launch()
             work._op = self._where  # so a stuck wait() reports the op, its size and group
             if async_op:  # launched, not waited for: this rank goes on computing
@@ -201,9 +212,14 @@ class Communicator:
 
     def all_to_all(self, output, input, async_op=False):
         """Chunk j of `input` goes to rank j; chunk j of `output` came from rank j."""
-        if input.numel() != output.numel() or input.numel() % self.size or input.dtype != output.dtype:
-            raise ValueError(f"all_to_all: input {tuple(input.shape)} and output {tuple(output.shape)} "
-                             f"must have equal size divisible by {self.size} and one dtype")
+        if (
+            input.numel() != output.numel()
+            or input.numel() % self.size
+            or input.dtype != output.dtype
+        ):
+            raise ValueError(f"all_to_all: input {tuple(input.shape)} and output "
+                             f"{tuple(output.shape)} must have equal size divisible by {self.size} "
+                             "and one dtype")
         self._enter("all_to_all", output, input)
         return self._run("all_to_all", self._nbytes(input),
                          lambda: self._impl.all_to_all(output, input), async_op)
@@ -238,9 +254,10 @@ class Communicator:
 
     def barrier(self, sleep_s: float | None = None):
         """Wait until every rank of this group arrives. Counted as one barrier call, 0 bytes sent.
-        sleep_s: wait by polling, sleeping sleep_s seconds between polls, instead of in the backend's
-        own barrier (MPICH's busy-polls a core: with more ranks than cores, a rank that arrived
-        early takes the CPU from the ranks still computing). gloo's barrier sleeps already."""
+        sleep_s: wait by polling, sleeping sleep_s seconds between polls, instead of in the
+        backend's own barrier (MPICH's busy-polls a core: with more ranks than cores, a rank that
+        arrived early takes the CPU from the ranks still computing). gloo's barrier sleeps
+        already."""
         heartbeat.beat(f"barrier on {self.name}")
         self._count("barrier", 0)
         if sleep_s is None:
@@ -262,14 +279,18 @@ class Communicator:
         """Raise if any tensor differs between ranks. A debug aid for wrappers that assume every
         rank built the same model (one small all-gather of hashes, not of the tensors)."""
         import hashlib
-        mine = [(n, tuple(t.shape), hashlib.sha1(t.detach().float().cpu().numpy().tobytes()).hexdigest())
+        mine = [(n, tuple(t.shape),
+                 hashlib.sha1(t.detach().float().cpu().numpy().tobytes()).hexdigest())
                 for n, t in named_tensors]
         for r, theirs in enumerate(self.allgather_object(mine)):
-            bad = [a[0] for a, b in zip(theirs, mine) if a != b] + ([] if len(theirs) == len(mine) else ["(count)"])
+            bad = [a[0] for a, b in zip(theirs, mine) if a != b] + (
+                [] if len(theirs) == len(mine) else ["(count)"]
+            )
             if bad:
-                raise ValueError(f"{who}(debug=True): parameter {bad[0]!r} differs between rank {self.rank} and "
-                                 f"rank {r} at construction. Each rank wraps its OWN copy, so the ranks would train "
-                                 "different (or mixed) models: build it with the same seed everywhere.")
+                raise ValueError(f"{who}(debug=True): parameter {bad[0]!r} differs between rank "
+                                 f"{self.rank} and rank {r} at construction. Each rank wraps its "
+                                 "OWN copy, so the ranks would train different (or mixed) models: "
+                                 "build it with the same seed everywhere.")
 
     def _job_rank(self, r) -> str:
         """' (job rank J)' when member r of this group is rank J of the job and J != r, else '': a
@@ -307,7 +328,8 @@ class Communicator:
     def require_size(self, n: int, why: str = ""):
         if self.size != n:
             raise RuntimeError(f"this needs {n} ranks{' (' + why + ')' if why else ''} but runs on "
-                               f"{self.size}: launch with `mpirun -n {n} ...` or launch.run(..., nprocs={n})")
+                               f"{self.size}: launch with `mpirun -n {n} ...` or launch.run(..., "
+                               f"nprocs={n})")
 
 
 _WORLD: Communicator | None = None
@@ -320,25 +342,27 @@ def init(backend: str | None = None, debug: bool | None = None) -> Communicator:
         if backend is not None and backend != _WORLD.backend:
             raise RuntimeError(f"communicator already initialized with backend {_WORLD.backend!r}")
         return _WORLD
-    # a bad MINIZERO_* variable: one line (launched rank 0's) and exit 2 on every rank of a job, before any rank
-    # meets another; a single process gets the EnvError itself
+    # a bad MINIZERO_* variable: one line (launched rank 0's) and exit 2 on every rank of a job,
+    # before any rank meets another; a single process gets the EnvError itself
     if launched_world_size() > 1:
         mz_env.check_or_exit()
     else:
         mz_env.check()
     backend, device = select_backend_and_device(backend)
     if backend == "mpi":
-        # MINIZERO_MPI_STAGE=1: stage CPU tensors through a host copy too, as CUDA tensors always are (several
-        # ranks on one GPU): the GPU check's --quick run takes that path on CPU
+        # MINIZERO_MPI_STAGE=1: stage CPU tensors through a host copy too, as CUDA tensors always
+        # are (several ranks on one GPU): the GPU check's --quick run takes that path on CPU
         impl = MPIBackend(mpi_module().COMM_WORLD, stage_all=mz_env.get("MINIZERO_MPI_STAGE"))
     else:
         import torch.distributed as dist
-        if not dist.is_initialized():  # we start it, so we end it: gloo aborts a process left with it
+        # we start it, so we end it: gloo aborts a process left with it
+        if not dist.is_initialized():
             init_torch_distributed(device)
             atexit.register(shutdown)
         impl = TorchBackend()
     _WORLD = Communicator(backend, impl, device, debug=debug)
-    if _WORLD.size > 1:  # a peer that dies mid-collective: one line on a survivor, not its traceback
+    # a peer that dies mid-collective: one line on a survivor, not its traceback
+    if _WORLD.size > 1:
         sys.excepthook = report_rank_lost
     return _WORLD
 
@@ -388,9 +412,10 @@ def shutdown():
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
-            # a rank that tears gloo down while a peer still uses its pairs aborts that peer ("terminate
-            # called without an active exception", seen under load at exit): meet first, but never wait
-            # long for a peer that already failed (torchrun then ends the job with that rank's error)
+            # a rank that tears gloo down while a peer still uses its pairs aborts that peer
+            # ("terminate called without an active exception", seen under load at exit): meet first,
+            # but never wait long for a peer that already failed (torchrun then ends the job with
+            # that rank's error)
             from datetime import timedelta
             try:
                 dist.monitored_barrier(timeout=timedelta(seconds=SHUTDOWN_BARRIER_S))

@@ -1,12 +1,14 @@
-"""Named ranges for the profiler: what minizero is doing, visible in a torch.profiler trace (Perfetto).
+"""Named ranges for the profiler: what minizero is doing, visible in a torch.profiler trace
+(Perfetto).
 
     with label("mz.all_reduce"):      # every collective, launched (and waited, when blocking)
         ...
 
 Names used: mz.<op> for every Communicator collective (all_reduce, reduce_scatter, all_gather, ...),
-mz.wait (blocking on an async handle), mz.bucket.launch (DDP / ZeRO-2 starting a bucket's reduction),
-mz.fsdp.gather (ZeRO-3 starting a unit's all-gather), mz.offload.d2h / mz.offload.h2d / mz.offload.cpu_step
-(ZeRO-Offload's copies and CPU step), mz.disk.read / mz.disk.write (ZeRO-Infinity's files).
+mz.wait (blocking on an async handle), mz.bucket.launch (DDP / ZeRO-2 starting a bucket's
+reduction), mz.fsdp.gather (ZeRO-3 starting a unit's all-gather), mz.offload.d2h / mz.offload.h2d /
+mz.offload.cpu_step (ZeRO-Offload's copies and CPU step), mz.disk.read / mz.disk.write
+(ZeRO-Infinity's files).
 
 Cost. With no profiler running, a label is one check of torch's profiler flag and a nullcontext
 (about 1.5 us on this CPU); torch's record_function alone costs about 30 us even then (measured in

@@ -6,13 +6,14 @@ A launcher announces each rank's place in the job through environment variables:
   * torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (a script that sets them for
     mp.spawn counts as torchrun);
   * plain python: none of them, a world of one.
-Nodes (the Mesh's default, comm/mesh.py): how many ranks the launcher started on this rank's machine,
-torchrun's LOCAL_WORLD_SIZE, MPICH's MPI_LOCALNRANKS, Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE; and which
-node it is, torchrun's GROUP_RANK (the agent's node rank: several agents may share a host), MPICH's
-PMI_HOSTNAME (the host as the hostfile or -hosts names it), else the hostname (Open MPI, srun).
-Reading them needs no collective, so a rank can check its input, pick its device or report an error
-before the job's ranks have met. communicator.py (backend and device choice) and backends.py (the
-torch.distributed rendezvous) both read the launcher through this module only.
+Nodes (the Mesh's default, comm/mesh.py): how many ranks the launcher started on this rank's
+machine, torchrun's LOCAL_WORLD_SIZE, MPICH's MPI_LOCALNRANKS, Open MPI's
+OMPI_COMM_WORLD_LOCAL_SIZE; and which node it is, torchrun's GROUP_RANK (the agent's node rank:
+several agents may share a host), MPICH's PMI_HOSTNAME (the host as the hostfile or -hosts names
+it), else the hostname (Open MPI, srun). Reading them needs no collective, so a rank can check its
+input, pick its device or report an error before the job's ranks have met. communicator.py (backend
+and device choice) and backends.py (the torch.distributed rendezvous) both read the launcher through
+this module only.
 """
 from __future__ import annotations
 
@@ -50,10 +51,12 @@ def launched_world_size() -> int:
     """The world size a launcher (mpirun: PMI_SIZE / OMPI_COMM_WORLD_SIZE; torchrun: WORLD_SIZE)
     announced, read from the environment WITHOUT creating a communicator: 1 outside a launcher.
     Lets a caller fail on bad input before any collective (the engine's config checks)."""
-    return max(int(os.environ.get(v, "1")) for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"))
+    return max(int(os.environ.get(v, "1")) for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE",
+                                                     "WORLD_SIZE"))
 
 
-LOCAL_SIZE_ENV = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")  # torchrun, MPICH, Open MPI
+# torchrun, MPICH, Open MPI
+LOCAL_SIZE_ENV = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 
 def local_world_size() -> int | None:
@@ -66,9 +69,9 @@ def local_world_size() -> int | None:
 
 
 def node_name() -> str:
-    """Which node the launcher put this rank on: "torchrun node <GROUP_RANK>" (the agent's node rank; two
-    agents on one host are two nodes), MPICH's PMI_HOSTNAME (the host as its hostfile names it), else the
-    hostname. Ranks with the same name are on the same node."""
+    """Which node the launcher put this rank on: "torchrun node <GROUP_RANK>" (the agent's node
+    rank; two agents on one host are two nodes), MPICH's PMI_HOSTNAME (the host as its hostfile
+    names it), else the hostname. Ranks with the same name are on the same node."""
     if "GROUP_RANK" in os.environ:
         return f"torchrun node {os.environ['GROUP_RANK']}"
     if "PMI_HOSTNAME" in os.environ:

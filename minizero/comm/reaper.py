@@ -1,4 +1,5 @@
-"""The job's reaper: a rank killed without a word is named, and the job directory never outlives the job.
+"""The job's reaper: a rank killed without a word is named, and the job directory never outlives the
+job.
 
 A rank that gets SIGKILL (the OOM killer, `kill -9`) runs no Python: no message, no cleanup. mpiexec
 then SIGKILLs every other rank (its banner names rank 0's PID, not the dead rank) and torchrun sends
@@ -25,7 +26,9 @@ import time
 def _ended_without_a_word(directory: str, rank: int) -> bool:
     """The rank ended with no normal exit and no failure of the job reported."""
     marks = (f"rank{rank}.done", "failed", "watchdog.fired")
-    return os.path.isdir(directory) and not any(os.path.exists(os.path.join(directory, m)) for m in marks)
+    return os.path.isdir(directory) and not any(
+        os.path.exists(os.path.join(directory, m)) for m in marks
+    )
 
 
 def _doing(directory: str, rank: int) -> str:
@@ -41,8 +44,9 @@ def _doing(directory: str, rank: int) -> str:
 
 
 def _say(directory: str, rank: int, pid: int):
-    message = (f"minizero: rank {rank} (pid {pid}) ended without a Python traceback {_doing(directory, rank)}: it was "
-               "killed (SIGKILL: the OOM killer, `kill -9`?). The launcher ends the other ranks.\n")
+    message = (f"minizero: rank {rank} (pid {pid}) ended without a Python traceback "
+               f"{_doing(directory, rank)}: it was killed (SIGKILL: the OOM killer, `kill -9`?). "
+               "The launcher ends the other ranks.\n")
     try:
         sys.stderr.write(message)
         sys.stderr.flush()
@@ -60,7 +64,8 @@ def _gone(pid: int) -> bool:
 
 
 def watch(directory: str, pids: list[int]):
-    """Wait until every rank has ended; name the first that ended without a word; remove `directory`."""
+    """Wait until every rank has ended; name the first that ended without a word; remove
+    `directory`."""
     alive = dict(enumerate(pids))
     told = False
     if hasattr(os, "pidfd_open"):

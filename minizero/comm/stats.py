@@ -40,7 +40,9 @@ def ring_bytes_sent(op: str, payload_bytes: int, n: int) -> float:
     return factor * (n - 1) / n * payload_bytes
 
 
-def ring_bytes_split(op: str, payload_bytes: int, nodes, index: int, peer: int | None = None) -> tuple[float, float]:
+def ring_bytes_split(
+    op: str, payload_bytes: int, nodes, index: int, peer: int | None = None
+) -> tuple[float, float]:
     """(intra-node, cross-node) bytes that member `index` of a group sends for `op`, where
     nodes[i] is the node of member i (see the module docstring); `peer`: a send's destination."""
     sent = ring_bytes_sent(op, payload_bytes, len(nodes))
@@ -102,8 +104,10 @@ class CommStats:
 
 
 def bucket_numel_from_mb(bucket_cap_mb: float, module) -> int:
-    """torch's bucket_cap_mb (MiB) -> gradients per bucket, for the module's trainable parameters' dtype."""
+    """torch's bucket_cap_mb (MiB) -> gradients per bucket, for the module's trainable parameters'
+    dtype."""
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be > 0 (MiB, as torch DDP), got {bucket_cap_mb!r}")
-    element_bytes = max((p.element_size() for p in module.parameters() if p.requires_grad), default=4)
+    element_bytes = max((p.element_size() for p in module.parameters() if p.requires_grad),
+                        default=4)
     return max(1, int(bucket_cap_mb * 2**20) // element_bytes)

@@ -18,14 +18,14 @@ supervisor (`mpirun -n 4 python -m minizero train ...`, `mpirun -n 4 python labs
     would wait in a collective forever, so the job is ended.
 Ending the job leaves no process behind: MPI_Abort under mpirun (mpiexec kills every rank, a
 stopped one too), SIGKILL to the other ranks on this machine under torchrun or a plain python.
-Exit codes: 2 the input, 1 a bug, 124 the watchdog. Under mpirun, ranks that all failed leave through
-MPI_Finalize and a normal exit, so mpiexec exits 2 with no banner; a rank killed by a signal (kill -9,
-the OOM killer) runs no code, so mpiexec prints its "BAD TERMINATION ... EXIT CODE: 9" banner (naming
-rank 0's PID) and exits 9, and comm/reaper.py, started by rank 0 outside the launcher's reach, says
-which rank died and removes the job directory. torchrun reports any child that exits non-zero with
-its own ChildFailedError (a traceback of torchrun's code, then a table of each rank's exit code) and
-exits 1: that block follows minizero's one message and no child can suppress it (exiting 0 would hide
-the failure).
+Exit codes: 2 the input, 1 a bug, 124 the watchdog. Under mpirun, ranks that all failed leave
+through MPI_Finalize and a normal exit, so mpiexec exits 2 with no banner; a rank killed by a signal
+(kill -9, the OOM killer) runs no code, so mpiexec prints its "BAD TERMINATION ... EXIT CODE: 9"
+banner (naming rank 0's PID) and exits 9, and comm/reaper.py, started by rank 0 outside the
+launcher's reach, says which rank died and removes the job directory. torchrun reports any child
+that exits non-zero with its own ChildFailedError (a traceback of torchrun's code, then a table of
+each rank's exit code) and exits 1: that block follows minizero's one message and no child can
+suppress it (exiting 0 would hide the failure).
 
 The files live in a temporary directory rank 0 creates and every rank learns at start (one small
 all-gather): ranks on ONE machine. Across machines, point MINIZERO_HEARTBEAT_DIR at a shared
@@ -50,7 +50,8 @@ TIMEOUT_CODE = 124  # `timeout`'s exit code: the job ran out of time
 
 
 def job_directory(comm) -> str:
-    """The directory of this job's heartbeat files (all ranks call it: it may all-gather its name)."""
+    """The directory of this job's heartbeat files (all ranks call it: it may all-gather its
+    name)."""
     if heartbeat.directory is None:  # not under launch.run: rank 0 makes one, removes it at exit
         import atexit
         mine = tempfile.mkdtemp(prefix="minizero-job-") if comm.rank == 0 else None
@@ -67,21 +68,29 @@ _reaper = None  # rank 0's reaper process (comm/reaper.py), kept so that it is n
 
 
 def _start_reaper(pids: list[int]):
-    """Start comm/reaper.py in its own session: it names a rank killed without a word and removes the
-    job directory once every rank has ended, also when a launcher SIGKILLs them all."""
+    """Start comm/reaper.py in its own session: it names a rank killed without a word and removes
+    the job directory once every rank has ended, also when a launcher SIGKILLs them all."""
     global _reaper
     import subprocess
     try:
-        _reaper = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "reaper.py"),
-                                    heartbeat.directory, *map(str, pids)], stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.DEVNULL, start_new_session=True)
+        _reaper = subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(os.path.dirname(__file__), "reaper.py"),
+                heartbeat.directory,
+                *map(str, pids),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     except OSError:  # no process to spare: rank 0 removes the directory at its exit instead
         _reaper = None
 
 
 def _remove_unless_reaper():
-    """At rank 0's exit: the reaper removes the job directory once every rank has ended; with no reaper (none
-    could start, or it was killed) rank 0 removes it, so it never outlives the job."""
+    """At rank 0's exit: the reaper removes the job directory once every rank has ended; with no
+    reaper (none could start, or it was killed) rank 0 removes it, so it never outlives the job."""
     if _reaper is None or _reaper.poll() is not None:
         shutil.rmtree(heartbeat.directory, ignore_errors=True)
 
@@ -89,14 +98,17 @@ def _remove_unless_reaper():
 def _first(name: str) -> bool:
     """True for the first rank of the job to claim `name` (an exclusive file create)."""
     try:
-        os.close(os.open(os.path.join(heartbeat.directory, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(os.path.join(heartbeat.directory, name),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         return True
-    except OSError:  # FileExistsError: claimed; FileNotFoundError: the rank ending the job removed the directory
+    # FileExistsError: claimed; FileNotFoundError: the rank ending the job removed the directory
+    except OSError:
         return False
 
 
 def _mark(name: str):
-    """Write the empty file `name` in the job directory (nothing if the ending rank already removed it)."""
+    """Write the empty file `name` in the job directory (nothing if the ending rank already removed
+    it)."""
     try:
         open(os.path.join(heartbeat.directory, name), "w").close()
     except OSError:
@@ -104,15 +116,17 @@ def _mark(name: str):
 
 
 def _ours() -> bool:
-    """The job directory is the one job_directory() made, not launch.run's (MINIZERO_HEARTBEAT_DIR)."""
+    """The job directory is the one job_directory() made, not launch.run's
+    (MINIZERO_HEARTBEAT_DIR)."""
     return bool(heartbeat.directory) and not mz_env.is_set("MINIZERO_HEARTBEAT_DIR")
 
 
 def _remove_directory():
-    """Remove the job directory job_directory() made (its atexit never runs after os._exit or an abort).
-    Renamed first, atomically, then removed: rmtree unlinks the claim files (watchdog.fired, failed) before
-    the directory itself, and a rank whose watchdog fired in between claimed the name again in the half-
-    removed directory and printed the job's message a second time (seen once in a CI run at 4 ranks)."""
+    """Remove the job directory job_directory() made (its atexit never runs after os._exit or an
+    abort). Renamed first, atomically, then removed: rmtree unlinks the claim files (watchdog.fired,
+    failed) before the directory itself, and a rank whose watchdog fired in between claimed the name
+    again in the half- removed directory and printed the job's message a second time (seen once in a
+    CI run at 4 ranks)."""
     if _ours():
         going = f"{heartbeat.directory}.removed-{os.getpid()}"
         try:
@@ -145,7 +159,10 @@ def _a_rank_is_gone(comm) -> bool:
 
 def _all_marked(comm, kind: str) -> bool:
     """Every rank has written its rank<r>.<kind> file."""
-    return all(os.path.exists(os.path.join(heartbeat.directory, f"rank{r}.{kind}")) for r in range(comm.size))
+    return all(
+        os.path.exists(os.path.join(heartbeat.directory, f"rank{r}.{kind}"))
+        for r in range(comm.size)
+    )
 
 
 def _end(comm, code: int):
@@ -162,9 +179,10 @@ def _end(comm, code: int):
     _remove_directory()  # this rank ends the others: nobody reads the files any more
     if comm.backend == "mpi":
         from mpi4py import MPI
-        time.sleep(0.5)  # let mpiexec forward what this rank just printed: an abort can drop its output
-        # mpiexec ends every rank (SIGKILL: a stopped one too); MPICH's own "Abort(2) on node 1 ..." line
-        # goes to /dev/null: the job's message is out already, and it is said once
+        # let mpiexec forward what this rank just printed: an abort can drop its output
+        time.sleep(0.5)
+        # mpiexec ends every rank (SIGKILL: a stopped one too); MPICH's own "Abort(2) on node 1 ..."
+        # line goes to /dev/null: the job's message is out already, and it is said once
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
         MPI.COMM_WORLD.Abort(code)
     for r, pid in pids:
@@ -177,13 +195,15 @@ def _end(comm, code: int):
 
 
 def end_job(comm, message: str, code: int = 2, wait_s: float = 3.0):
-    """This rank failed with `message`: printed once for the job, then the job ends (module docstring)."""
+    """This rank failed with `message`: printed once for the job, then the job ends (module
+    docstring)."""
     if comm.size == 1 or heartbeat.directory is None:
         sys.stderr.write(message.rstrip() + "\n")
         sys.stderr.flush()
         sys.exit(code)
     lost = sys.exc_info()[1]
-    if isinstance(lost, RankLost):  # a peer died: its launcher ends the job, the reaper names the rank
+    # a peer died: its launcher ends the job, the reaper names the rank
+    if isinstance(lost, RankLost):
         if not (reaper_running() and _a_rank_is_gone(comm)):
             sys.stderr.write(f"{lost}\n")
             sys.stderr.flush()
@@ -207,7 +227,9 @@ def end_job(comm, message: str, code: int = 2, wait_s: float = 3.0):
                 while not _all_marked(comm, "exiting") and time.monotonic() < seen_deadline:
                     time.sleep(0.05)
                 _remove_directory()
-            while _ours() and os.path.isdir(heartbeat.directory) and time.monotonic() < seen_deadline:
+            while (
+                _ours() and os.path.isdir(heartbeat.directory) and time.monotonic() < seen_deadline
+            ):
                 time.sleep(0.05)
             os._exit(code)
         time.sleep(0.05)
@@ -223,7 +245,8 @@ def _leave_mpi_together(comm, code: int):
     returns once every rank has called it: every rank is here) and then a normal exit, sys.exit(2),
     0 of 12 (and 0 of 20 at 4 and 8 ranks with torch imported)."""
     from mpi4py import MPI
-    guard = threading.Timer(30.0, os._exit, (code,))  # a finalize that never returns (a request left
+    # a finalize that never returns (a request left
+    guard = threading.Timer(30.0, os._exit, (code,))
     guard.daemon = True                                # pending by the failure) still ends the rank
     guard.start()
     MPI.Finalize()
@@ -248,12 +271,14 @@ class Watchdog:
                 self._fire(text)
 
     def _fire(self, text):
-        if _failed() or not _first("watchdog.fired"):  # a rank that failed, or another watchdog, ends the job
+        # a rank that failed, or another watchdog, ends the job
+        if _failed() or not _first("watchdog.fired"):
             time.sleep(60)
             os._exit(TIMEOUT_CODE)
         ranks = describe_ranks(heartbeat.directory, self.comm.size, ages=True)
-        sys.stderr.write(f"\n[minizero watchdog] no progress for {self.seconds:g}s: rank {self.comm.rank} has been "
-                         f"blocked in {text}. Ending the job (MINIZERO_WATCHDOG_S sets the limit). The ranks:\n"
+        sys.stderr.write(f"\n[minizero watchdog] no progress for {self.seconds:g}s: rank "
+                         f"{self.comm.rank} has been blocked in {text}. Ending the job "
+                         "(MINIZERO_WATCHDOG_S sets the limit). The ranks:\n"
                          + "".join(f"  rank {r} {desc}\n" for r, desc in ranks.items()))
         _end(self.comm, TIMEOUT_CODE)
 
@@ -262,9 +287,9 @@ _watching: dict = {}  # the world's Watchdog (or None: turned off), once per pro
 
 
 def start(comm, seconds: float | None = None) -> Watchdog | None:
-    """Watch this rank's collectives (all ranks call it; a second call returns the first's watchdog).
-    seconds: None -> MINIZERO_WATCHDOG_S or 300; 0 -> no watchdog (the job directory for end_job is set up
-    either way)."""
+    """Watch this rank's collectives (all ranks call it; a second call returns the first's
+    watchdog). seconds: None -> MINIZERO_WATCHDOG_S or 300; 0 -> no watchdog (the job directory for
+    end_job is set up either way)."""
     if "world" in _watching:
         return _watching["world"]
     job_directory(comm)

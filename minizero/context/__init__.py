@@ -21,6 +21,6 @@ from minizero.context.ring_attention import (BlockWork, attention_activation_byt
                                              ring_bytes_per_layer)
 from minizero.context.ulysses import check_heads, ulysses_attention, ulysses_bytes_per_layer
 
-__all__ = ["BlockWork", "attention_activation_bytes", "block_attention", "check_heads", "chunks_of", "merge",
-           "ring_attention", "ring_bytes_per_layer", "scores_per_rank", "shard_sequence", "ulysses_attention",
-           "ulysses_bytes_per_layer", "unshard_sequence"]
+__all__ = ["BlockWork", "attention_activation_bytes", "block_attention", "check_heads", "chunks_of",
+           "merge", "ring_attention", "ring_bytes_per_layer", "scores_per_rank", "shard_sequence",
+           "ulysses_attention", "ulysses_bytes_per_layer", "unshard_sequence"]

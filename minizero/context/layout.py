@@ -6,11 +6,13 @@ the last rank computes cp times the first one's scores (2cp - 1 times its unmask
 half blocks), and in a ring every step waits for the slowest rank.
 
 Load balancing (Megatron-LM's context parallelism and picotron; Brandon et al. 2023's
-"striped" attention is a finer variant): cut the sequence into 2*cp chunks of c = s/(2cp) tokens and give rank r chunks
-r and 2cp-1-r, one from each end. Query chunk r needs r+1 key chunks and chunk 2cp-1-r needs
-2cp-r: every rank computes 2cp+1 chunk pairs (2cp-1 full, 2 diagonal), the same on every rank:
+"striped" attention is a finer variant): cut the sequence into 2*cp chunks of c = s/(2cp) tokens and
+give rank r chunks r and 2cp-1-r, one from each end. Query chunk r needs r+1 key chunks and chunk
+2cp-1-r needs 2cp-r: every rank computes 2cp+1 chunk pairs (2cp-1 full, 2 diagonal), the same on
+every rank:
 
-    scores computed per rank, causal:   contiguous: (r + 1) (s/cp)^2      balanced: (2cp + 1) (s/(2cp))^2
+    scores computed per rank, causal:
+        contiguous: (r + 1) (s/cp)^2      balanced: (2cp + 1) (s/(2cp))^2
 
 (a diagonal pair counted whole: it is computed, then half of it masked). Non-causal attention has
 no imbalance: every rank computes cp (s/cp)^2 scores either way.
@@ -29,28 +31,34 @@ def chunks_of(rank: int, cp: int, balanced: bool) -> list[int]:
 
 
 def check_sequence(seq_len: int, cp: int, balanced: bool):
-    """Context parallelism cuts the sequence into equal chunks: a clear error before any collective."""
+    """Context parallelism cuts the sequence into equal chunks: a clear error before any
+    collective."""
     parts = 2 * cp if balanced else cp
     if seq_len % parts:
         why = (f"2 x cp = {parts} chunks (load balancing: two mirrored chunks per rank)" if balanced
                else f"cp = {cp} shards")
-        raise ValueError(f"context parallelism: sequence length {seq_len} is not divisible into {why}. "
-                         f"Use a sequence length that is a multiple of {parts}")
+        raise ValueError(f"context parallelism: sequence length {seq_len} is not divisible into "
+                         f"{why}. Use a sequence length that is a multiple of {parts}")
 
 
-def shard_sequence(full: torch.Tensor, rank: int, cp: int, balanced: bool, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+def shard_sequence(
+    full: torch.Tensor, rank: int, cp: int, balanced: bool, dim: int = SEQUENCE_DIM
+) -> torch.Tensor:
     """This rank's tokens of a tensor every rank holds whole (no communication)."""
     check_sequence(full.size(dim), cp, balanced)
     pieces = full.chunk(2 * cp if balanced else cp, dim)
     return torch.cat([pieces[i] for i in chunks_of(rank, cp, balanced)], dim)
 
 
-def unshard_sequence(parts: list[torch.Tensor], balanced: bool, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+def unshard_sequence(
+    parts: list[torch.Tensor], balanced: bool, dim: int = SEQUENCE_DIM
+) -> torch.Tensor:
     """The whole sequence from every rank's shard (rank order): the inverse of shard_sequence."""
     cp = len(parts)
     pieces: list = [None] * (2 * cp if balanced else cp)
     for rank, part in enumerate(parts):
-        for index, piece in zip(chunks_of(rank, cp, balanced), part.chunk(2 if balanced else 1, dim)):
+        for index, piece in zip(chunks_of(rank, cp, balanced),
+                                part.chunk(2 if balanced else 1, dim)):
             pieces[index] = piece
     return torch.cat(pieces, dim)
 

@@ -4,7 +4,8 @@ Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et a
 FlashAttention (Sec. 3.1); Liu et al. 2023, "Ring Attention with Blockwise Transformers".
 For one query row q and keys split into blocks B_1, B_2, ... the softmax attention
 
-    o = sum_j exp(s_j - L) v_j,   s_j = q.k_j / sqrt(d),   L = log sum_j exp(s_j)   (the log-sum-exp)
+    o = sum_j exp(s_j - L) v_j,   s_j = q.k_j / sqrt(d),
+    L = log sum_j exp(s_j)   (the log-sum-exp)
 
 can be computed block by block. Block B alone gives its own normalized output and log-sum-exp
 
@@ -22,15 +23,16 @@ they reach it around the ring, and never holds more than one block's s_q x s_k s
 Backward needs no merge: with the final L and o saved, block B's share of the gradients is
 (FlashAttention's Algorithm 4, D = rowsum(dO * O)):
 
-    P = exp(S - L)   dV_B = P^T dO   dP = dO V_B^T   dS = P * (dP - D)   dQ += dS K_B / sqrt(d)   dK_B = dS^T Q /
-    sqrt(d)
+    P = exp(S - L)   dV_B = P^T dO   dP = dO V_B^T   dS = P * (dP - D)
+    dQ += dS K_B / sqrt(d)   dK_B = dS^T Q / sqrt(d)
 
 Bytes: a block's scores are s_q x s_k x 4 (fp32), freed after the block; what is kept for backward
 is o (the size of q) and L (s_q fp32 values per head).
 
 Shapes: [batch, heads, tokens, head_dim] (torch's scaled_dot_product_attention layout); L is
 [batch, heads, tokens] in float32. `causal=True` means a DIAGONAL block: queries and keys are the
-same positions, so query i sees keys 0..i of the block. Blocks wholly in the future are never passed.
+same positions, so query i sees keys 0..i of the block. Blocks wholly in the future are never
+passed.
 """
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ def causal_mask(n_queries: int, n_keys: int, device) -> torch.Tensor:
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False):
     """Attention of q to ONE key/value block: (o_B, L_B), the block's normalized output and its
-    log-sum-exp per query row (float32, or float64 for float64 inputs). Scores scaled by 1/sqrt(head_dim)."""
+    log-sum-exp per query row (float32, or float64 for float64 inputs). Scores scaled by
+    1/sqrt(head_dim)."""
     scale = 1.0 / math.sqrt(q.size(-1))
     scores = (q @ k.transpose(-2, -1)).to(score_dtype(q)) * scale  # [b, h, s_q, s_k]
     if causal:
@@ -66,7 +69,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return out, lse
 
 
-def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor):
+def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
+          block_lse: torch.Tensor):
     """Fold one block's (o_B, L_B) into the running (o, L); (None, None) is "no block yet"."""
     if out is None:
         return block_out, block_lse

@@ -4,7 +4,8 @@ Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Traini
 Long Sequence Transformer Models". Each of the cp ranks holds s/cp tokens of q, k and v with
 all the heads. Attention mixes tokens but not heads, so one all-to-all re-cuts each tensor:
 
-    [b, heads, s/cp, d] on each rank  --all-to-all-->  [b, heads/cp, s, d]: whole sequence, heads/cp heads
+    [b, heads, s/cp, d] on each rank  --all-to-all-->  [b, heads/cp, s, d]:
+                                                       whole sequence, heads/cp heads
 
 (rank j receives head group j of every rank's tokens), each rank runs ordinary attention on its
 heads over the WHOLE sequence (here torch's scaled_dot_product_attention, causal or not: no
@@ -29,17 +30,19 @@ HEAD_DIM = 1  # [batch, heads, tokens, head_dim]
 def check_heads(heads: int, cp: int):
     """Ulysses gives each rank heads/cp whole heads: a clear error before any collective."""
     if heads % cp:
-        raise ValueError(f"Ulysses: {heads} attention heads are not divisible by the context-parallel size {cp}: "
-                         f"each of the {cp} ranks computes heads/cp whole heads over the whole sequence. Use a "
-                         f"context-parallel size that divides {heads}, or ring attention (no constraint on heads)")
+        raise ValueError(f"Ulysses: {heads} attention heads are not divisible by the "
+                         f"context-parallel size {cp}: each of the {cp} ranks computes heads/cp "
+                         "whole heads over the whole sequence. Use a context-parallel size that "
+                         f"divides {heads}, or ring attention (no constraint on heads)")
 
 
 def sequence_to_heads(x: torch.Tensor, comm) -> torch.Tensor:
     """[b, heads, s/cp, d] (this rank's tokens) -> [b, heads/cp, s, d] (this rank's heads)."""
     cp = comm.size
     b, heads, tokens, d = x.shape
-    send = x.reshape(b, cp, heads // cp, tokens, d).transpose(0, 1).contiguous()  # chunk j: head group j
-    recv = torch.empty_like(send)                                                  # chunk j: rank j's tokens
+    # chunk j: head group j
+    send = x.reshape(b, cp, heads // cp, tokens, d).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)  # chunk j: rank j's tokens
     comm.all_to_all(recv, send)
     return recv.permute(1, 2, 0, 3, 4).reshape(b, heads // cp, cp * tokens, d)
 
@@ -48,8 +51,9 @@ def heads_to_sequence(x: torch.Tensor, comm) -> torch.Tensor:
     """[b, heads/cp, s, d] (this rank's heads) -> [b, heads, s/cp, d] (this rank's tokens)."""
     cp = comm.size
     b, group, seq, d = x.shape
-    send = x.reshape(b, group, cp, seq // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # chunk j: rank j's tokens
-    recv = torch.empty_like(send)                                                     # chunk j: head group j
+    # chunk j: rank j's tokens
+    send = x.reshape(b, group, cp, seq // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)  # chunk j: head group j
     comm.all_to_all(recv, send)
     return recv.transpose(0, 1).reshape(b, cp * group, seq // cp, d)
 

@@ -44,8 +44,10 @@ class DataParallel(nn.Module):
         n = len(self.replicas)
         for t in inputs:
             if t.shape[0] % n:
-                raise ValueError(f"batch of {t.shape[0]} rows does not split evenly over {n} "
-                                 "replicas: the mean of unequal slices' means is not the batch mean")
+                raise ValueError(
+                    f"batch of {t.shape[0]} rows does not split evenly over {n} "
+                    "replicas: the mean of unequal slices' means is not the batch mean"
+                )
         slices = zip(*[t.chunk(n) for t in inputs])  # scatter along dim 0
         outputs = [replica(*s) for replica, s in zip(self.replicas, slices)]
         return _gather(outputs)

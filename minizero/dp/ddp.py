@@ -17,8 +17,8 @@ The three modes (lesson 02 times them against each other):
   "bucketed" : after backward, gradients are copied into a few flat buckets of about
                `bucket_numel` gradients each, and each bucket is all-reduced: few large
                messages, bandwidth bound. (The default, 6.25M fp32 gradients, is 25 MB; torch DDP's
-               bucket_cap_mb=25 is 25 MiB = 6,553,600 fp32 gradients: pass bucket_cap_mb= to get torch's
-               size. DeepSpeed's reduce_bucket_size counts elements, like bucket_numel.)
+               bucket_cap_mb=25 is 25 MiB = 6,553,600 fp32 gradients: pass bucket_cap_mb= to get
+               torch's size. DeepSpeed's reduce_bucket_size counts elements, like bucket_numel.)
   "overlap"  : the same buckets, but a hook on each parameter fills its slot as soon as
                autograd has accumulated its gradient, and a bucket's all-reduce is launched
                (async) the moment it is full, while backward keeps computing earlier layers.
@@ -65,7 +65,8 @@ MODES = ("naive", "bucketed", "overlap")
 
 
 class GradBucket(Bucket):
-    """A bucket (comm/bucket.py) whose buffer, kept for the life of the wrapper, holds the gradients."""
+    """A bucket (comm/bucket.py) whose buffer, kept for the life of the wrapper, holds the
+    gradients."""
 
     def fill(self, i: int):
         """Put params[i]'s local gradient (or zeros) into its slot and make p.grad that slot."""
@@ -89,19 +90,23 @@ class GradBucket(Bucket):
         # END SOLUTION
 
 
-# Live wrappers with a backward not finished yet: an optimizer stepping one of their parameters now would
-# step the local (or half-reduced, still in flight) gradient, silently. The step pre-hook below refuses it.
+# Live wrappers with a backward not finished yet: an optimizer stepping one of their parameters now
+# would step the local (or half-reduced, still in flight) gradient, silently. The step pre-hook
+# below refuses it.
 _PENDING = weakref.WeakSet()
 _STEP_HOOK = []  # the handle of the global optimizer step pre-hook, registered by the first DDP
 
 
 def _refuse_unfinished_step(optimizer, args, kwargs):
     for ddp in list(_PENDING):
-        if any(id(p) in ddp._param_ids for group in optimizer.param_groups for p in group["params"]):
+        if any(
+            id(p) in ddp._param_ids for group in optimizer.param_groups for p in group["params"]
+        ):
             raise RuntimeError(
-                "optimizer.step() before model.finish_gradient_synchronization(): the gradients are still this "
-                "rank's own (or in flight). Call model.finish_gradient_synchronization() after the last "
-                "backward and before step() (torch DDP does it inside backward; minizero makes it a visible line).")
+                "optimizer.step() before model.finish_gradient_synchronization(): the gradients "
+                "are still this rank's own (or in flight). Call "
+                "model.finish_gradient_synchronization() after the last backward and before step() "
+                "(torch DDP does it inside backward; minizero makes it a visible line).")
 
 
 def _hook(ddp_ref, i):
@@ -114,22 +119,27 @@ def _hook(ddp_ref, i):
 
 class DDP(SyncSwitch, nn.Module):
     def __init__(self, module: nn.Module, comm: comm_mod.Communicator | None = None,
-                 bucket_numel: int | None = 6_250_000, overlap: bool = True, mode: str | None = None,
-                 broadcast_buffers: bool = True, bucket_cap_mb: float | None = None):
-        """bucket_cap_mb: torch DDP's bucket size in MiB, as torch reads it (25 -> 25 * 2**20 bytes); when
-        given it sets bucket_numel from the parameters' element size (25 MiB = 6,553,600 fp32 gradients)."""
+                 bucket_numel: int | None = 6_250_000, overlap: bool = True,
+                 mode: str | None = None, broadcast_buffers: bool = True,
+                 bucket_cap_mb: float | None = None):
+        """bucket_cap_mb: torch DDP's bucket size in MiB, as torch reads it (25 -> 25 * 2**20
+        bytes); when given it sets bucket_numel from the parameters' element size (25 MiB =
+        6,553,600 fp32 gradients)."""
         super().__init__()
         self.module = module
         self.comm = comm or comm_mod.get()
         if bucket_cap_mb is not None:
             bucket_numel = bucket_numel_from_mb(bucket_cap_mb, module)
-        self.mode = mode or ("naive" if bucket_numel is None else "overlap" if overlap else "bucketed")
+        self.mode = mode or (
+            "naive" if bucket_numel is None else "overlap" if overlap else "bucketed"
+        )
         if self.mode not in MODES:
             raise ValueError(f"unknown DDP mode {self.mode!r}; use one of {MODES}")
         if self.mode != "naive" and not (bucket_numel and bucket_numel > 0):
             raise ValueError(f"mode {self.mode!r} needs bucket_numel > 0, got {bucket_numel!r}")
         self.bucket_numel = bucket_numel  # gradients per bucket (a bigger parameter gets its own)
-        self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward, as torch DDP
+        # rank 0's buffers before every forward, as torch DDP
+        self.broadcast_buffers = broadcast_buffers
         self._broadcast_from_rank0()
         # Unique trainable parameters. parameters() yields a tied weight once.
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -143,7 +153,8 @@ class DDP(SyncSwitch, nn.Module):
         self._sync = True          # False inside no_sync()
         self._pending = False      # a synced backward happened and is not finished yet
         self._got_grad = [False] * len(self.params)
-        self._param_ids = {id(p) for p in self.params}  # what an optimizer step must not touch while pending
+        # what an optimizer step must not touch while pending
+        self._param_ids = {id(p) for p in self.params}
         if not _STEP_HOOK:
             _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_unfinished_step))
         self._next = 0             # overlap: first bucket not launched yet
@@ -159,7 +170,8 @@ class DDP(SyncSwitch, nn.Module):
         self.comm.broadcast_tensors([*self.module.parameters(), *self.module.buffers()])
 
     def _make_buckets(self, bucket_numel: int) -> list[GradBucket]:
-        groups = group_params([p.numel() for p in self.params], bucket_numel, [p.dtype for p in self.params])
+        groups = group_params([p.numel() for p in self.params], bucket_numel,
+                              [p.dtype for p in self.params])
         buckets, lo = [], 0  # the flat order: the buckets' buffers one after the other
         for b, group in enumerate(groups):
             params = [self.params[i] for i in group]
@@ -175,7 +187,8 @@ class DDP(SyncSwitch, nn.Module):
     def forward(self, *args, **kwargs):
         # Buffers a forward changes (BatchNorm's running statistics, computed from each rank's own
         # batch) would drift apart: rank 0's win before every training forward, as in torch DDP
-        # (broadcast_buffers=True). Not under no_grad: an evaluation on one rank must not wait for the others.
+        # (broadcast_buffers=True). Not under no_grad: an
+        # evaluation on one rank must not wait for the others.
         if self.broadcast_buffers and torch.is_grad_enabled():
             self.comm.broadcast_tensors(list(self.module.buffers()))
         return self.module(*args, **kwargs)
@@ -188,11 +201,13 @@ class DDP(SyncSwitch, nn.Module):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """torch.nn.utils.clip_grad_norm_ on the module's parameters, once their gradients are averaged
-        (equal on every rank, so every rank computes the same norm without communicating)."""
+        """torch.nn.utils.clip_grad_norm_ on the module's parameters, once their gradients are
+        averaged (equal on every rank, so every rank computes the same norm without
+        communicating)."""
         if self._pending:
-            raise RuntimeError("DDP.clip_grad_norm_(): call model.finish_gradient_synchronization() first: "
-                               "the gradients are not averaged over the ranks yet")
+            raise RuntimeError("DDP.clip_grad_norm_(): call "
+                               "model.finish_gradient_synchronization() first: the gradients are "
+                               "not averaged over the ranks yet")
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
 
     # ------------------------------------------------------------------ backward

@@ -1,10 +1,12 @@
-"""One rank of `python -m minizero.launcher`: `python -m minizero.launcher.rank [--module|--no_python]
-[--no_local_rank] script args...`, started by mpirun or torchrun.
+"""One rank of `python -m minizero.launcher`:
+`python -m minizero.launcher.rank [--module|--no_python] [--no_local_rank] script args...`, started
+by mpirun or torchrun.
 
 It gives the script what DeepSpeed's launch.py gives each process: RANK, LOCAL_RANK, WORLD_SIZE and
 LOCAL_WORLD_SIZE in the environment (read from mpirun's or torchrun's own variables; under mpirun,
-minizero's communicator still sees mpirun and uses its MPI backend on CPU) and `--local_rank=K` as the last
-argument, then runs the script as `python script.py` would (its folder first on sys.path, __name__ "__main__").
+minizero's communicator still sees mpirun and uses its MPI backend on CPU) and `--local_rank=K` as
+the last argument, then runs the script as `python script.py` would (its folder first on sys.path,
+__name__ "__main__").
 """
 from __future__ import annotations
 

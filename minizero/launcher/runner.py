@@ -1,20 +1,23 @@
-"""`python -m minizero.launcher` (console script `minizero-deepspeed`): DeepSpeed's `deepspeed` command on one
-machine, with its flags (deepspeed/launcher/runner.py), for the scripts written for it.
+"""`python -m minizero.launcher` (console script `minizero-deepspeed`): DeepSpeed's `deepspeed`
+command on one machine, with its flags (deepspeed/launcher/runner.py), for the scripts written for
+it.
 
     python -m minizero.launcher --num_gpus 2 train.py --deepspeed --deepspeed_config ds.json
 
-starts 2 ranks of `train.py --deepspeed --deepspeed_config ds.json --local_rank=K`, each with DeepSpeed's
-per-rank environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; launcher/rank.py), under
-mpirun (minizero's default on CPU: its MPI backend) or `--launcher torchrun` (torch.distributed: gloo on CPU,
-NCCL on CUDA; `python -m minizero torchrun`, which leaves no log folder behind). The exit code is the job's.
+starts 2 ranks of `train.py --deepspeed --deepspeed_config ds.json --local_rank=K`, each with
+DeepSpeed's per-rank environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+launcher/rank.py), under mpirun (minizero's default on CPU: its MPI backend) or
+`--launcher torchrun` (torch.distributed: gloo on CPU, NCCL on CUDA; `python -m minizero torchrun`,
+which leaves no log folder behind). The exit code is the job's.
 
 How many ranks, as DeepSpeed counts them on one node: --num_gpus N (alias --num_accelerators); else
---include localhost:0,2 (those devices) or --exclude localhost:1 (all but those); else every GPU torch sees, or
-one rank on a machine without one. On CUDA the chosen devices become CUDA_VISIBLE_DEVICES, as DeepSpeed sets it.
-Several nodes (--num_nodes > 1, a hostfile or --include naming another host) are refused with the command to
-use instead: minizero's multi-node runs start mpirun or torchrun on each node (docs/nodes.md).
-DeepSpeed's flags that only matter there (--launcher pdsh/openmpi/..., --launcher_args, --ssh_port,
---no_ssh_check, --force_multi, --node_rank, elastic training, autotuning, core binding) are refused when set.
+--include localhost:0,2 (those devices) or --exclude localhost:1 (all but those); else every GPU
+torch sees, or one rank on a machine without one. On CUDA the chosen devices become
+CUDA_VISIBLE_DEVICES, as DeepSpeed sets it. Several nodes (--num_nodes > 1, a hostfile or --include
+naming another host) are refused with the command to use instead: minizero's multi-node runs start
+mpirun or torchrun on each node (docs/nodes.md). DeepSpeed's flags that only matter there
+(--launcher pdsh/openmpi/..., --launcher_args, --ssh_port, --no_ssh_check, --force_multi,
+--node_rank, elastic training, autotuning, core binding) are refused when set.
 """
 from __future__ import annotations
 
@@ -26,35 +29,48 @@ import sys
 
 LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
 LAUNCHERS = ("mpirun", "torchrun")
-MPI_NAMES = ("openmpi", "mpich", "impi", "mvapich")  # DeepSpeed's MPI launchers: one machine's mpirun here
+# DeepSpeed's MPI launchers: one machine's mpirun here
+MPI_NAMES = ("openmpi", "mpich", "impi", "mvapich")
 
 
 def parser() -> argparse.ArgumentParser:
-    # allow_abbrev=False: the script's own flags (--a, --num_gpus) after user_script stay the script's
+    # allow_abbrev=False: the script's own flags (--a,
+    # --num_gpus) after user_script stay the script's
     p = argparse.ArgumentParser(prog="python -m minizero.launcher", allow_abbrev=False,
-                                description="DeepSpeed's launcher on one machine (minizero.launcher)")
+                                description="DeepSpeed's launcher on one machine "
+                                            "(minizero.launcher)")
     p.add_argument("-H", "--hostfile", default=None,
-                   help="DeepSpeed's hostfile ('host slots=N' lines); one host only (minizero runs one node here)")
-    p.add_argument("-i", "--include", default="", help="devices to use, DeepSpeed's form: localhost:0,1")
-    p.add_argument("-e", "--exclude", default="", help="devices not to use, DeepSpeed's form: localhost:1")
-    p.add_argument("--num_nodes", type=int, default=-1, help="1 (several nodes: start mpirun/torchrun per node)")
+                   help="DeepSpeed's hostfile ('host slots=N' lines); one host only (minizero runs "
+                        "one node here)")
+    p.add_argument("-i", "--include", default="",
+                   help="devices to use, DeepSpeed's form: localhost:0,1")
+    p.add_argument("-e", "--exclude", default="",
+                   help="devices not to use, DeepSpeed's form: localhost:1")
+    p.add_argument("--num_nodes", type=int, default=-1,
+                   help="1 (several nodes: start mpirun/torchrun per node)")
     p.add_argument("--num_gpus", "--num_accelerators", dest="num_gpus", type=int, default=-1,
                    help="ranks on this machine (default: every GPU torch sees, or 1 without one)")
     p.add_argument("--master_port", type=int, default=None,
                    help="torch.distributed's rendezvous port (default: a free one, said on stderr)")
-    p.add_argument("--master_addr", default="", help="torch.distributed's rendezvous address (default 127.0.0.1)")
-    p.add_argument("--launcher", default="", help="mpirun (default when found) or torchrun underneath; DeepSpeed's "
+    p.add_argument("--master_addr", default="",
+                   help="torch.distributed's rendezvous address (default 127.0.0.1)")
+    p.add_argument("--launcher", default="",
+                   help="mpirun (default when found) or torchrun underneath; DeepSpeed's "
                    "MPI names (openmpi, mpich, impi, mvapich) mean mpirun")
     p.add_argument("--module", action="store_true", help="user_script is a module (python -m)")
-    p.add_argument("--no_python", action="store_true", help="user_script is an executable, not a Python file")
-    p.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank to the script")
-    # DeepSpeed's multi-node and tooling flags, parsed as DeepSpeed parses them and refused when set (_refused)
+    p.add_argument("--no_python", action="store_true",
+                   help="user_script is an executable, not a Python file")
+    p.add_argument("--no_local_rank", action="store_true",
+                   help="do not pass --local_rank to the script")
+    # DeepSpeed's multi-node and tooling flags, parsed as
+    # DeepSpeed parses them and refused when set (_refused)
     for flag, kind in (("--launcher_args", str), ("--ssh_port", int), ("--node_rank", int),
-                       ("--min_elastic_nodes", int), ("--max_elastic_nodes", int), ("--bind_core_list", str),
-                       ("--autotuning", str), ("--enable_each_rank_log", str), ("--comment", str), ("--account", str)):
+                       ("--min_elastic_nodes", int), ("--max_elastic_nodes", int),
+                       ("--bind_core_list", str), ("--autotuning", str),
+                       ("--enable_each_rank_log", str), ("--comment", str), ("--account", str)):
         p.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
-    for flag in ("--no_ssh", "--no_ssh_check", "--force_multi", "--elastic_training", "--bind_cores_to_rank",
-                 "--save_pid"):
+    for flag in ("--no_ssh", "--no_ssh_check", "--force_multi", "--elastic_training",
+                 "--bind_cores_to_rank", "--save_pid"):
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     p.add_argument("user_script", help="the training script, then its own arguments")
     p.add_argument("user_args", nargs=argparse.REMAINDER)
@@ -69,7 +85,8 @@ def _devices(spec: str, flag: str, error) -> dict[str, list[int] | None]:
         try:
             out[host] = sorted({int(i) for i in ids.split(",")}) if ids else None
         except ValueError:
-            error(f"{flag} {spec!r}: expected DeepSpeed's form host:0,1 (device numbers), e.g. localhost:0,1")
+            error(f"{flag} {spec!r}: expected DeepSpeed's form host:0,1 (device numbers), e.g. "
+                  "localhost:0,1")
     return out
 
 
@@ -91,8 +108,8 @@ def _hostfile_hosts(path: str, error) -> dict[str, int]:
 
 def ranks_and_devices(args, error, gpus: int) -> tuple[int, list[int] | None]:
     """How many ranks on this machine, and which GPUs (None on CPU), from DeepSpeed's flags."""
-    multi = "minizero runs one node from this command; for several, start mpirun or torchrun on each node " \
-            "(docs/nodes.md)"
+    multi = ("minizero runs one node from this command; for several, start mpirun or torchrun on "
+             "each node (docs/nodes.md)")
     if args.num_nodes not in (-1, 1):
         error(f"--num_nodes {args.num_nodes}: {multi}")
     slots = None
@@ -126,20 +143,25 @@ def ranks_and_devices(args, error, gpus: int) -> tuple[int, list[int] | None]:
         if flag == "--include":
             ids = named if named else ids
         else:
-            ids = [] if any(v is None for v in chosen.values()) else [i for i in ids if i not in named]
+            ids = (
+                []
+                if any(v is None for v in chosen.values())
+                else [i for i in ids if i not in named]
+            )
     if not ids:
         error(f"--exclude {args.exclude!r} leaves no device to run on")
     return len(ids), (ids if gpus else None)
 
 
 def _refused(args, error):
-    for flag in ("launcher_args", "ssh_port", "node_rank", "min_elastic_nodes", "max_elastic_nodes", "bind_core_list",
-                 "autotuning", "enable_each_rank_log", "comment", "account", "no_ssh", "no_ssh_check", "force_multi",
-                 "elastic_training", "bind_cores_to_rank", "save_pid"):
+    for flag in ("launcher_args", "ssh_port", "node_rank", "min_elastic_nodes", "max_elastic_nodes",
+                 "bind_core_list", "autotuning", "enable_each_rank_log", "comment", "account",
+                 "no_ssh", "no_ssh_check", "force_multi", "elastic_training", "bind_cores_to_rank",
+                 "save_pid"):
         # DeepSpeed's defaults, written out by a script, are no request: -1, "", "None"
         if getattr(args, flag) not in (None, False, -1, "", "None"):
-            error(f"--{flag} is a DeepSpeed launcher flag minizero does not implement (it runs one machine with "
-                  "mpirun or torchrun); leave it out")
+            error(f"--{flag} is a DeepSpeed launcher flag minizero does not implement (it runs one "
+                  "machine with mpirun or torchrun); leave it out")
     if args.module and args.no_python:
         error("--module and --no_python: give one of them")
 
@@ -149,10 +171,11 @@ def command(args, nranks: int, backend: str) -> list[str]:
             *(["--no_local_rank"] if args.no_local_rank else []), args.user_script, *args.user_args]
     if backend == "mpirun":
         from minizero.launch import find_mpirun
-        return [find_mpirun(), "-n", str(nranks), sys.executable, "-m", "minizero.launcher.rank", *shim]
+        return [find_mpirun(), "-n", str(nranks), sys.executable, "-m", "minizero.launcher.rank",
+                *shim]
     return [sys.executable, "-m", "minizero", "torchrun", "--nproc-per-node", str(nranks),
-            "--master-addr", args.master_addr or "127.0.0.1", "--master-port", str(args.master_port),
-            "-m", "minizero.launcher.rank", *shim]
+            "--master-addr", args.master_addr or "127.0.0.1", "--master-port",
+            str(args.master_port), "-m", "minizero.launcher.rank", *shim]
 
 
 def main(argv=None) -> int:
@@ -162,8 +185,8 @@ def main(argv=None) -> int:
     launcher = args.launcher or ("mpirun" if _has_mpirun() else "torchrun")
     launcher = "mpirun" if launcher in MPI_NAMES else launcher
     if launcher not in LAUNCHERS:
-        p.error(f"--launcher {args.launcher!r}: use mpirun or torchrun ({', '.join(MPI_NAMES)} mean mpirun; "
-                "pdsh and slurm start several nodes, which this command does not)")
+        p.error(f"--launcher {args.launcher!r}: use mpirun or torchrun ({', '.join(MPI_NAMES)} "
+                "mean mpirun; pdsh and slurm start several nodes, which this command does not)")
     if not args.module and not args.no_python and not os.path.isfile(args.user_script):
         p.error(f"user_script {args.user_script}: no such file")
     if args.master_port is not None and not 0 < args.master_port < 65536:
@@ -184,12 +207,14 @@ def main(argv=None) -> int:
     if chosen:
         from minizero.launch import free_port
         args.master_port = free_port()
-    child = dict(os.environ, MASTER_ADDR=args.master_addr or "127.0.0.1", MASTER_PORT=str(args.master_port))
+    child = dict(os.environ, MASTER_ADDR=args.master_addr or "127.0.0.1",
+                 MASTER_PORT=str(args.master_port))
     child.setdefault("OMP_NUM_THREADS", "1")
     if devices is not None:
         child["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     cmd = command(args, nranks, launcher)
-    sys.stderr.write(f"minizero.launcher: {nranks} rank{'s' * (nranks > 1)} of {args.user_script} under {launcher}"
+    sys.stderr.write(f"minizero.launcher: {nranks} rank{'s' * (nranks > 1)} of {args.user_script} "
+                     f"under {launcher}"
                      + (f" on GPUs {child['CUDA_VISIBLE_DEVICES']}" if devices is not None
                         else " on CPU")
                      + f", rendezvous port {args.master_port}"

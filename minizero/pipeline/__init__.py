@@ -10,13 +10,19 @@
     runtime.py         PipelineRuntime: executes one rank's action list; bubble(events)
 """
 from minizero.pipeline.runtime import PipelineRuntime, bubble
-from minizero.pipeline.schedules import (SCHEDULES, Action, Schedule, ScheduleError, bubble_formula, in_flight_formula,
-                                         make_schedule, peak_in_flight, simulate)
+from minizero.pipeline.schedules import (SCHEDULES, Action, Schedule, ScheduleError, bubble_formula,
+                                         in_flight_formula, make_schedule, peak_in_flight, simulate)
 from minizero.pipeline.split_backward import SplitBackward
-from minizero.pipeline.stage import PipelineError, PipelineModel, PipelineStage, StageChunk, partition
+from minizero.pipeline.stage import (
+    PipelineError,
+    PipelineModel,
+    PipelineStage,
+    StageChunk,
+    partition,
+)
 from minizero.pipeline.trace import format_events, format_schedule
 
-__all__ = ["Action", "PipelineError", "PipelineModel", "PipelineRuntime", "PipelineStage", "SCHEDULES", "Schedule",
-           "ScheduleError", "SplitBackward", "StageChunk", "bubble", "bubble_formula", "format_events",
-           "format_schedule",
+__all__ = ["Action", "PipelineError", "PipelineModel", "PipelineRuntime", "PipelineStage",
+           "SCHEDULES", "Schedule", "ScheduleError", "SplitBackward", "StageChunk", "bubble",
+           "bubble_formula", "format_events", "format_schedule",
            "in_flight_formula", "make_schedule", "partition", "peak_in_flight", "simulate"]

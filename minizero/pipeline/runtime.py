@@ -52,53 +52,54 @@ from minizero.pipeline.stage import PipelineError, PipelineStage
 def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> tuple[torch.Tensor, ...]:
     """The batch cut into equal micro-batches along dim 0 (views)."""
     if batch.shape[0] % num_microbatches:
-        raise PipelineError(f"a batch of {batch.shape[0]} does not split into {num_microbatches} micro-batches: "
-                            f"use a batch size divisible by {num_microbatches} (train_batch_size = micro batch "
-                            "x micro-batches x dp)")
+        raise PipelineError(f"a batch of {batch.shape[0]} does not split into {num_microbatches} "
+                            f"micro-batches: use a batch size divisible by {num_microbatches} "
+                            "(train_batch_size = micro batch x micro-batches x dp)")
     return batch.chunk(num_microbatches)
 
 
 class PipelineRuntime:
     """Executes `schedule` (a name or a Schedule) on `stage` for `num_microbatches` per step."""
 
-    def __init__(self, stage: PipelineStage, schedule: str | Schedule = "1f1b", num_microbatches: int | None = None,
-                 data_parallel=None, verbose: bool = False, poll_s: float | None = 1e-4, measure: bool = True,
-                 prefetch: bool = True):
+    def __init__(self, stage: PipelineStage, schedule: str | Schedule = "1f1b",
+                 num_microbatches: int | None = None, data_parallel=None, verbose: bool = False,
+                 poll_s: float | None = 1e-4, measure: bool = True, prefetch: bool = True):
         if isinstance(schedule, str):
             if num_microbatches is None:
                 raise PipelineError("PipelineRuntime: give num_microbatches with a schedule name")
             schedule = make_schedule(schedule, stage.num_stages, num_microbatches, stage.num_chunks)
         if (schedule.num_stages, schedule.num_chunks) != (stage.num_stages, stage.num_chunks):
-            raise PipelineError(f"schedule {schedule.name!r} is for p={schedule.num_stages}, v={schedule.num_chunks}; "
-                                f"the stage has p={stage.num_stages}, v={stage.num_chunks}")
+            raise PipelineError(f"schedule {schedule.name!r} is for p={schedule.num_stages}, "
+                                f"v={schedule.num_chunks}; the stage has p={stage.num_stages}, "
+                                f"v={stage.num_chunks}")
         self.stage = stage
         self.schedule = schedule
         self.actions = schedule.actions[stage.rank]        # what this rank runs, in order
         self.num_microbatches = schedule.num_microbatches
-        self.data_parallel = data_parallel                 # its no_sync() wraps all backwards but the last
+        self.data_parallel = data_parallel  # its no_sync() wraps all backwards but the last
         self.verbose = verbose
         self.poll_s = poll_s                               # sleep between polls while receiving
-        self.measure = measure                             # meter the activations (off: no hook of ours)
-        self.prefetch = prefetch                           # post the next action's receive before this one runs
+        self.measure = measure  # meter the activations (off: no hook of ours)
+        self.prefetch = prefetch  # post the next action's receive before this one runs
         frees = "W" if schedule.split_backward else "B"
         self.last_backward = max(i for i, a in enumerate(self.actions) if a.kind == frees)
         self.last = {}                                     # measurements of the last step
         # the state of one step, reset by step():
-        self._inputs = self._targets = None                # this step's micro-batches (first / last stage)
+        self._inputs = self._targets = None  # this step's micro-batches (first / last stage)
         self._meter = memory.SavedTensors()                # the activations autograd keeps, live
-        self._kept = {}                                    # (k, c) -> (input, output) after F, SplitBackward after B
-        self._sends = []                                   # (work, buffer): sends in flight, waited at the end
-        self._losses = []                                  # loss_k / m of each micro-batch (last stage)
-        self._held = 0                                     # micro-batches between F and the action that frees them
-        self._posted = {}                                  # (kind, k, c) -> (buffer, work): receives posted ahead
+        self._kept = {}  # (k, c) -> (input, output) after F, SplitBackward after B
+        self._sends = []  # (work, buffer): sends in flight, waited at the end
+        self._losses = []  # loss_k / m of each micro-batch (last stage)
+        self._held = 0  # micro-batches between F and the action that frees them
+        self._posted = {}  # (kind, k, c) -> (buffer, work): receives posted ahead
 
     # ------------------------------------------------------------------ inputs
     def _split(self, name, batch, needed):
         if not needed:
             return None
         if batch is None:
-            raise PipelineError(f"this rank holds the {'first' if name == 'inputs' else 'last'} stage: "
-                                f"pipe.step needs the {name}")
+            raise PipelineError(f"this rank holds the {'first' if name == 'inputs' else 'last'} "
+                                f"stage: pipe.step needs the {name}")
         return split_microbatches(batch, self.num_microbatches)
 
     # ------------------------------------------------------------------ the step
@@ -116,10 +117,12 @@ class PipelineRuntime:
         activation_bytes = {}                             # "F3.1" -> bytes that F left for backward
         events, peak_held, peak_bytes = [], 0, 0
         for i, action in enumerate(self.actions):
-            heartbeat.set_context(f"pipeline action {action} on stage {action.chunk * stage.num_stages + stage.rank}")
+            heartbeat.set_context(f"pipeline action {action} on stage "
+                                  f"{action.chunk * stage.num_stages + stage.rank}")
             t0 = time.perf_counter()
             if self.prefetch and i + 1 < len(self.actions):
-                self._post_recv(self.actions[i + 1])  # its message can arrive while this action computes
+                # its message can arrive while this action computes
+                self._post_recv(self.actions[i + 1])
             before = self._meter.live
             run = {"F": self._forward, "B": self._backward, "W": self._weight}[action.kind]
             sync = self.data_parallel is not None and i != self.last_backward and action.kind != "F"
@@ -129,7 +132,8 @@ class PipelineRuntime:
             if action.kind == "F":
                 activation_bytes[str(action)] = self._meter.live - before
             held_bytes = self._meter.live + sum(s.kept_bytes() for s in self._kept.values()
-                                                if isinstance(s, SplitBackward))  # + B's gradients kept for W
+                                                # + B's gradients kept for W
+                                                if isinstance(s, SplitBackward))
             memory.transient.alloc("pipeline.activations", held_bytes)  # the live bytes, now
             peak_held, peak_bytes = max(peak_held, self._held), max(peak_bytes, held_bytes)
             events.append((str(action), t0, t1, t2))
@@ -139,13 +143,14 @@ class PipelineRuntime:
         heartbeat.set_context("pipeline: the step's last sends and gradient reductions")
         for work, _ in self._sends:
             work.wait(sleep_s=self.poll_s)
-        if self.data_parallel is not None and hasattr(self.data_parallel, "finish_gradient_synchronization"):
+        if self.data_parallel is not None and hasattr(self.data_parallel,
+                                                      "finish_gradient_synchronization"):
             self.data_parallel.finish_gradient_synchronization()
         stage.reduce_tied_gradients()
         heartbeat.set_context("")
         memory.transient.free("pipeline.activations")
-        self.last = {"events": events, "peak_in_flight": peak_held, "peak_activation_bytes": peak_bytes,
-                     "activation_bytes": activation_bytes}
+        self.last = {"events": events, "peak_in_flight": peak_held,
+                     "peak_activation_bytes": peak_bytes, "activation_bytes": activation_bytes}
         losses, self._kept, self._sends, self._losses = self._losses, {}, [], []
         return torch.stack(losses).sum() if losses else None
 
@@ -181,9 +186,10 @@ class PipelineRuntime:
                 out = stage.loss_fn(out, self._targets[k]) / self.num_microbatches
                 self._losses.append(out.detach())
             elif stage.activation_shape is not None and tuple(out.shape) != stage.activation_shape:
-                raise PipelineError(f"chunk {c} (virtual stage {stage.chunks[c].index}) returned shape "
-                                    f"{tuple(out.shape)}, but the pipe carries {stage.activation_shape}: "
-                                    "give PipelineStage the activation_shape of one micro-batch")
+                raise PipelineError(f"chunk {c} (virtual stage {stage.chunks[c].index}) returned "
+                                    f"shape {tuple(out.shape)}, but the pipe carries "
+                                    f"{stage.activation_shape}: give PipelineStage the "
+                                    "activation_shape of one micro-batch")
         if not stage.is_last(c):
             send = out.detach()  # keep the buffer until the send is done, not the graph behind it
             self._sends.append((stage.send_activation(send, k, c), send))
@@ -221,4 +227,5 @@ def bubble(events_per_rank) -> dict:
     start = min(ev[0][1] for ev in events_per_rank)
     end = max(ev[-1][3] for ev in events_per_rank)
     busy = [sum(e[3] - e[2] for e in ev) for ev in events_per_rank]
-    return {"step_s": end - start, "busy_s": busy, "bubble": 1 - sum(busy) / (len(busy) * (end - start))}
+    return {"step_s": end - start, "busy_s": busy,
+            "bubble": 1 - sum(busy) / (len(busy) * (end - start))}

@@ -46,7 +46,8 @@ class Action(NamedTuple):
 
 # ----------------------------------------------------------------------------- the schedules
 def gpipe(num_stages: int, num_microbatches: int, rank: int) -> list[Action]:
-    """All forwards, then all backwards (GPipe). Every rank holds all m micro-batches at the turn."""
+    """All forwards, then all backwards (GPipe). Every rank holds all m micro-batches at the
+    turn."""
     forwards = [Action("F", k) for k in range(num_microbatches)]
     return forwards + [Action("B", k) for k in range(num_microbatches)]
 
@@ -83,13 +84,15 @@ def rounds_of(num_stages: int, num_microbatches: int) -> int:
     rounds = max(1, num_microbatches // num_stages)
     group = num_microbatches // rounds
     if num_microbatches % group:
-        raise ScheduleError(f"interleaved 1F1B runs micro-batches in rounds of {group} (m // (m // p)): "
-                            f"m = {num_microbatches} is not a multiple of it; use m < p or a multiple of p = "
-                            f"{num_stages}")
+        raise ScheduleError(f"interleaved 1F1B runs micro-batches in rounds of {group} (m // (m // "
+                            f"p)): m = {num_microbatches} is not a multiple of it; use m < p or a "
+                            f"multiple of p = {num_stages}")
     return group
 
 
-def interleaved_1f1b(num_stages: int, num_microbatches: int, rank: int, num_chunks: int = 2) -> list[Action]:
+def interleaved_1f1b(
+    num_stages: int, num_microbatches: int, rank: int, num_chunks: int = 2
+) -> list[Action]:
     """Interleaved 1F1B (Megatron-LM): each rank runs its v chunks round by round, a group of g
     micro-batches through chunk 0, then through chunk 1, ...; backwards in reverse chunk order.
     Warm-up: (v-1)·g forwards for the last rank, two more per rank before it."""
@@ -175,20 +178,26 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks:
     """The named schedule for all p ranks, validated (complete, ordered, deadlock-free).
     `rank_actions(p, m, rank)` replaces the generator (a lab's own 1F1B, for instance)."""
     if name not in SCHEDULES:
-        raise ScheduleError(f"unknown pipeline schedule {name!r}; valid schedules: {', '.join(SCHEDULES)}")
-    p, m, v = (_positive(n, x) for n, x in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
+        raise ScheduleError(f"unknown pipeline schedule {name!r}; valid schedules: "
+                            f"{', '.join(SCHEDULES)}")
+    p, m, v = (_positive(n, x) for n,
+               x in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
                                             ("num_chunks", num_chunks)))
     generator, split = SCHEDULES[name]
     if name == "interleaved_1f1b":
         if v < 2:
-            raise ScheduleError(f"interleaved_1f1b needs num_chunks >= 2 model chunks per rank, got {v}")
+            raise ScheduleError("interleaved_1f1b needs num_chunks >= 2 model chunks per rank, "
+                                f"got {v}")
         per_rank = [interleaved_1f1b(p, m, r, v) for r in range(p)]
     else:
         if v != 1:
-            raise ScheduleError(f"{name} runs one model chunk per rank, got num_chunks={v}: use interleaved_1f1b")
+            raise ScheduleError(f"{name} runs one model chunk per rank, got num_chunks={v}: use "
+                                "interleaved_1f1b")
         per_rank = [(rank_actions or generator)(p, m, r) for r in range(p)]
     # any (kind, microbatch[, chunk]) tuple is an action (a lab file defines its own Action class)
-    as_action = lambda a: Action(*a) if isinstance(a, tuple) and 2 <= len(a) <= 3 else a  # noqa: E731
+    as_action = lambda a: (  # noqa: E731
+        Action(*a) if isinstance(a, tuple) and 2 <= len(a) <= 3 else a
+    )
     schedule = Schedule(name, p, m, v, split, tuple(tuple(map(as_action, a)) for a in per_rank))
     validate(schedule)
     return schedule
@@ -206,22 +215,27 @@ def validate(schedule: Schedule):
         seen = {}
         for i, a in enumerate(actions):
             if not isinstance(a, Action):
-                raise ScheduleError(f"rank {rank}: action {i} is {a!r}, not an Action(kind, microbatch, chunk)")
+                raise ScheduleError(f"rank {rank}: action {i} is {a!r}, not an Action(kind, "
+                                    "microbatch, chunk)")
             if a.kind not in kinds:
-                raise ScheduleError(f"rank {rank}: action {i} {a} has kind {a.kind!r}; this schedule uses {kinds}")
+                raise ScheduleError(f"rank {rank}: action {i} {a} has kind {a.kind!r}; this "
+                                    f"schedule uses {kinds}")
             if not 0 <= a.microbatch < m or not 0 <= a.chunk < v:
-                raise ScheduleError(f"rank {rank}: action {i} {a} is outside the {m} micro-batches x {v} chunks")
+                raise ScheduleError(f"rank {rank}: action {i} {a} is outside the {m} micro-batches "
+                                    f"x {v} chunks")
             if a in seen:
                 raise ScheduleError(f"rank {rank} runs {a} twice (actions {seen[a]} and {i})")
             before = {"B": "F", "W": "B"}.get(a.kind)
             if before and Action(before, a.microbatch, a.chunk) not in seen:
-                raise ScheduleError(f"rank {rank}: {a} (action {i}) comes before {before}{str(a)[1:]}, which it needs")
+                raise ScheduleError(f"rank {rank}: {a} (action {i}) comes before "
+                                    f"{before}{str(a)[1:]}, which it needs")
             seen[a] = i
         missing = [Action(k, mb, c) for mb in range(m) for c in range(v) for k in kinds
                    if Action(k, mb, c) not in seen]
         if missing:
             raise ScheduleError(f"rank {rank} never runs {', '.join(map(str, missing[:4]))}"
-                                f"{' ...' if len(missing) > 4 else ''} ({len(missing)} missing actions)")
+                                f"{' ...' if len(missing) > 4 else ''} ({len(missing)} missing "
+                                "actions)")
     simulate(schedule)  # raises on a deadlock
 
 
@@ -246,8 +260,8 @@ def dependency(schedule: Schedule, rank: int, action: Action):
 def unit_cost(schedule: Schedule, forward=1.0, backward=1.0, weight=1.0):
     """Cost of one action: a whole stage's F, B, W split over v chunks; an unsplit B also does W."""
     v = schedule.num_chunks
-    table = {"F": forward / v, "B": (backward if schedule.split_backward else backward + weight) / v,
-             "W": weight / v}
+    table = {"F": forward / v,
+             "B": (backward if schedule.split_backward else backward + weight) / v, "W": weight / v}
     return lambda rank, action: table[action.kind]
 
 
@@ -276,10 +290,16 @@ def simulate(schedule: Schedule, cost: Callable | None = None) -> dict:
                 nxt[r] += 1
                 progressed = True
         if not progressed:
-            waits = [(r, schedule.actions[r][nxt[r]]) for r in range(p) if nxt[r] < len(schedule.actions[r])]
-            stuck = [f"rank {r} at {a} waits for rank {dependency(schedule, r, a)[0]}'s {dependency(schedule, r, a)[1]}"
+            waits = [
+                (r, schedule.actions[r][nxt[r]])
+                for r in range(p)
+                if nxt[r] < len(schedule.actions[r])
+            ]
+            stuck = [f"rank {r} at {a} waits for rank {dependency(schedule, r, a)[0]}'s "
+                     f"{dependency(schedule, r, a)[1]}"
                      for r, a in waits]
-            raise ScheduleError(f"{schedule.name} deadlocks (p={p}, m={schedule.num_microbatches}): "
+            raise ScheduleError(f"{schedule.name} deadlocks (p={p}, "
+                                f"m={schedule.num_microbatches}): "
                                 + "; ".join(stuck))
     makespan = max(clock)
     busy = [sum(end - start for _, start, end in ev) for ev in events]
@@ -299,7 +319,9 @@ def peak_in_flight(schedule: Schedule, rank: int) -> int:
 
 
 # ----------------------------------------------------------------------------- formulas
-def bubble_formula(name: str, p: int, m: int, v: int = 1, forward=1.0, backward=1.0, weight=1.0) -> float:
+def bubble_formula(
+    name: str, p: int, m: int, v: int = 1, forward=1.0, backward=1.0, weight=1.0
+) -> float:
     """The papers' idle fraction of a step for equal stages (see the module docstring). For
     interleaved_1f1b and zb_h1 it holds for m >= p; below that `simulate` gives the ideal one."""
     if name in ("gpipe", "1f1b"):
@@ -309,7 +331,8 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1, forward=1.0, backward=
     if name == "zb_h1":
         idle = (p - 1) * (forward + backward - weight)
         return idle / (m * (forward + backward + weight) + idle)
-    raise ScheduleError(f"unknown pipeline schedule {name!r}; valid schedules: {', '.join(SCHEDULES)}")
+    raise ScheduleError(f"unknown pipeline schedule {name!r}; valid schedules: "
+                        f"{', '.join(SCHEDULES)}")
 
 
 def in_flight_formula(name: str, p: int, m: int, rank: int, v: int = 1) -> int:
@@ -322,4 +345,5 @@ def in_flight_formula(name: str, p: int, m: int, rank: int, v: int = 1) -> int:
         return min(p, m)  # rank r: p-r-1 warm-up forwards + 1, plus r pending W's
     if name == "interleaved_1f1b":
         return min((v - 1) * rounds_of(p, m) + 2 * (p - rank - 1) + 1, v * m)
-    raise ScheduleError(f"unknown pipeline schedule {name!r}; valid schedules: {', '.join(SCHEDULES)}")
+    raise ScheduleError(f"unknown pipeline schedule {name!r}; valid schedules: "
+                        f"{', '.join(SCHEDULES)}")

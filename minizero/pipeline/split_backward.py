@@ -69,7 +69,8 @@ class SplitBackward:
     def __init__(self, output: torch.Tensor, input: torch.Tensor | None, weights):
         self.output = output                # the chunk's output (or the loss on the last stage)
         self.input = input if input is not None and input.requires_grad else None
-        self.whole = self.input is None     # no input gradient (the first stage): W is the whole backward
+        # no input gradient (the first stage): W is the whole backward
+        self.whole = self.input is None
         self.weights = [w for w in weights if w.requires_grad]
         self.kept = {}                      # meeting node -> the gradients that arrived at it in B
         self.groups = []                    # [(weights, meeting nodes)] each W call handles
@@ -113,7 +114,8 @@ class SplitBackward:
         if self.input is None:
             return None
         try:
-            (grad_input,) = torch.autograd.grad(self.output, self.input, grad_output, retain_graph=True)
+            (grad_input,) = torch.autograd.grad(self.output, self.input, grad_output,
+                                                retain_graph=True)
         finally:
             for h in self.hooks:
                 h.remove()
@@ -127,7 +129,8 @@ class SplitBackward:
             torch.autograd.backward(self.output, self.grad_output, inputs=self.weights)
             return
         if self.orphans:
-            torch.autograd.backward(self.output, self.grad_output, retain_graph=True, inputs=self.orphans)
+            torch.autograd.backward(self.output, self.grad_output, retain_graph=True,
+                                    inputs=self.orphans)
         for weights, nodes in self.groups:
             edges, grads = [], []
             for node in nodes:
@@ -139,7 +142,8 @@ class SplitBackward:
                 restore = []
                 if len(nodes) > 1:  # a weight used at two meeting nodes: a path from one may run
                     for node in nodes:  # through the other; give each exactly what B left there
-                        restore.append(node.register_prehook(lambda _, kept=self.kept.get(node): kept))
+                        restore.append(node.register_prehook(lambda _,
+                                                             kept=self.kept.get(node): kept))
                 try:
                     torch.autograd.backward(edges, grads, retain_graph=True, inputs=weights)
                 finally:

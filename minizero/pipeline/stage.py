@@ -74,8 +74,8 @@ class PipelineModel(NamedTuple):
 class StageChunk(nn.Module):
     """One virtual stage: [embed] + a run of blocks + [head]."""
 
-    def __init__(self, index: int, embed: nn.Module | None, blocks: Sequence[nn.Module], head: nn.Module | None,
-                 first_block: int):
+    def __init__(self, index: int, embed: nn.Module | None, blocks: Sequence[nn.Module],
+                 head: nn.Module | None, first_block: int):
         super().__init__()
         self.index = index                # virtual stage number, 0 .. S-1
         self.first_block = first_block    # global index of blocks[0] (names, traces)
@@ -96,13 +96,14 @@ def partition(num_blocks: int, num_stages: int, num_chunks: int = 1) -> list[ran
     they do not divide (v = 1 only: interleaving needs equal chunks)."""
     total = num_stages * num_chunks
     if total > num_blocks:
-        raise PipelineError(f"{total} pipeline stages ({num_stages} ranks x {num_chunks} chunks) but the model has "
-                            f"only {num_blocks} blocks: every stage needs at least one block; use at most "
-                            f"{num_blocks} stages")
+        raise PipelineError(f"{total} pipeline stages ({num_stages} ranks x {num_chunks} chunks) "
+                            f"but the model has only {num_blocks} blocks: every stage needs at "
+                            f"least one block; use at most {num_blocks} stages")
     if num_chunks > 1 and num_blocks % total:
-        raise PipelineError(f"interleaving {num_chunks} chunks on {num_stages} ranks cuts the model into {total} "
-                            f"equal chunks, but {num_blocks} blocks do not divide by {total}: use a number of "
-                            f"blocks divisible by p*v, or another num_chunks")
+        raise PipelineError(f"interleaving {num_chunks} chunks on {num_stages} ranks cuts the "
+                            f"model into {total} equal chunks, but {num_blocks} blocks do not "
+                            f"divide by {total}: use a number of blocks divisible by p*v, or "
+                            "another num_chunks")
     size, extra = divmod(num_blocks, total)
     bounds = [0]
     for s in range(total):
@@ -125,11 +126,11 @@ class PipelineStage(nn.Module):
         ranges = (list(given) if given is not None and num_chunks == 1 and len(given) == p
                   else partition(len(model.blocks), p, num_chunks))
         self.mesh = mesh                            # the grid; this stage talks over mesh.pp only
-        self.comm = mesh.pp                         # the pipeline group: sends, receives, the tied group
+        self.comm = mesh.pp  # the pipeline group: sends, receives, the tied group
         self.num_stages = p                         # ranks in the pipeline
         self.num_chunks = num_chunks                # model chunks per rank (v)
         self.num_virtual_stages = p * num_chunks    # S: the model is cut into this many pieces
-        self.rank = rank                            # this rank's place in the pipeline (mesh.pp_rank)
+        self.rank = rank  # this rank's place in the pipeline (mesh.pp_rank)
         self.loss_fn = model.loss_fn                # used by the chunk that holds the head
         # one micro-batch's hidden state: what a pipe carries; None: learned at the first step
         # (below)
@@ -146,16 +147,19 @@ class PipelineStage(nn.Module):
         for c in range(num_chunks):
             s = c * p + rank
             blocks = [model.blocks[i] for i in ranges[s]]
-            chunks.append(StageChunk(s, model.embed if s == 0 else None, blocks, model.head if s == last else None,
-                                     ranges[s].start))
+            chunks.append(StageChunk(s, model.embed if s == 0 else None, blocks,
+                                     model.head if s == last else None, ranges[s].start))
         self.chunks = nn.ModuleList(chunks)         # chunk c is virtual stage c*p + rank
-        self.block_ranges = [ranges[c * p + rank] for c in range(num_chunks)]  # global block indices
-        self.tied, self.tie_comm = self._tie(model, mesh)  # this rank's copies of tied weights, their group
+        # global block indices
+        self.block_ranges = [ranges[c * p + rank] for c in range(num_chunks)]
+        # this rank's copies of tied weights, their group
+        self.tied, self.tie_comm = self._tie(model, mesh)
 
     # ------------------------------------------------------------------ tied weights
     def _tie(self, model, mesh):
         """Parameters shared by embed and head; when those sit on different ranks, the 2-rank group
-        {first, last} of mesh.pp that keeps their gradients summed (every pp rank calls new_group)."""
+        {first, last} of mesh.pp that keeps their gradients summed (every pp rank calls
+        new_group)."""
         head_ids = {id(q) for q in model.head.parameters()}
         shared = [q for q in model.embed.parameters() if id(q) in head_ids and q.requires_grad]
         if not shared or self.num_stages == 1:
@@ -179,11 +183,12 @@ class PipelineStage(nn.Module):
     def reduce_tied_shards(self, owned, dp_comm, tie_comm=None):
         """The same sum when ZeRO-2/3 has already reduced the gradients into dp shards and freed the
         full ones (reduce_tied_gradients would find nothing to sum). owned: per tied parameter q,
-        (q, lo, view): the reduced gradient of q's flattened elements [lo, lo + view.numel()) that this
-        rank holds. The two stages' shards cover different ranges of q, so q's reduced gradient is
-        rebuilt first (each element is held by exactly one dp rank: an all-reduce over dp), then
+        (q, lo, view): the reduced gradient of q's flattened elements [lo, lo + view.numel()) that
+        this rank holds. The two stages' shards cover different ranges of q, so q's reduced gradient
+        is rebuilt first (each element is held by exactly one dp rank: an all-reduce over dp), then
         summed over the tied pair, and each rank keeps its range. Bytes per rank: 2(N-1)/N·S over dp
-        plus S over the pair (S the tied tensor's bytes): 2(N-1)/N·S more than reduce_tied_gradients sends."""
+        plus S over the pair (S the tied tensor's bytes): 2(N-1)/N·S more than reduce_tied_gradients
+        sends."""
         tie_comm = tie_comm or self.tie_comm
         if tie_comm is None:
             return
@@ -263,7 +268,8 @@ class PipelineStage(nn.Module):
         return self.comm.isend(out, self.next_rank, tag=tag)
 
     def recv_gradient(self, microbatch: int, chunk: int) -> tuple[torch.Tensor | None, object]:
-        """Post the receive of the gradient of chunk `chunk`'s output from the next virtual stage."""
+        """Post the receive of the gradient of chunk `chunk`'s output from the next virtual
+        stage."""
         tag = self.tag(microbatch, chunk, True)
         meta = ((self.activation_shape, self.dtype) if self.activation_shape is not None
                 else self.out_meta.get(chunk))
@@ -291,8 +297,8 @@ class PipelineStage(nn.Module):
         return num_microbatches * self.activation_nbytes * sends
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError("a PipelineStage is run by PipelineRuntime.step(inputs, targets), not called: "
-                           "its chunks need inputs from other ranks")
+        raise RuntimeError("a PipelineStage is run by PipelineRuntime.step(inputs, targets), not "
+                           "called: its chunks need inputs from other ranks")
 
     def extra_repr(self) -> str:
         return (f"rank {self.rank} of {self.num_stages}, virtual stages "

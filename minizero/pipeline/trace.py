@@ -1,8 +1,10 @@
 """Traces: the schedule drawn, as picotron's VERBOSE prints it, ideal or measured.
 
-    format_schedule(schedule)     the classic picture from schedules.simulate (unit costs by default)
+    format_schedule(schedule)     the classic picture from schedules.simulate
+                                  (unit costs by default)
     format_events(events)         the same picture from a real step: every rank's measured events
-                                  (PipelineRuntime.last["events"], all-gathered), on a grid of time slots
+                                  (PipelineRuntime.last["events"], all-gathered), on a grid of time
+                                  slots
 `PipelineRuntime(..., verbose=True)` prints each action as it runs instead.
 """
 from __future__ import annotations
@@ -12,14 +14,17 @@ from typing import Callable
 from minizero.pipeline.schedules import Schedule, simulate
 
 
-def format_schedule(schedule: Schedule, cost: Callable | None = None, slot: float | None = None) -> str:
+def format_schedule(
+    schedule: Schedule, cost: Callable | None = None, slot: float | None = None
+) -> str:
     """The classic picture, from `simulate`: one row per rank, one column per time slot, each
     action written where it starts, '.' where the rank idles (picotron's VERBOSE, drawn)."""
     sim = simulate(schedule, cost)
     slot = slot or min(end - start for ev in sim["events"] for _, start, end in ev)
     width = max(len(str(a)) for ev in sim["events"] for a, _, _ in ev) + 1
     lines = [f"{schedule.name}: p={schedule.num_stages} m={schedule.num_microbatches}"
-             f"{f' v={schedule.num_chunks}' if schedule.num_chunks > 1 else ''}, ideal bubble {sim['bubble']:.3f}"]
+             f"{f' v={schedule.num_chunks}' if schedule.num_chunks > 1 else ''}, ideal bubble "
+             f"{sim['bubble']:.3f}"]
     for r, ev in enumerate(sim["events"]):
         cells = ["." * (width - 1)] * round(sim["makespan"] / slot)
         for a, start, end in ev:

@@ -1,16 +1,18 @@
-"""The engine's chain, one function per link, each a function of the resolved EnginePlan (runtime/resolve.py).
-docs/design.md draws it; runtime/engine.py calls it in this order:
+"""The engine's chain, one function per link, each a function of the resolved EnginePlan
+(runtime/resolve.py). docs/design.md draws it; runtime/engine.py calls it in this order:
 
     mesh  = build_mesh(plan, world)                     # dp x cp x tp (ep slices of dp), or None
     model = apply_tensor_parallel(model, plan, mesh)    # split over mesh.tp (Megatron)
-    apply_sparse_attention(model, plan)                 # block-sparse layouts (DeepSpeed's sparse attention)
+    apply_sparse_attention(model, plan)  # block-sparse layouts (DeepSpeed's sparse attention)
     apply_context_parallel(model, plan, mesh)           # whole sequences in, s/cp tokens per rank
     apply_expert_parallel(model, plan, mesh)            # each MoE layer keeps E/ep experts
     blocks = apply_activation_checkpointing(model, plan)
     apply_precision(model, plan, device)                # the model in its training dtype
-    strategy = select_strategy(plan, model, dp_comm, mesh)   # DDP, ZeRO-1/2/3, ZeRO++, hybrid; offload inside
+    # DDP, ZeRO-1/2/3, ZeRO++, hybrid; offload inside
+    strategy = select_strategy(plan, model, dp_comm, mesh)
 
-The pipeline engine (runtime/pipeline_engine.py) cuts the model into its stage between TP and the strategy.
+The pipeline engine (runtime/pipeline_engine.py) cuts the model into its stage between TP and the
+strategy.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def build_mesh(plan: EnginePlan, world):
 
 
 def apply_tensor_parallel(model, plan: EnginePlan, mesh):
-    """The model split over mesh.tp (tensor.TensorParallelGPT, with sequence parallelism if asked)."""
+    """The model split over mesh.tp (tensor.TensorParallelGPT, with sequence parallelism if
+    asked)."""
     if plan.tp_size == 1:
         return model
     from minizero.tensor import TensorParallelGPT
@@ -44,18 +47,22 @@ def apply_tensor_parallel(model, plan: EnginePlan, mesh):
 
 
 def apply_sparse_attention(model, plan: EnginePlan):
-    """Every attention runs the plan's block-sparse layout (sparse/; DeepSpeed's sparse_attention section)."""
+    """Every attention runs the plan's block-sparse layout (sparse/; DeepSpeed's sparse_attention
+    section)."""
     if plan.sparse_attention is not None:
         from minizero.sparse import apply_sparse_attention as apply
         apply(model, plan.sparse_attention)
 
 
 def apply_context_parallel(model, plan: EnginePlan, mesh):
-    """The model's hook (TinyGPT's) takes whole sequences and keeps this rank's s/cp tokens: Ulysses or ring."""
+    """The model's hook (TinyGPT's) takes whole sequences and keeps this rank's s/cp tokens: Ulysses
+    or ring."""
     if plan.cp_size > 1 and plan.cp_attention == "ring":
-        model.set_context_parallel(mesh.cp, attention="ring")  # chunks r and 2cp-1-r, ring attention
+        # chunks r and 2cp-1-r, ring attention
+        model.set_context_parallel(mesh.cp, attention="ring")
     elif plan.cp_size > 1:
-        model.set_context_parallel(mesh.cp)  # contiguous s/cp tokens, Ulysses (a model may know only this)
+        # contiguous s/cp tokens, Ulysses (a model may know only this)
+        model.set_context_parallel(mesh.cp)
 
 
 def apply_expert_parallel(model, plan: EnginePlan, mesh):
@@ -75,7 +82,8 @@ def apply_activation_checkpointing(model, plan: EnginePlan) -> list:
 
 
 def apply_precision(model, plan: EnginePlan, device):
-    """The model in its training dtype on the device (zero.Init's recorder rounds as model.to(dtype) would)."""
+    """The model in its training dtype on the device (zero.Init's recorder rounds as model.to(dtype)
+    would)."""
     if plan.zero_init is not None:
         plan.zero_init.dtype = plan.dtype if plan.mixed_precision else None
     else:
@@ -84,20 +92,25 @@ def apply_precision(model, plan: EnginePlan, device):
 
 def strategy_spec(plan: EnginePlan, node_mesh=None, runtime_syncs: bool = False) -> StrategySpec:
     """The plan's fields a strategy is built from."""
-    return StrategySpec(optimizer_cls=plan.optimizer_cls, optimizer_kwargs=plan.optimizer_kwargs, groups=plan.groups,
-                        dtype=plan.dtype, bucket_numel=plan.bucket_numel, overlap=plan.overlap_comm,
-                        prefetch=plan.prefetch, persistence_threshold=plan.persistence_threshold, zeropp=plan.zeropp,
+    return StrategySpec(optimizer_cls=plan.optimizer_cls, optimizer_kwargs=plan.optimizer_kwargs,
+                        groups=plan.groups, dtype=plan.dtype, bucket_numel=plan.bucket_numel,
+                        overlap=plan.overlap_comm, prefetch=plan.prefetch,
+                        persistence_threshold=plan.persistence_threshold, zeropp=plan.zeropp,
                         node_mesh=node_mesh, zero_init=plan.zero_init, offload=plan.offload,
                         runtime_syncs=runtime_syncs, shard_layout=plan.shard_layout,
                         master_dtype=plan.master_dtype)
 
 
-def select_strategy(plan: EnginePlan, model, comm, mesh=None, node_mesh=None, runtime_syncs: bool = False) -> Strategy:
+def select_strategy(
+    plan: EnginePlan, model, comm, mesh=None, node_mesh=None, runtime_syncs: bool = False
+) -> Strategy:
     """The one place a plan becomes a data-parallel strategy, keyed by what the plan asks for.
-    comm: the ranks that reduce (and shard); mesh: the engine's (experts need mesh.dp and mesh.expert_dp);
-    node_mesh: the nodes ZeRO++ uses, if the caller has them (initialize(mesh=...))."""
-    # The stage is read once, here; the variants below are keyed by their own fields, which the config allows
-    # only at the stages they need (runtime/config.py: ZeRO++ and MiCS at 3, experts at 0-1, 1-bit Adam at 0).
+    comm: the ranks that reduce (and shard); mesh: the engine's (experts need mesh.dp and
+    mesh.expert_dp); node_mesh: the nodes ZeRO++ uses, if the caller has them
+    (initialize(mesh=...))."""
+    # The stage is read once, here; the variants below are keyed by their own fields, which the
+    # config allows only at the stages they need (runtime/config.py: ZeRO++ and MiCS at 3, experts
+    # at 0-1, 1-bit Adam at 0).
     if plan.ep_size > 1:  # MoE: experts reduced over mesh.expert_dp, dense parameters over mesh.dp
         from minizero.runtime.expert_strategy import ExpertDDPStrategy, ExpertZero1Strategy
         cls = {0: ExpertDDPStrategy, 1: ExpertZero1Strategy}[plan.stage]
@@ -107,7 +120,8 @@ def select_strategy(plan: EnginePlan, model, comm, mesh=None, node_mesh=None, ru
         return OneBitAdamStrategy(model, comm, strategy_spec(plan))
     if plan.mics_shard_size is not None:
         from minizero.comm import Mesh
-        return HybridShardStrategy(model, comm, strategy_spec(plan, Mesh(comm, node_size=plan.mics_shard_size)))
+        return HybridShardStrategy(model, comm,
+                                   strategy_spec(plan, Mesh(comm, node_size=plan.mics_shard_size)))
     if plan.zeropp is not None:
         from minizero.comm import Mesh
         hpz = plan.zeropp.hpz_partition_size
@@ -118,8 +132,9 @@ def select_strategy(plan: EnginePlan, model, comm, mesh=None, node_mesh=None, ru
 
 
 def model_names(model) -> tuple[dict, dict, list, list]:
-    """What a checkpoint maps back to the plain model: {id(param): name}, {alias: name} (tied weights'
-    other names), the state dict's keys; and [(name, shape)] of the trainable parameters."""
+    """What a checkpoint maps back to the plain model: {id(param): name}, {alias: name} (tied
+    weights' other names), the state dict's keys; and [(name, shape)] of the trainable
+    parameters."""
     first, aliases = {}, {}
     for n, p in model.named_parameters(remove_duplicate=False):
         if first.setdefault(id(p), n) != n:

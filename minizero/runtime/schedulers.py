@@ -24,14 +24,16 @@ class _Schedule:
         self.optimizer = optimizer
         self.warmup_num_steps = max(2, int(warmup_num_steps))  # log(1) = 0 would divide by zero
         self.warmup_type = warmup_type
-        # DeepSpeed's start (deepspeed/runtime/lr_schedules.py, last_batch_iteration=-1): the first optimizer step
-        # runs at the start value (min lr, ratio 0) and the engine's scheduler.step() after it moves to t = 0,
-        # so the learning rates of steps 1, 2, 3 are lr(-1), lr(0), lr(1): 0, 0, then the warm-up's first rise
+        # DeepSpeed's start (deepspeed/runtime/lr_schedules.py, last_batch_iteration=-1): the first
+        # optimizer step runs at the start value (min lr, ratio 0) and the engine's scheduler.step()
+        # after it moves to t = 0, so the learning rates of steps 1, 2, 3 are lr(-1), lr(0), lr(1):
+        # 0, 0, then the warm-up's first rise
         self.last_batch_iteration = -1
         self._apply()
 
     def _warmup_gamma(self, t):
-        if self.warmup_type == "log":  # DeepSpeed's rounding: its stored 1 / log(W), times log(t + 1)
+        # DeepSpeed's rounding: its stored 1 / log(W), times log(t + 1)
+        if self.warmup_type == "log":
             return (1.0 / math.log(self.warmup_num_steps)) * math.log(t + 1)
         return t / self.warmup_num_steps
 
@@ -84,14 +86,19 @@ class WarmupDecayLR(WarmupLR):
             return 0.0
         if t < self.warmup_num_steps:
             return self._warmup_gamma(t)
-        return max(0.0, (self.total_num_steps - t) / max(1.0, self.total_num_steps - self.warmup_num_steps))
+        return max(0.0,
+                   (self.total_num_steps - t) / max(1.0,
+                                                    self.total_num_steps - self.warmup_num_steps))
 
 
 class WarmupCosineLR(_Schedule):
     def __init__(self, optimizer, total_num_steps, warmup_min_ratio=0.0, warmup_num_steps=1000,
                  cos_min_ratio=0.0001, warmup_type="log"):
-        self.total_num_steps, self.warmup_min_ratio, self.cos_min_ratio = (total_num_steps, warmup_min_ratio,
-                                                                           cos_min_ratio)
+        self.total_num_steps, self.warmup_min_ratio, self.cos_min_ratio = (
+            total_num_steps,
+            warmup_min_ratio,
+            cos_min_ratio,
+        )
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
         super().__init__(optimizer, warmup_num_steps, warmup_type)
 
@@ -101,15 +108,20 @@ class WarmupCosineLR(_Schedule):
             return 0.0
         if t < warmup:
             return self.warmup_min_ratio + (1 - self.warmup_min_ratio) * self._warmup_gamma(t)
-        # clamped at the end: past total_num_steps the ratio stays at cos_min_ratio (DeepSpeed clamps too)
+        # clamped at the end: past total_num_steps the ratio
+        # stays at cos_min_ratio (DeepSpeed clamps too)
         progress = min(1.0, (t - warmup + 1) / max(1, self.total_num_steps - warmup))
-        return max(0.0, self.cos_min_ratio + (1 - self.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
+        return max(
+            0.0,
+            self.cos_min_ratio + (1 - self.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2,
+        )
 
     def get_lr(self):
         return [lr * self.ratio(self.last_batch_iteration) for lr in self.base_lrs]
 
 
-SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
+SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR,
+              "WarmupCosineLR": WarmupCosineLR}
 
 
 def build_scheduler(optimizer, spec: dict | None):

@@ -1,16 +1,18 @@
-"""The data-parallel strategies, one protocol to the engine: a wrapped module plus a torch optimizer.
+"""The data-parallel strategies, one protocol to the engine: a wrapped module plus a torch
+optimizer.
 
-DDP, ZeRO-1, ZeRO-2, ZeRO-3 (FSDP, ZeRO++ which is FSDP with other collectives, and hybrid sharding which
-is FSDP inside a node) differ in what a rank holds (Rajbhandari et al. 2020, Fig. 1: 16Ψ, 4Ψ + 12Ψ/N,
-2Ψ + 14Ψ/N, 16Ψ/N bytes for mixed-precision Adam) and where the gradient is reduced. `Strategy` below
-declares everything the engines and the checkpoints use of one (tests/test_strategy_protocol.py fails
-when the runtime reads a name it does not declare); runtime/chain.select_strategy is the one place a
-plan becomes a strategy. docs/design.md, "How to add a strategy", walks through HybridShardStrategy.
+DDP, ZeRO-1, ZeRO-2, ZeRO-3 (FSDP, ZeRO++ which is FSDP with other collectives, and hybrid sharding
+which is FSDP inside a node) differ in what a rank holds (Rajbhandari et al. 2020, Fig. 1: 16Ψ, 4Ψ +
+12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N bytes for mixed-precision Adam) and where the gradient is reduced.
+`Strategy` below declares everything the engines and the checkpoints use of one
+(tests/test_strategy_protocol.py fails when the runtime reads a name it does not declare);
+runtime/chain.select_strategy is the one place a plan becomes a strategy. docs/design.md, "How to
+add a strategy", walks through HybridShardStrategy.
 
 Offload is part of a strategy's spec (`spec.offload`, a zero.tiers.OffloadSpec): ShardedOptimizer /
 ShardGradOp / FSDPOptimizer build their tier (zero/offload.py's HostOptimizer, zero/infinity.py's
-DiskOptimizer), which then owns the fp32 masters, the gradients it steps and the step; the protocol is
-unchanged.
+DiskOptimizer), which then owns the fp32 masters, the gradients it steps and the step; the protocol
+is unchanged.
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ class Segment(NamedTuple):
 
 
 class _Held(NamedTuple):
-    """A buffer a strategy holds outside its module and optimizer, for the ledger (memory.measure)."""
+    """A buffer a strategy holds outside its module and optimizer, for the ledger
+    (memory.measure)."""
     category: str
     tensor: torch.Tensor
 
@@ -48,13 +51,15 @@ class _Held(NamedTuple):
 
 class Grads(NamedTuple):
     """The averaged fp32 gradients a rank holds for the step: `sharded` ones are this rank's piece
-    (their squares add up over the data-parallel ranks), `replicated` ones are equal on every rank."""
+    (their squares add up over the data-parallel ranks), `replicated` ones are equal on every
+    rank."""
     sharded: list
     replicated: list
 
 
 class StrategySpec(NamedTuple):
-    """What a strategy is built from: runtime/chain.strategy_spec reads it off the resolved EnginePlan."""
+    """What a strategy is built from: runtime/chain.strategy_spec reads it off the resolved
+    EnginePlan."""
     optimizer_cls: type
     optimizer_kwargs: dict
     groups: list | None          # param groups (None: one group of every trainable parameter)
@@ -66,10 +71,12 @@ class StrategySpec(NamedTuple):
     zeropp: object               # ZeRO-3: a zero.tiers.ZeroPPSpec, or None
     node_mesh: object            # ZeRO++'s and hybrid sharding's nodes (a comm.Mesh), or None
     zero_init: object            # the zero.Init recorder the model was built under, or None
-    offload: object              # a zero.tiers.OffloadSpec (the optimizer's tier, ZeRO-3's shards) or None
-    runtime_syncs: bool = False  # a pipeline runtime calls DDP's finish_gradient_synchronization itself
+    offload: object  # a zero.tiers.OffloadSpec (the optimizer's tier, ZeRO-3's shards) or None
+    # a pipeline runtime calls DDP's finish_gradient_synchronization itself
+    runtime_syncs: bool = False
     shard_layout: str = "flat"   # ZeRO-3: "flat" units or "per_param" (FSDP2's dim-0 pieces)
-    master_dtype: torch.dtype = torch.float32  # ZeRO 1-2's master shard (bf16: bf16_master_weights_and_grads)
+    # ZeRO 1-2's master shard (bf16: bf16_master_weights_and_grads)
+    master_dtype: torch.dtype = torch.float32
 
     @property
     def mixed_precision(self) -> bool:
@@ -78,7 +85,8 @@ class StrategySpec(NamedTuple):
 
 
 class Strategy(ABC):
-    """The protocol every data-parallel strategy implements; the engines and checkpoints use nothing else.
+    """The protocol every data-parallel strategy implements; the engines and checkpoints use nothing
+    else.
 
     Attributes (set by __init__):
         model       the module this rank trains (a pipeline stage, a TP split: what this rank has)
@@ -88,8 +96,10 @@ class Strategy(ABC):
         optimizer   a torch.optim.Optimizer: what schedulers edit and checkpoints read the state of
         offload     the host or disk tier (zero/tiers.py) when spec.offload is set, else None
     Class attributes:
-        shards          each rank holds a different piece of the gradients (their squares add up over ranks)
-        has_replicated  some gradients are equal on every data-parallel rank (DDP's; ZeRO-3's whole ones)
+        shards          each rank holds a different piece of the gradients (their squares add up
+                        over ranks)
+        has_replicated  some gradients are equal on every data-parallel rank (DDP's; ZeRO-3's whole
+                        ones)
     """
 
     shards: bool = True
@@ -105,18 +115,21 @@ class Strategy(ABC):
         self.wrapped = model
         self.optimizer = None
 
-    # ------------------------------------------------------------------ the step (each strategy's own)
+    # ------------------------------------------------------------------
+    # the step (each strategy's own)
     @abstractmethod
     def reduced_grads(self) -> Grads:
         """At the boundary: the averaged fp32 gradients this rank holds, sharded or replicated."""
 
     @abstractmethod
     def grad_names(self, name_of: dict) -> tuple[list, list]:
-        """Per tensor of reduced_grads(): its parameter's name, or ([(name, lo, numel)], numel) for a flat piece."""
+        """Per tensor of reduced_grads(): its parameter's name, or ([(name, lo, numel)], numel) for
+        a flat piece."""
 
     @abstractmethod
     def apply(self):
-        """Step what this rank owns with the reduced gradients, and make the model's parameters follow."""
+        """Step what this rank owns with the reduced gradients, and make the model's parameters
+        follow."""
 
     @abstractmethod
     def zero_grad(self):
@@ -124,7 +137,8 @@ class Strategy(ABC):
 
     @abstractmethod
     def segments(self, name_of: dict) -> list:
-        """[Segment]: the fp32 tensors the optimizer steps, piece by piece (what a checkpoint writes)."""
+        """[Segment]: the fp32 tensors the optimizer steps, piece by piece (what a checkpoint
+        writes)."""
 
     # ------------------------------------------------------------------ shared by the strategies
     @staticmethod
@@ -133,7 +147,8 @@ class Strategy(ABC):
         return list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
 
     def plain_or_mixed_optimizer(self, params, comm):
-        """The user's optimizer class on the parameters (fp32), or over fp32 masters of 16-bit ones."""
+        """The user's optimizer class on the parameters (fp32), or over fp32 masters of 16-bit
+        ones."""
         from minizero.precision import MixedPrecisionOptimizer
         spec, kw = self.spec, self.spec.optimizer_kwargs
         if spec.mixed_precision:
@@ -147,17 +162,20 @@ class Strategy(ABC):
             self.comm.broadcast_tensors(list(self.model.buffers()))
 
     def backward_context(self, boundary: bool):
-        """DDP accumulates locally until the boundary (no_sync); the others reduce every backward."""
+        """DDP accumulates locally until the boundary (no_sync); the others reduce every
+        backward."""
         return nullcontext()
 
     def hold_gradients(self):
-        """While ANOTHER engine's backward runs through this model (a GAN's generator loss through the
-        discriminator): its gradients stay out of this engine's reduction, as with torch, where they stay in
-        p.grad until the discriminator's zero_grad(). Default: nothing reduces during backward (ZeRO-1)."""
+        """While ANOTHER engine's backward runs through this model (a GAN's generator loss through
+        the discriminator): its gradients stay out of this engine's reduction, as with torch, where
+        they stay in p.grad until the discriminator's zero_grad(). Default: nothing reduces during
+        backward (ZeRO-1)."""
         return nullcontext()
 
     def norm_comm(self, world):
-        """The ranks over which the sharded gradients' squares add up to the model's (None: none are sharded)."""
+        """The ranks over which the sharded gradients' squares add up to the model's (None: none are
+        sharded)."""
         return world if self.shards else None
 
     def writes(self, segment: Segment) -> bool:
@@ -165,11 +183,13 @@ class Strategy(ABC):
         return not segment.replicated or self.comm.rank == 0
 
     def param_names(self, names: dict) -> dict:
-        """{id(trained tensor): name}: `names` maps the model's own parameters; ZeRO-3 trains local parts."""
+        """{id(trained tensor): name}: `names` maps the model's own parameters; ZeRO-3 trains local
+        parts."""
         return names
 
     def expert_names(self, name_of: dict) -> set:
-        """Names of the expert parameters counted per expert-data-parallel group in the norm (MoE)."""
+        """Names of the expert parameters counted per expert-data-parallel group in the norm
+        (MoE)."""
         return set()
 
     def memory_objects(self) -> tuple:
@@ -191,11 +211,13 @@ class Strategy(ABC):
         return None
 
     def check_checkpointable(self):
-        """Raise (the same on every rank, before any collective) if this strategy's state cannot be saved."""
+        """Raise (the same on every rank, before any collective) if this strategy's state cannot be
+        saved."""
 
     def after_load(self, master_of: Callable, stateful: Callable, name_of: dict):
-        """After a checkpoint wrote the fp32 masters: make the model's parameters follow. stateful(name): whether
-        the checkpoint gave that parameter optimizer state (None: the optimizer state was not loaded)."""
+        """After a checkpoint wrote the fp32 masters: make the model's parameters follow.
+        stateful(name): whether the checkpoint gave that parameter optimizer state (None: the
+        optimizer state was not loaded)."""
 
 
 # ---------------------------------------------------------------------------------------- DDP
@@ -229,9 +251,10 @@ class DDPStrategy(Strategy):
 
     @contextmanager
     def _synced(self):
-        """Average at the end of each boundary backward, as DeepSpeed's engine does (allreduce_gradients): a
-        second backward before step() (a GAN's real and fake halves) then adds its local gradient to the
-        average and the next average is the mean of the sum (the mean is linear)."""
+        """Average at the end of each boundary backward, as DeepSpeed's engine does
+        (allreduce_gradients): a second backward before step() (a GAN's real and fake halves) then
+        adds its local gradient to the average and the next average is the mean of the sum (the mean
+        is linear)."""
         yield
         if self.ddp._pending:
             self.ddp.finish_gradient_synchronization()
@@ -242,7 +265,11 @@ class DDPStrategy(Strategy):
     def _trained(self):
         """(model parameter, the fp32 tensor stepped for it) in order."""
         opt = self.optimizer
-        return list(zip(opt.params, opt.masters)) if self.spec.mixed_precision else [(p, p) for p in self.params]
+        return (
+            list(zip(opt.params, opt.masters))
+            if self.spec.mixed_precision
+            else [(p, p) for p in self.params]
+        )
 
     def reduced_grads(self) -> Grads:
         if self.ddp is not None and not self.spec.runtime_syncs and self.ddp._pending:
@@ -290,29 +317,34 @@ class FlatStrategy(Strategy):
 
     @abstractmethod
     def _local_grad_shard(self) -> torch.Tensor:
-        """This rank's reduced gradient shard (ZeRO-1 reduce-scatters it now; ZeRO-2 did in backward)."""
+        """This rank's reduced gradient shard (ZeRO-1 reduce-scatters it now; ZeRO-2 did in
+        backward)."""
 
     def reduced_grads(self) -> Grads:
-        # fp32, where the step uses it: the device shard (a copy of a 16-bit one), or the host tier's buffer
+        # fp32, where the step uses it: the device shard (a
+        # copy of a 16-bit one), or the host tier's buffer
         self._shard_grad = self.optimizer.gradient_for_step(self._local_grad_shard())
         return Grads([self._shard_grad], [])
 
     def grad_names(self, name_of):
-        """The one shard gradient: [(name, shard_lo, numel)] of the pieces this rank holds, and its size."""
+        """The one shard gradient: [(name, shard_lo, numel)] of the pieces this rank holds, and its
+        size."""
         opt = self.optimizer
         return [([(name_of[id(opt.params[pc.index])], pc.shard_lo, pc.hi - pc.lo)
                   for pc in opt.layout.pieces(self.comm.rank)], opt.layout.shard_numel)], []
 
     @torch.no_grad()
     def apply(self):
-        self.optimizer.step_gradient(self._shard_grad)  # step the fp32 shard (device or host), all-gather
+        # step the fp32 shard (device or host), all-gather
+        self.optimizer.step_gradient(self._shard_grad)
 
     def segments(self, name_of):
         opt = self.optimizer
-        if self.offload is not None:  # the host optimizer steps the whole shard, every element every step
+        # the host optimizer steps the whole shard, every element every step
+        if self.offload is not None:
             return [Segment(opt.master, self.offload,
-                            [SegmentPiece(name_of[id(opt.params[pc.index])], pc.lo, pc.hi, pc.shard_lo,
-                                          True)
+                            [SegmentPiece(name_of[id(opt.params[pc.index])], pc.lo, pc.hi,
+                                          pc.shard_lo, True)
                              for pc in opt.layout.pieces(self.comm.rank)], False)]
         return run_segments(opt, name_of)
 
@@ -321,22 +353,27 @@ class FlatStrategy(Strategy):
         opt = self.optimizer  # every rank holds the full (16-bit) flat parameters
         for p, v in zip(opt.params, opt.layout.views(opt.flat)):
             v.copy_(master_of(name_of[id(p)]).view(v.shape))
-        if self.offload is None and stateful is not None:  # which have state now (the host tier steps every element)
+        # which have state now (the host tier steps every element)
+        if self.offload is None and stateful is not None:
             opt.stepped = {i for i, p in enumerate(opt.params) if stateful(name_of[id(p)])}
 
 
 class Zero1Strategy(FlatStrategy):
-    """Stage 1: optimizer state sharded (zero.ShardedOptimizer); the model is the user's, unwrapped."""
+    """Stage 1: optimizer state sharded (zero.ShardedOptimizer); the model is the user's,
+    unwrapped."""
 
     broadcasts_buffers = True
 
     def __init__(self, model, comm, spec):
         super().__init__(model, comm, spec)
         from minizero.zero.sharded_optimizer import ShardedOptimizer
-        comm.broadcast_tensors([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
-        self.optimizer = ShardedOptimizer(spec.groups or model.parameters(), spec.optimizer_cls, comm,
-                                          offload=spec.offload, master_dtype=spec.master_dtype,
-                                          **spec.optimizer_kwargs)
+
+        comm.broadcast_tensors(
+            [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+        )
+        self.optimizer = ShardedOptimizer(spec.groups or model.parameters(), spec.optimizer_cls,
+                                          comm, offload=spec.offload,
+                                          master_dtype=spec.master_dtype, **spec.optimizer_kwargs)
         self.offload = self.optimizer.tier
         self._shard_grad = None
 
@@ -349,11 +386,14 @@ class Zero1Strategy(FlatStrategy):
 
     def memory_objects(self):
         # offloaded: the tier first (its explicit host locations win for the storages it shares)
-        return (self.offload, self.model) if self.offload is not None else (self.model, self.optimizer)
+        return (
+            (self.offload, self.model) if self.offload is not None else (self.model, self.optimizer)
+        )
 
 
 class Zero2Strategy(FlatStrategy):
-    """Stage 2: gradients sharded too (zero.ShardGradOp reduce-scatters bucket by bucket in backward)."""
+    """Stage 2: gradients sharded too (zero.ShardGradOp reduce-scatters bucket by bucket in
+    backward)."""
 
     def __init__(self, model, comm, spec):
         super().__init__(model, comm, spec)
@@ -380,7 +420,8 @@ class Zero2Strategy(FlatStrategy):
 
 
 def run_segments(opt, name_of) -> list:
-    """The runs of a FlatShardOptimizer's shards (zero/flat_shard_optimizer.py), one state per run."""
+    """The runs of a FlatShardOptimizer's shards (zero/flat_shard_optimizer.py), one state per
+    run."""
     return [Segment(run.tensor, opt.optim,
                     [SegmentPiece(name_of[id(opt.params[i])], lo, hi, off, i in opt.stepped)
                      for i, lo, hi, off in run.pieces], run.replicated)
@@ -389,7 +430,8 @@ def run_segments(opt, name_of) -> list:
 
 # ---------------------------------------------------------------------------------------- ZeRO-3
 class Zero3Strategy(Strategy):
-    """Stage 3: parameters sharded too (zero.FSDP, or zero.ZeroPP for ZeRO++), zero.FSDPOptimizer."""
+    """Stage 3: parameters sharded too (zero.FSDP, or zero.ZeroPP for ZeRO++),
+    zero.FSDPOptimizer."""
 
     def __init__(self, model, comm, spec):
         super().__init__(model, comm, spec)
@@ -399,29 +441,35 @@ class Zero3Strategy(Strategy):
         self.wrapped = self._wrap(model, comm, spec, dict(
             compute_dtype=spec.dtype if spec.mixed_precision else None, prefetch=spec.prefetch,
             persistence_threshold=spec.persistence_threshold, shard_layout=spec.shard_layout))
-        if spec.zero_init is not None:  # buffers and frozen parameters (the local parts stay fp32 shard views)
+        # buffers and frozen parameters (the local parts stay fp32 shard views)
+        if spec.zero_init is not None:
             trained = {id(p) for p in self.wrapped.parameters() if p.requires_grad}
             device = comm.device
             for t in [*model.buffers(), *(p for p in model.parameters() if id(p) not in trained)]:
-                t.data = t.data.to(device, spec.dtype if spec.mixed_precision and t.is_floating_point() else None)
-        self.optimizer = FSDPOptimizer(self.wrapped, spec.optimizer_cls, spec.groups, offload=spec.offload,
-                                       **spec.optimizer_kwargs)
+                t.data = t.data.to(
+                    device, spec.dtype if spec.mixed_precision and t.is_floating_point() else None
+                )
+        self.optimizer = FSDPOptimizer(self.wrapped, spec.optimizer_cls, spec.groups,
+                                       offload=spec.offload, **spec.optimizer_kwargs)
         self.offload = self.optimizer.tier
         self._whole = {id(t) for _, part, t, _, _ in self.wrapped.flat_parts() if part == "whole"}
         self.has_replicated = bool(self._whole)  # the same on every rank: the units are cut alike
 
     def _wrap(self, model, comm, spec, kw):
-        """FSDP over the data-parallel ranks, or ZeroPP (FSDP with ZeRO++'s collectives) over its nodes."""
+        """FSDP over the data-parallel ranks, or ZeroPP (FSDP with ZeRO++'s collectives) over its
+        nodes."""
         from minizero.zero.fsdp import FSDP
         if spec.zeropp is None:
             return FSDP(model, comm, **kw)
         from minizero.zero.zeropp import ZeroPP
         pp = spec.zeropp
-        return ZeroPP(model, spec.node_mesh, quantized_weights=pp.quantized_weights, hpz=pp.hpz_partition_size > 1,
-                      quantized_gradients=pp.quantized_gradients, **kw)
+        return ZeroPP(model, spec.node_mesh, quantized_weights=pp.quantized_weights,
+                      hpz=pp.hpz_partition_size > 1, quantized_gradients=pp.quantized_gradients,
+                      **kw)
 
     def param_names(self, names):
-        return {id(p): n for n, p in self.wrapped.named_parameters()}  # FSDP's local parts carry the original names
+        # FSDP's local parts carry the original names
+        return {id(p): n for n, p in self.wrapped.named_parameters()}
 
     def unsharded_largest(self) -> int | None:
         return self.wrapped.largest_tensor_numel() if self.wrapped.sharded_numel() == 0 else None
@@ -437,7 +485,8 @@ class Zero3Strategy(Strategy):
                      [g for (_, name), g in parts if name == "whole" and g is not None])
 
     def grad_names(self, name_of):
-        """Per gradient tensor: ([(name, lo, numel)], numel) of the unit shard or persistent spec."""
+        """Per gradient tensor: ([(name, lo, numel)], numel) of the unit shard or persistent
+        spec."""
         fsdp, shards, wholes = self.wrapped, [], []
         for u, part, _, numel, pieces in fsdp.flat_parts():
             if self.offload is not None or fsdp.unit_grad(u, part) is not None:
@@ -447,14 +496,16 @@ class Zero3Strategy(Strategy):
 
     @torch.no_grad()
     def apply(self):
-        self.optimizer.step()  # on the device, or on the tier (its gradients went down during backward)
+        # on the device, or on the tier (its gradients went down during backward)
+        self.optimizer.step()
 
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
 
     def hold_gradients(self):
-        # on the device the averaged gradients land in the local parts' .grad, which the model's zero_grad()
-        # clears as torch's would; offloaded they go to the host, out of its reach: dropped instead
+        # on the device the averaged gradients land in the local parts' .grad, which the model's
+        # zero_grad() clears as torch's would; offloaded they
+        # go to the host, out of its reach: dropped instead
         return self.wrapped.drop_gradients() if self.offload is not None else nullcontext()
 
     def segments(self, name_of):
@@ -468,8 +519,8 @@ class Zero3Strategy(Strategy):
 
     def after_load(self, master_of, stateful, name_of):
         if self.offload is not None:
-            # the checkpoint wrote the tier's fp32 masters: the device shards (16-bit, or fp32) follow; the disk
-            # tier's masters are the device shards, so its files follow them
+            # the checkpoint wrote the tier's fp32 masters: the device shards (16-bit, or fp32)
+            # follow; the disk tier's masters are the device shards, so its files follow them
             if self.offload.masters is self.offload.device_params:
                 self.offload.sync_masters_from_device()
             else:
@@ -479,15 +530,18 @@ class Zero3Strategy(Strategy):
             opt.stepped = {i for i, p in enumerate(opt.params) if stateful(name_of[id(p)])}
 
     def memory_objects(self):
-        return (self.optimizer, self.wrapped)  # the optimizer first: an offloaded one says where its tensors live
+        # the optimizer first: an offloaded one says where its tensors live
+        return (self.optimizer, self.wrapped)
 
 
-# ---------------------------------------------------------------------------------------- 1-bit Adam
+# ----------------------------------------------------------------------------------------
+# 1-bit Adam
 class OneBitAdamStrategy(Strategy):
-    """Stage 0 with 1-bit Adam (compression/onebit_adam.py; Tang et al. 2021): every rank holds everything. During
-    the warm-up the gradients are all-reduced at the boundary, as DeepSpeed's engine does until freeze_step; then
-    they stay this rank's own and the optimizer all-reduces the momentum in 1 bit per element (one flat buffer:
-    2 collectives a step). A clip then clips each rank's own gradients, as DeepSpeed's clip_fp32_gradients does."""
+    """Stage 0 with 1-bit Adam (compression/onebit_adam.py; Tang et al. 2021): every rank holds
+    everything. During the warm-up the gradients are all-reduced at the boundary, as DeepSpeed's
+    engine does until freeze_step; then they stay this rank's own and the optimizer all-reduces the
+    momentum in 1 bit per element (one flat buffer: 2 collectives a step). A clip then clips each
+    rank's own gradients, as DeepSpeed's clip_fp32_gradients does."""
 
     broadcasts_buffers = True
     shards = False
@@ -495,19 +549,21 @@ class OneBitAdamStrategy(Strategy):
 
     def __init__(self, model, comm, spec):
         super().__init__(model, comm, spec)
-        comm.broadcast_tensors([*model.parameters(), *model.buffers()])  # one start on every rank, as DDP's
+        # one start on every rank, as DDP's
+        comm.broadcast_tensors([*model.parameters(), *model.buffers()])
         self.params = self.trainable(model)
         self.optimizer = spec.optimizer_cls(spec.groups or self.params, comm, per_tensor=False,
                                             grads_averaged=True, **spec.optimizer_kwargs)
-        # The warm-up's gradients live in one flat buffer (as DDP's gradient_as_bucket_view): a hook
-        # moves each new .grad into its slot and makes .grad the slot, so the boundary all-reduces the
-        # buffer in place, with no concatenation and no copy back. Freed once compression starts.
+        # The warm-up's gradients live in one flat buffer (as DDP's gradient_as_bucket_view): a
+        # hook moves each new .grad into its slot and makes .grad the slot, so the boundary
+        # all-reduces the buffer in place, with no concatenation and no copy back. Freed once
+        # compression starts.
         self._flat_grad = None
         if comm.size > 1 and self.params:
             self._flat_grad = torch.zeros(sum(p.numel() for p in self.params),
                                           dtype=self.params[0].dtype, device=self.params[0].device)
-            self._slots = [v.view_as(p) for p, v in
-                           zip(self.params, self._flat_grad.split([p.numel() for p in self.params]))]
+            parts = self._flat_grad.split([p.numel() for p in self.params])
+            self._slots = [v.view_as(p) for p, v in zip(self.params, parts)]
             self._hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: self._into_flat(i))
                            for i, p in enumerate(self.params)]
 
@@ -528,7 +584,8 @@ class OneBitAdamStrategy(Strategy):
                 if p.grad is None:
                     slot.zero_()  # unused this step: zeros, so every rank sends the same buffer
             self.comm.all_reduce(self._flat_grad, op="avg")
-        return Grads([], grads)  # after the warm-up: this rank's own (the momentum is reduced inside the step)
+        # after the warm-up: this rank's own (the momentum is reduced inside the step)
+        return Grads([], grads)
 
     def grad_names(self, name_of):
         return [], [name_of[id(p)] for p in self.params if p.grad is not None]
@@ -546,16 +603,19 @@ class OneBitAdamStrategy(Strategy):
 
     def segments(self, name_of):
         return [Segment(p, self.optimizer,
-                        [SegmentPiece(name_of[id(p)], 0, p.numel(), 0, p in self.optimizer.state)], True)
+                        [SegmentPiece(name_of[id(p)], 0, p.numel(), 0, p in self.optimizer.state)],
+                        True)
                 for p in self.params]
 
     def check_checkpointable(self):
-        raise NotImplementedError("checkpoints with optimizer.type 'OneBitAdam' are not implemented: its worker and "
-                                  "server error buffers differ on every rank and the format keeps one copy of a "
-                                  "replicated parameter's state")
+        raise NotImplementedError("checkpoints with optimizer.type 'OneBitAdam' are not "
+                                  "implemented: its worker and server error buffers differ on "
+                                  "every rank and the format keeps one copy of a replicated "
+                                  "parameter's state")
 
 
-# ---------------------------------------------------------------------------------------- hybrid sharding
+# ----------------------------------------------------------------------------------------
+# hybrid sharding
 class HybridShardStrategy(Zero3Strategy):
     """ZeRO-3 inside each node, whole replicas across nodes (zero.HybridShard; DeepSpeed's MiCS,
     zero_optimization.mics_shard_size = the ranks per node; FSDP's HYBRID_SHARD). Everything else is
@@ -567,17 +627,22 @@ class HybridShardStrategy(Zero3Strategy):
         return HybridShard(model, self.mesh, **kw)
 
     def norm_comm(self, world):
-        return self.mesh.node  # every node holds the whole model in shards: its squares are the model's
+        # every node holds the whole model in shards: its squares are the model's
+        return self.mesh.node
 
     def writes(self, segment):
-        # one node writes its shards (the others hold the same); its first rank writes the replicated parts
-        return self.mesh.cross_node.rank == 0 and (not segment.replicated or self.mesh.node.rank == 0)
+        # one node writes its shards (the others hold the
+        # same); its first rank writes the replicated parts
+        return self.mesh.cross_node.rank == 0 and (
+            not segment.replicated or self.mesh.node.rank == 0
+        )
 
 
 def norm_weights(grads: Grads, layout, weight_of: Callable | None, device) -> tuple[list, list]:
-    """Per-element weights of reduced_grads() for the global norm (1: counted here; 1/t: a tensor every tp
-    rank holds whole; 0: a tied copy another stage counts). None everywhere when weight_of is None.
-    layout: strategy.grad_names(name_of): per tensor a parameter name (DDP) or ([(name, lo, numel)], numel)."""
+    """Per-element weights of reduced_grads() for the global norm (1: counted here; 1/t: a tensor
+    every tp rank holds whole; 0: a tied copy another stage counts). None everywhere when weight_of
+    is None. layout: strategy.grad_names(name_of): per tensor a parameter name (DDP) or ([(name, lo,
+    numel)], numel)."""
     if weight_of is None:
         return [None] * len(grads.sharded), [None] * len(grads.replicated)
 

@@ -1,16 +1,18 @@
-"""What every engine shares: BaseEngine (the strategy's step, the clip, the counters, the LR scheduler,
-DeepSpeed's accessors, measurements, checkpoints).
+"""What every engine shares: BaseEngine (the strategy's step, the clip, the counters, the LR
+scheduler, DeepSpeed's accessors, measurements, checkpoints).
 
     class Engine(BaseEngine): ...            # runtime/engine.py: forward, backward, step
-    class PipelineEngine(BaseEngine): ...    # runtime/pipeline_engine.py: train_batch, a schedule by composition
+    # runtime/pipeline_engine.py: train_batch, a schedule by composition
+    class PipelineEngine(BaseEngine): ...
 
 The clip (torch.nn.utils.clip_grad_norm_'s coefficient, max_norm / (||g|| + 1e-6) capped at 1) needs
 ||g|| of the whole model while each rank holds only part of it:
-    ||g||^2 = sum over every rank of sum_sharded w g^2  +  sum over pp and tp ranks of sum_replicated w g^2
-(sharded pieces differ on every rank; replicated gradients are equal over dp and differ over pp and tp)
-with w = 1 for an element counted here, 1/t for a tensor every tp rank holds whole (LayerNorms, wpe),
-0 for a tied copy another stage counts (runtime/strategies.norm_weights). precision.clip_grad_norm_ is
-that formula; this module only calls it with the engine's groups.
+    ||g||^2 = sum over every rank of sum_sharded w g^2
+              +  sum over pp and tp ranks of sum_replicated w g^2
+(sharded pieces differ on every rank; replicated gradients are equal over dp and differ over pp and
+tp) with w = 1 for an element counted here, 1/t for a tensor every tp rank holds whole (LayerNorms,
+wpe), 0 for a tied copy another stage counts (runtime/strategies.norm_weights).
+precision.clip_grad_norm_ is that formula; this module only calls it with the engine's groups.
 """
 from __future__ import annotations
 
@@ -26,19 +28,24 @@ from minizero.runtime.schedulers import build_scheduler
 from minizero.runtime.strategies import Strategy, norm_weights
 
 class BaseEngine(torch.nn.Module):
-    """What the plain and the pipeline engine share, around one data-parallel strategy (strategies.Strategy).
+    """What the plain and the pipeline engine share, around one data-parallel strategy
+    (strategies.Strategy).
 
-    An nn.Module, as DeepSpeed's engine: `engine.module` is the user's model (registered, so parameters(),
-    named_parameters(), state_dict() and to() are the module's, under "module."), and train()/eval() switch it.
-    A subclass calls BaseEngine.__init__ first, sets plan, comm (every rank of the job), device, mesh, dp_comm,
-    dp_rank, dp_size, module and the names a checkpoint maps back to (name_of, aliases, state_dict_keys, param_shapes,
-    local_shapes, tp_split, tied_names), then calls _attach(strategy, model_comms). Wrappers and stages that
-    share the module's parameters are held, not registered (`_hold`): the state dict names each tensor once."""
+    An nn.Module, as DeepSpeed's engine: `engine.module` is the user's model (registered, so
+    parameters(), named_parameters(), state_dict() and to() are the module's, under "module."), and
+    train()/eval() switch it. A subclass calls BaseEngine.__init__ first, sets plan, comm (every
+    rank of the job), device, mesh, dp_comm, dp_rank, dp_size, module and the names a checkpoint
+    maps back to (name_of, aliases, state_dict_keys, param_shapes, local_shapes, tp_split,
+    tied_names), then calls _attach(strategy, model_comms). Wrappers and stages that share the
+    module's parameters are held, not registered (`_hold`): the state dict names each tensor
+    once."""
 
-    tied_names: set = frozenset()  # a pipeline's later-stage copies of a tied weight (saved as name@pp{s})
+    # a pipeline's later-stage copies of a tied weight (saved as name@pp{s})
+    tied_names: set = frozenset()
 
     def _hold(self, name: str, value):
-        """An attribute nn.Module must not register as a submodule (it shares the module's parameters)."""
+        """An attribute nn.Module must not register as a submodule (it shares the module's
+        parameters)."""
         object.__setattr__(self, name, value)
 
     def _attach(self, strategy: Strategy, model_comms: list, loss_scaler=None):
@@ -46,8 +53,10 @@ class BaseEngine(torch.nn.Module):
         self._hold("strategy", strategy)
         self._hold("wrapped", strategy.wrapped)
         self.offload = strategy.offload
-        self.optimizer = strategy.optimizer  # a torch.optim.Optimizer (offloaded: it drives the tier)
-        self.param_names = strategy.param_names(self.name_of)  # checkpoints name each trained tensor
+        # a torch.optim.Optimizer (offloaded: it drives the tier)
+        self.optimizer = strategy.optimizer
+        # checkpoints name each trained tensor
+        self.param_names = strategy.param_names(self.name_of)
         self.model_comms = model_comms
         self.config = self.plan.config  # the checked config, as DeepSpeed's engine.config
         self.loss_scaler = loss_scaler  # fp16's LossScaler, or None
@@ -69,7 +78,8 @@ class BaseEngine(torch.nn.Module):
         return self.train(False)
 
     def destroy(self):
-        """DeepSpeed's: release what the engine holds (its strategy, optimizer and hooks' targets)."""
+        """DeepSpeed's: release what the engine holds (its strategy, optimizer and hooks'
+        targets)."""
         self.strategy.finish_offload()
         self.strategy.zero_grad()
         for name in ("strategy", "wrapped", "optimizer", "offload"):
@@ -109,14 +119,17 @@ class BaseEngine(torch.nn.Module):
 
     # ---------------------------------------------------------------- the step's counters and clip
     def _clip_by_global_norm(self, grads, weights, shard_comm, model_comms) -> float:
-        """Clip the reduced gradients (strategies.Grads) by the global norm; returns it (module docstring)."""
-        norm = clip_grad_norm_(grads.sharded, self.plan.gradient_clipping, shard_comm, replicated=grads.replicated,
-                               weights=weights[0], replicated_weights=weights[1], model_comms=model_comms)
+        """Clip the reduced gradients (strategies.Grads) by the global norm; returns it (module
+        docstring)."""
+        norm = clip_grad_norm_(grads.sharded, self.plan.gradient_clipping, shard_comm,
+                               replicated=grads.replicated, weights=weights[0],
+                               replicated_weights=weights[1], model_comms=model_comms)
         self.grad_norm = norm.item()
         return self.grad_norm
 
     def _stepped(self, micro_steps: int = 0):
-        """An optimizer step (applied or skipped) is over: the scheduler (when applied) and the counters."""
+        """An optimizer step (applied or skipped) is over: the scheduler (when applied) and the
+        counters."""
         if not self.overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.micro_steps += micro_steps
@@ -133,8 +146,8 @@ class BaseEngine(torch.nn.Module):
 
     @property
     def local_rank(self) -> int:
-        """This rank's index on its node: the launcher's LOCAL_RANK (torchrun, DeepSpeed's launcher), MPI's
-        local rank under mpirun, else the global rank (one node)."""
+        """This rank's index on its node: the launcher's LOCAL_RANK (torchrun, DeepSpeed's
+        launcher), MPI's local rank under mpirun, else the global rank (one node)."""
         for var in ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
             if os.environ.get(var, "").isdigit():
                 return int(os.environ[var])
@@ -208,15 +221,20 @@ class BaseEngine(torch.nn.Module):
 
     def get_mom(self) -> list:
         """Per param group: SGD's momentum, Adam's betas (DeepSpeed's get_mom)."""
-        return [g["momentum"] if "momentum" in g else g.get("betas") for g in self.optimizer.param_groups]
+        return [
+            g["momentum"] if "momentum" in g else g.get("betas")
+            for g in self.optimizer.param_groups
+        ]
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool):
-        raise NotImplementedError("set_gradient_accumulation_boundary: minizero's engine counts micro-steps and steps "
-                                  "every gradient_accumulation_steps() calls of engine.step(); set that in the config")
+        raise NotImplementedError("set_gradient_accumulation_boundary: minizero's engine counts "
+                                  "micro-steps and steps every gradient_accumulation_steps() calls "
+                                  "of engine.step(); set that in the config")
 
-    def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
-        """The model's state dict, as DeepSpeed's (under ZeRO-3 the parameters are this rank's shards: use
-        full_state_dict() for the whole model, as DeepSpeed's zero_to_fp32)."""
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False,
+                          exclude_frozen_parameters=False):
+        """The model's state dict, as DeepSpeed's (under ZeRO-3 the parameters are this rank's
+        shards: use full_state_dict() for the whole model, as DeepSpeed's zero_to_fp32)."""
         sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if exclude_frozen_parameters:
             for n, p in self.module.named_parameters():
@@ -226,12 +244,14 @@ class BaseEngine(torch.nn.Module):
 
     # ------------------------------------------------------------------ the step's shared parts
     def weight_of(self):
-        """name -> its weight in the global norm (module docstring), or None when every element counts once."""
+        """name -> its weight in the global norm (module docstring), or None when every element
+        counts once."""
         return None
 
     def clip(self, grads) -> float:
         weight_of = self.weight_of()
-        weights = norm_weights(grads, self.strategy.grad_names(self.param_names) if weight_of else None,
+        weights = norm_weights(grads,
+                               self.strategy.grad_names(self.param_names) if weight_of else None,
                                weight_of, self.device)
         return self._clip_by_global_norm(grads, weights, self.strategy.norm_comm(self.comm),
                               self.model_comms if self.strategy.has_replicated else [])
@@ -261,62 +281,75 @@ class BaseEngine(torch.nn.Module):
         """Bytes this rank sent per collective since comm.stats.reset() (comm.CommStats.as_dict)."""
         return self.comm.stats.as_dict()
 
-    # ------------------------------------------------------------------ checkpoints (runtime/checkpoint.py)
+    # ------------------------------------------------------------------ checkpoints
+    # (runtime/checkpoint.py)
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False):
-        """Every rank writes its shard; a collective (DeepSpeed's signature). client_state: plain data (numbers,
-        strings, lists, dicts, tensors), handed back by load_checkpoint. save_latest False: `latest` keeps
-        naming the previous checkpoint."""
+        """Every rank writes its shard; a collective (DeepSpeed's signature). client_state: plain
+        data (numbers, strings, lists, dicts, tensors), handed back by load_checkpoint. save_latest
+        False: `latest` keeps naming the previous checkpoint."""
         if exclude_frozen_parameters:
-            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True): minizero's checkpoints "
-                                      "always hold the frozen parameters (they are small here); leave it False")
+            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True): minizero's "
+                                      "checkpoints always hold the frozen parameters (they are "
+                                      "small here); leave it False")
         self._check_checkpointable()
         self.strategy.finish_offload()  # DPU: the checkpoint holds the update in flight
         return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False, custom_load_fn=None):
-        """-> (path, client_state), as DeepSpeed's. Validates everything on every rank before changing anything.
-        As DeepSpeed: with no tag and no `latest` file in load_dir, a warning and (None, None), nothing loaded.
-        load_optimizer_states False keeps this engine's optimizer state; load_module_only loads the weights
-        alone (no optimizer state, scheduler, loss scale or counters)."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """-> (path, client_state), as DeepSpeed's. Validates everything on every rank before
+        changing anything. As DeepSpeed: with no tag and no `latest` file in load_dir, a warning and
+        (None, None), nothing loaded. load_optimizer_states False keeps this engine's optimizer
+        state; load_module_only loads the weights alone (no optimizer state, scheduler, loss scale
+        or counters)."""
         if not load_module_strict:
-            raise NotImplementedError("load_checkpoint(load_module_strict=False): minizero's checkpoints load only "
-                                      "into the same model (every name and shape checked); leave it True")
+            raise NotImplementedError("load_checkpoint(load_module_strict=False): minizero's "
+                                      "checkpoints load only into the same model (every name and "
+                                      "shape checked); leave it True")
         if custom_load_fn is not None:
-            raise NotImplementedError("load_checkpoint(custom_load_fn=...): not implemented in minizero; load the "
-                                      "state dict yourself from engine.full_state_dict() or `minizero consolidate`")
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...): not implemented in "
+                                      "minizero; load the state dict yourself from "
+                                      "engine.full_state_dict() or `minizero consolidate`")
         self._check_checkpointable()
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")) and \
                 not os.path.isfile(os.path.join(load_dir, "checkpoints", "latest")):
             if self.comm.rank == 0:
-                warnings.warn(f"load_checkpoint: no 'latest' file in {os.path.abspath(load_dir)}: nothing was loaded "
-                              "(DeepSpeed returns (None, None) here too); pass tag=... to load a named checkpoint",
+                warnings.warn(f"load_checkpoint: no 'latest' file in {os.path.abspath(load_dir)}: "
+                              "nothing was loaded (DeepSpeed returns (None, None) here too); pass "
+                              "tag=... to load a named checkpoint",
                               stacklevel=2)
             return None, None
         out = checkpoint.load(self, load_dir, tag, optimizer_states=load_optimizer_states,
-                              lr_scheduler_states=load_lr_scheduler_states, module_only=load_module_only)
+                              lr_scheduler_states=load_lr_scheduler_states,
+                              module_only=load_module_only)
         if self.offload is not None:
-            self.offload.steps = self.global_steps - self.skipped_steps  # DPU's warm-up resumes where it was
+            # DPU's warm-up resumes where it was
+            self.offload.steps = self.global_steps - self.skipped_steps
         return out
 
     def full_state_dict(self) -> dict:
-        """The plain model's state dict in fp32, on every rank (a collective: gathers the shards)."""
+        """The plain model's state dict in fp32, on every rank (a collective: gathers the
+        shards)."""
         self._check_checkpointable()
         self.strategy.finish_offload()
         return checkpoint.full_state_dict(self)
 
     def _check_checkpointable(self):
-        """Every rank alike, before any collective: the checkpoint format has no key for an expert slice."""
+        """Every rank alike, before any collective: the checkpoint format has no key for an expert
+        slice."""
         self.strategy.check_checkpointable()
         if self.plan.ep_size > 1:
-            raise NotImplementedError(f"checkpoints of an engine with expert parallelism (ep_size={self.plan.ep_size}) "
-                                      "are not implemented: each ep rank holds other experts under the same names, "
-                                      "and the format keys only tensor-parallel slices (name@tp{k})")
+            raise NotImplementedError("checkpoints of an engine with expert parallelism "
+                                      f"(ep_size={self.plan.ep_size}) are not implemented: each ep "
+                                      "rank holds other experts under the same names, and the "
+                                      "format keys only tensor-parallel slices (name@tp{k})")
 
     def checkpoint_layout(self) -> dict:
         """How this job's ranks split the model: tp slices are saved under name@tp{k}."""
-        return {"dp": self.dp_size, "pp": self.plan.pp_size, "tp": self.plan.tp_size, "tp_split": self.tp_split}
+        return {"dp": self.dp_size, "pp": self.plan.pp_size, "tp": self.plan.tp_size,
+                "tp_split": self.tp_split}
 
     def checkpoint_key(self, name: str) -> str:
         """The key this rank saves parameter `name` under."""
@@ -332,7 +365,8 @@ class BaseEngine(torch.nn.Module):
         return self.strategy.writes(segment)
 
     def saves_extras(self) -> bool:
-        """Whether this rank writes the frozen parameters and buffers (one rank of the replicas does)."""
+        """Whether this rank writes the frozen parameters and buffers (one rank of the replicas
+        does)."""
         return self.dp_comm.rank == 0 and (self.mesh is None or self.mesh.tp_rank == 0)
 
     def extras(self) -> dict:

@@ -1,4 +1,5 @@
-"""`deepspeed.runtime.utils`: set_random_seed and see_memory_usage, the two its example scripts call."""
+"""`deepspeed.runtime.utils`: set_random_seed and see_memory_usage, the two its example scripts
+call."""
 from __future__ import annotations
 
 import gc
@@ -16,8 +17,8 @@ def set_random_seed(seed: int):
 
 
 def see_memory_usage(message: str, force: bool = False):
-    """DeepSpeed's memory report: nothing unless force=True; then rank 0 logs the accelerator's allocated and
-    peak memory (GiB, as DeepSpeed prints them) and resets the peak."""
+    """DeepSpeed's memory report: nothing unless force=True; then rank 0 logs the accelerator's
+    allocated and peak memory (GiB, as DeepSpeed prints them) and resets the peak."""
     if not force:
         return
     from minizero import comm
@@ -28,6 +29,7 @@ def see_memory_usage(message: str, force: bool = False):
     gc.collect()
     acc, gib = get_accelerator(), 2 ** 30
     logger.info(message)
-    logger.info(f"MA {acc.memory_allocated() / gib:.2f} GB         Max_MA {acc.max_memory_allocated() / gib:.2f} GB"
-                f"         CA {acc.memory_reserved() / gib:.2f} GB")
+    logger.info(f"MA {acc.memory_allocated() / gib:.2f} GB         Max_MA "
+                f"{acc.max_memory_allocated() / gib:.2f} GB         CA "
+                f"{acc.memory_reserved() / gib:.2f} GB")
     acc.reset_peak_memory_stats()

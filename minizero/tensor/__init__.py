@@ -14,13 +14,15 @@ Every layer takes the tensor-parallel Communicator explicitly (mesh.tp): no glob
 block works inside a pipeline stage or next to a data-parallel wrapper over mesh.dp.
 """
 from minizero.tensor.blocks import parallelize_attention, parallelize_block, parallelize_mlp
-from minizero.tensor.layers import (ColumnParallelLinear, RowParallelLinear, copy_to_tensor_parallel,
-                                    gather_from_tensor_parallel, reduce_from_tensor_parallel, shard, unshard)
+from minizero.tensor.layers import (ColumnParallelLinear, RowParallelLinear,
+                                    copy_to_tensor_parallel, gather_from_tensor_parallel,
+                                    reduce_from_tensor_parallel, shard, unshard)
 from minizero.tensor.parallel_gpt import TensorParallelGPT, gather_full
 from minizero.tensor.sequence import mark_sequence_parallel
 from minizero.tensor.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallelGPT", "VocabParallelEmbedding",
-           "copy_to_tensor_parallel", "gather_from_tensor_parallel", "gather_full", "mark_sequence_parallel",
-           "parallelize_attention", "parallelize_block", "parallelize_mlp", "reduce_from_tensor_parallel",
-           "shard", "unshard", "vocab_parallel_cross_entropy"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallelGPT",
+           "VocabParallelEmbedding", "copy_to_tensor_parallel", "gather_from_tensor_parallel",
+           "gather_full", "mark_sequence_parallel", "parallelize_attention", "parallelize_block",
+           "parallelize_mlp", "reduce_from_tensor_parallel", "shard", "unshard",
+           "vocab_parallel_cross_entropy"]

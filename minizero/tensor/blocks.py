@@ -27,7 +27,12 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from minizero.tensor.layers import ColumnParallelLinear, ParallelLinear, RowParallelLinear, check_divisible
+from minizero.tensor.layers import (
+    ColumnParallelLinear,
+    ParallelLinear,
+    RowParallelLinear,
+    check_divisible,
+)
 from minizero.tensor.sequence import mark_sequence_parallel
 
 
@@ -35,16 +40,19 @@ def check_block(block: nn.Module, tp_size: int, where: str = "block"):
     """Every size the split needs, checked before anything is changed."""
     attn, mlp = block.attn, block.mlp
     if any(isinstance(m, ParallelLinear) for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)):
-        raise ValueError(f"{where} is already tensor-parallel: convert the single-process model once")
+        raise ValueError(f"{where} is already tensor-parallel: convert the single-process model "
+                         "once")
     n_head = attn.c_attn.out_features // 3 // attn.head_dim
     check_divisible(f"{where}: the number of attention heads n_head", n_head, tp_size)
-    check_divisible(f"{where}: the MLP hidden size (mlp.c_fc.out_features)", mlp.c_fc.out_features, tp_size)
+    check_divisible(f"{where}: the MLP hidden size (mlp.c_fc.out_features)", mlp.c_fc.out_features,
+                    tp_size)
 
 
 def parallelize_attention(attn: nn.Module, comm, sequence_parallel: bool = False,
                           column_cls=ColumnParallelLinear, row_cls=RowParallelLinear) -> nn.Module:
     """Heads split over comm: c_attn column-parallel by [q | k | v] blocks, c_proj row-parallel."""
-    attn.c_attn = column_cls.from_linear(attn.c_attn, comm, chunks=3, sequence_parallel=sequence_parallel)
+    attn.c_attn = column_cls.from_linear(attn.c_attn, comm, chunks=3,
+                                         sequence_parallel=sequence_parallel)
     attn.c_proj = row_cls.from_linear(attn.c_proj, comm, sequence_parallel=sequence_parallel)
     return attn
 

@@ -43,7 +43,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minizero.tensor.sequence import linear_with_sequence_gather, reduce_scatter_to_sequence_parallel
+from minizero.tensor.sequence import (
+    linear_with_sequence_gather,
+    reduce_scatter_to_sequence_parallel,
+)
 
 
 def check_divisible(what: str, size: int, tp_size: int):
@@ -156,7 +159,7 @@ def unshard(shards: list[torch.Tensor], dim: int, chunks: int = 1) -> torch.Tens
 
 
 def mark_sharded(param: nn.Parameter, dim: int, chunks: int = 1) -> nn.Parameter:
-    param.tensor_parallel_dim = dim        # the full tensor = unshard(every rank's slice, dim, chunks)
+    param.tensor_parallel_dim = dim  # the full tensor = unshard(every rank's slice, dim, chunks)
     param.tensor_parallel_chunks = chunks
     return param
 
@@ -166,15 +169,18 @@ class ParallelLinear(nn.Module):
     """What the two layers share: built from a full nn.Linear, or initialized like one."""
 
     def reset_parameters(self):
-        """nn.Linear's init of the FULL matrix from the global RNG, then this rank's slice (Megatron's
-        CPU initialization): with the same seed on every rank, the layer IS the single-process one."""
+        """nn.Linear's init of the FULL matrix from the global RNG, then this rank's slice
+        (Megatron's CPU initialization): with the same seed on every rank, the layer IS the
+        single-process one."""
         full = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
         self.load_full(full.weight, full.bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, comm, **kwargs):
-        """This rank's slices of `linear`'s weights (same dtype); keyword arguments as the constructor's."""
-        with torch.random.fork_rng(devices=[]):  # the init is overwritten: leave the caller's RNG alone
+        """This rank's slices of `linear`'s weights (same dtype); keyword arguments as the
+        constructor's."""
+        # the init is overwritten: leave the caller's RNG alone
+        with torch.random.fork_rng(devices=[]):
             layer = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
                         dtype=linear.weight.dtype, **kwargs)
         layer.load_full(linear.weight, linear.bias)
@@ -188,28 +194,36 @@ class ColumnParallelLinear(ParallelLinear):
     here). Output: this rank's slice [..., out_features / t], or everything with gather_output.
     `chunks` says how the FULL weight is laid out for `load_full`: 3 for a fused q|k|v layer."""
 
-    def __init__(self, in_features: int, out_features: int, comm, bias: bool = True, chunks: int = 1,
-                 gather_output: bool = False, sequence_parallel: bool = False, dtype: torch.dtype | None = None):
+    def __init__(self, in_features: int, out_features: int, comm, bias: bool = True,
+                 chunks: int = 1, gather_output: bool = False, sequence_parallel: bool = False,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         if out_features % chunks:
-            raise ValueError(f"out_features={out_features} is not {chunks} equal blocks (chunks={chunks})")
-        check_divisible("out_features" if chunks == 1 else f"out_features / {chunks} (one block of the fused layer)",
+            raise ValueError(f"out_features={out_features} is not {chunks} equal blocks "
+                             f"(chunks={chunks})")
+        check_divisible("out_features" if chunks == 1 else f"out_features / {chunks} (one block of "
+                                                           "the fused layer)",
                         out_features // chunks, comm.size)
         self.comm = comm                           # the tensor-parallel group (mesh.tp)
         self.in_features = in_features             # full input width: x is whole on every rank
         self.out_features = out_features           # full output width, before the split
-        self.chunks = chunks                       # blocks of the full weight split separately (q|k|v: 3)
-        self.gather_output = gather_output         # all-gather the output slices (not for a following row layer)
-        self.sequence_parallel = sequence_parallel  # input is a sequence shard: all-gather it instead of f
+        self.chunks = chunks  # blocks of the full weight split separately (q|k|v: 3)
+        # all-gather the output slices (not for a following row layer)
+        self.gather_output = gather_output
+        # input is a sequence shard: all-gather it instead of f
+        self.sequence_parallel = sequence_parallel
         local, kw = out_features // comm.size, {"device": comm.device, "dtype": dtype}
         self.weight = mark_sharded(nn.Parameter(torch.empty(local, in_features, **kw)), 0, chunks)
-        self.bias = mark_sharded(nn.Parameter(torch.empty(local, **kw)), 0, chunks) if bias else None
+        self.bias = (
+            mark_sharded(nn.Parameter(torch.empty(local, **kw)), 0, chunks) if bias else None
+        )
         self.reset_parameters()
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         """Copy this rank's slice of a full (out_features x in_features) weight and its bias."""
-        rank, size = self.comm.rank, self.comm.size  # rows: output features, dim 0, in self.chunks blocks
+        # rows: output features, dim 0, in self.chunks blocks
+        rank, size = self.comm.rank, self.comm.size
         self.weight.copy_(shard(weight, 0, rank, size, self.chunks))
         if self.bias is not None:
             self.bias.copy_(shard(bias, 0, rank, size, self.chunks))
@@ -236,8 +250,8 @@ class ColumnParallelLinear(ParallelLinear):
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"({self.out_features // self.comm.size} here, t={self.comm.size}), chunks={self.chunks}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"({self.out_features // self.comm.size} here, t={self.comm.size}), "
+                f"chunks={self.chunks}, sequence_parallel={self.sequence_parallel}")
 
 
 class RowParallelLinear(ParallelLinear):
@@ -254,7 +268,8 @@ class RowParallelLinear(ParallelLinear):
         self.comm = comm                           # the tensor-parallel group (mesh.tp)
         self.in_features = in_features             # full input width, before the split
         self.out_features = out_features           # full output width: y is whole after the sum
-        self.sequence_parallel = sequence_parallel  # reduce-scatter the output along the sequence instead of g
+        # reduce-scatter the output along the sequence instead of g
+        self.sequence_parallel = sequence_parallel
         local, kw = in_features // comm.size, {"device": comm.device, "dtype": dtype}
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, local, **kw)), 1)
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
@@ -262,8 +277,10 @@ class RowParallelLinear(ParallelLinear):
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        """Copy this rank's columns of a full (out_features x in_features) weight, and the whole bias."""
-        self.weight.copy_(shard(weight, 1, self.comm.rank, self.comm.size))  # columns: input features, dim 1
+        """Copy this rank's columns of a full (out_features x in_features) weight, and the whole
+        bias."""
+        # columns: input features, dim 1
+        self.weight.copy_(shard(weight, 1, self.comm.rank, self.comm.size))
         if self.bias is not None:
             self.bias.copy_(bias)  # not split: added once, after the sum
 
@@ -287,13 +304,15 @@ class RowParallelLinear(ParallelLinear):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):
-        return (f"in_features={self.in_features} ({self.in_features // self.comm.size} here, t={self.comm.size}), "
-                f"out_features={self.out_features}, sequence_parallel={self.sequence_parallel}")
+        return (f"in_features={self.in_features} ({self.in_features // self.comm.size} here, "
+                f"t={self.comm.size}), out_features={self.out_features}, "
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 def split_numel(module: nn.Module) -> tuple[int, int]:
-    """(sharded, replicated) parameter elements of `module` on this rank: the ledger's parameter bytes
-    are (sharded + replicated) * bytes, and the single-process model's are (t * sharded + replicated)."""
+    """(sharded, replicated) parameter elements of `module` on this rank: the ledger's parameter
+    bytes are (sharded + replicated) * bytes, and the single-process model's are (t * sharded +
+    replicated)."""
     sharded = sum(p.numel() for p in module.parameters() if hasattr(p, "tensor_parallel_dim"))
     return sharded, sum(p.numel() for p in module.parameters()) - sharded
 
@@ -301,4 +320,5 @@ def split_numel(module: nn.Module) -> tuple[int, int]:
 __all__ = ["ParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "CopyToTensorParallel",
            "ReduceFromTensorParallel",
            "GatherFromTensorParallel", "copy_to_tensor_parallel", "reduce_from_tensor_parallel",
-           "gather_from_tensor_parallel", "shard", "unshard", "mark_sharded", "check_divisible", "split_numel"]
+           "gather_from_tensor_parallel", "shard", "unshard", "mark_sharded", "check_divisible",
+           "split_numel"]

@@ -37,35 +37,44 @@ from minizero.tensor.vocab import VocabParallelEmbedding, vocab_parallel_cross_e
 class TensorParallelGPT(nn.Module):
     """`model`'s tensor-parallel version over the group `comm` (mesh.tp). It adopts `model`'s
     (converted) submodules, so parameter names and state_dict keys are the single-process model's
-    (holding this rank's slices), and any wrapper (DDP, ZeRO-1/2/3 over mesh.dp) sees a plain module."""
+    (holding this rank's slices), and any wrapper (DDP, ZeRO-1/2/3 over mesh.dp) sees a plain
+    module."""
 
     def __init__(self, model: nn.Module, comm, sequence_parallel: bool = False,
                  column_cls=ColumnParallelLinear, row_cls=RowParallelLinear):
         super().__init__()
         self.check(model, comm.size)
         tied = model.lm_head.weight is model.wte.weight
-        self.comm = comm                            # the tensor-parallel group: every rank sees the same batch
-        self.sequence_parallel = sequence_parallel  # LayerNorms and residuals on s/t tokens per rank
-        self.tied = tied                            # lm_head.weight IS wte.weight: one local slice, two uses
+        self.comm = comm  # the tensor-parallel group: every rank sees the same batch
+        # LayerNorms and residuals on s/t tokens per rank
+        self.sequence_parallel = sequence_parallel
+        self.tied = tied  # lm_head.weight IS wte.weight: one local slice, two uses
         self.block_size = model.wpe.num_embeddings  # the longest sequence
-        model.wte = VocabParallelEmbedding.from_embedding(model.wte, comm, sequence_parallel=sequence_parallel)
+        model.wte = VocabParallelEmbedding.from_embedding(model.wte, comm,
+                                                          sequence_parallel=sequence_parallel)
         for block in model.h:
             parallelize_block(block, comm, sequence_parallel, column_cls, row_cls)
-        model.lm_head = column_cls.from_linear(model.lm_head, comm, sequence_parallel=sequence_parallel)
+        model.lm_head = column_cls.from_linear(model.lm_head, comm,
+                                               sequence_parallel=sequence_parallel)
         if tied:
             model.lm_head.weight = model.wte.weight
         if sequence_parallel:  # wpe and ln_f see s/t tokens too (the blocks marked their own)
             mark_replicated_sequence_parallel(model, comm)
-        self.config = getattr(model, "config", None)  # the single-process model's config, if it has one
-        for name, child in model.named_children():   # the original names: wte, wpe, h, ln_f, lm_head
+        # the single-process model's config, if it has one
+        self.config = getattr(model, "config", None)
+        for name, child in model.named_children():  # the original names: wte, wpe, h, ln_f, lm_head
             self.add_module(name, child)
-        for name, tensor in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]:
-            (self.register_parameter if isinstance(tensor, nn.Parameter) else self.register_buffer)(name, tensor)
+        for name, tensor in [*model.named_parameters(recurse=False),
+                             *model.named_buffers(recurse=False)]:
+            (self.register_parameter if isinstance(tensor, nn.Parameter) else self.register_buffer)(
+                name, tensor
+            )
         self.to(comm.device)
 
     @staticmethod
     def check(model: nn.Module, t: int):
-        """Every size that must divide by t (vocabulary, heads, hidden): an error naming it, nothing changed."""
+        """Every size that must divide by t (vocabulary, heads, hidden): an error naming it, nothing
+        changed."""
         check_divisible("vocab_size (wte.num_embeddings)", model.wte.num_embeddings, t)
         for i, block in enumerate(model.h):
             check_block(block, t, where=f"h.{i}")
@@ -79,7 +88,8 @@ class TensorParallelGPT(nn.Module):
         positions = torch.arange(seq_len, device=idx.device)
         if self.sequence_parallel:
             check_sequence(seq_len, comm.size)
-            positions = sequence_shard(positions.unsqueeze(0), comm).squeeze(0)  # this rank's tokens
+            # this rank's tokens
+            positions = sequence_shard(positions.unsqueeze(0), comm).squeeze(0)
         x = model.wte(idx) + model.wpe(positions)
         for block in model.h:
             x = block(x)
@@ -96,21 +106,25 @@ class TensorParallelGPT(nn.Module):
         """This model cut for a pipeline (3D: pipeline stages whose layers are split over mesh.tp):
         (embed, blocks, head, loss_fn, hidden_shape), the fields of minizero.pipeline.PipelineModel.
         The same modules, so a tied lm_head stays wte's slice. Every tp rank of a stage sends its
-        (replicated) hidden state to the same tp rank of the next stage: [b, s, h] through the pipes.
-        Sequence parallelism would send [b, s/t, h] shards between stages: not implemented."""
+        (replicated) hidden state to the same tp rank of the next stage: [b, s, h] through the
+        pipes. Sequence parallelism would send [b, s/t, h] shards between stages: not
+        implemented."""
         if self.sequence_parallel:
-            raise ValueError("a pipeline of sequence-parallel stages is not implemented: the pipes carry the whole "
-                             "sequence; build the TensorParallelGPT with sequence_parallel=False")
+            raise ValueError("a pipeline of sequence-parallel stages is not implemented: the pipes "
+                             "carry the whole sequence; build the TensorParallelGPT with "
+                             "sequence_parallel=False")
         comm = self.comm
 
         def loss_fn(logits, targets):  # the full logits are never gathered, as in forward()
             return vocab_parallel_cross_entropy(logits, targets, comm)
-        return (ParallelEmbed(self.wte, self.wpe), list(self.h), ParallelHead(self.ln_f, self.lm_head), loss_fn,
+        return (ParallelEmbed(self.wte, self.wpe), list(self.h),
+                ParallelHead(self.ln_f, self.lm_head), loss_fn,
                 (self.block_size, self.wpe.embedding_dim))
 
 
 class ParallelEmbed(nn.Module):
-    """A pipeline's first stage of a TensorParallelGPT: the vocab-parallel lookup (its g included) + wpe."""
+    """A pipeline's first stage of a TensorParallelGPT: the vocab-parallel lookup (its g included) +
+    wpe."""
 
     def __init__(self, wte: VocabParallelEmbedding, wpe: nn.Embedding):
         super().__init__()
@@ -122,7 +136,8 @@ class ParallelEmbed(nn.Module):
 
 
 class ParallelHead(nn.Module):
-    """A pipeline's last stage of a TensorParallelGPT: ln_f and the column-parallel lm_head (logits [b, s, V/t])."""
+    """A pipeline's last stage of a TensorParallelGPT: ln_f and the column-parallel lm_head (logits
+    [b, s, V/t])."""
 
     def __init__(self, ln_f: nn.LayerNorm, lm_head: ColumnParallelLinear):
         super().__init__()
@@ -143,34 +158,51 @@ def gather_full(module: nn.Module, comm, grads: bool = False) -> dict[str, torch
             continue
         gathered = torch.empty((comm.size, *t.shape), dtype=t.dtype, device=t.device)
         comm.all_gather(gathered, t.contiguous())
-        out[name] = unshard(list(gathered.unbind(0)), p.tensor_parallel_dim, p.tensor_parallel_chunks)
+        out[name] = unshard(list(gathered.unbind(0)), p.tensor_parallel_dim,
+                            p.tensor_parallel_chunks)
     return out
 
 
-def collectives_per_step(n_layer: int, batch: int, seq: int, hidden: int, block_size: int, tp_size: int,
-                         sequence_parallel: bool = False, bias: bool = True, bytes_per: int = 4) -> dict:
+def collectives_per_step(
+    n_layer: int,
+    batch: int,
+    seq: int,
+    hidden: int,
+    block_size: int,
+    tp_size: int,
+    sequence_parallel: bool = False,
+    bias: bool = True,
+    bytes_per: int = 4,
+) -> dict:
     """The module docstring's count, as {"per_layer" | "forward" | "backward": {op: [calls, payload
-    bytes]}}; forward/backward are whole steps (n_layer layers + embedding, head and loss). Payload as
-    minizero.comm.stats counts it: an all-gather's gathered output, a reduce-scatter's full input."""
+    bytes]}}; forward/backward are whole steps (n_layer layers + embedding, head and loss). Payload
+    as minizero.comm.stats counts it: an all-gather's gathered output, a reduce-scatter's full
+    input."""
     act = batch * seq * hidden * bytes_per            # one [b, s, h] activation
-    tokens = batch * seq * bytes_per                  # one number per token (the loss's all-reduces)
+    tokens = batch * seq * bytes_per  # one number per token (the loss's all-reduces)
     if not sequence_parallel:
         layer_fwd = {"all_reduce": [2, 2 * act]}      # g after attn.c_proj and after mlp.c_proj
         layer_bwd = {"all_reduce": [2, 2 * act]}      # f before attn.c_attn and before mlp.c_fc
-        extra_fwd = {"all_reduce": [3, act + 3 * tokens]}  # g of the embedding; loss: max, then (Z, z_y)
+        # g of the embedding; loss: max, then (Z, z_y)
+        extra_fwd = {"all_reduce": [3, act + 3 * tokens]}
         extra_bwd = {"all_reduce": [1, act]}          # f before lm_head
     else:
-        replicated = 6 if bias else 2                 # ln_1, ln_2 (weight, bias), the two row-parallel biases
+        replicated = 6 if bias else 2  # ln_1, ln_2 (weight, bias), the two row-parallel biases
         layer_fwd = {"all_gather": [2, 2 * act], "reduce_scatter": [2, 2 * act]}
         layer_bwd = {"all_gather": [4, 4 * act], "reduce_scatter": [2, 2 * act],
                      "all_reduce": [replicated, replicated * hidden * bytes_per]}
-        extra_fwd = {"reduce_scatter": [1, act], "all_gather": [1, act], "all_reduce": [2, 3 * tokens]}
+        extra_fwd = {"reduce_scatter": [1, act], "all_gather": [1, act],
+                     "all_reduce": [2, 3 * tokens]}
         ln_f = 2 if bias else 1
         extra_bwd = {"all_gather": [2, 2 * act], "reduce_scatter": [1, act],
-                     "all_reduce": [1 + ln_f, (block_size + ln_f) * hidden * bytes_per]}  # wpe, ln_f
+                     # wpe, ln_f
+                     "all_reduce": [1 + ln_f, (block_size + ln_f) * hidden * bytes_per]}
 
     def total(layer, extra):
         ops = sorted(set(layer) | set(extra))
-        return {op: [n_layer * layer.get(op, [0, 0])[i] + extra.get(op, [0, 0])[i] for i in (0, 1)] for op in ops}
+        return {
+            op: [n_layer * layer.get(op, [0, 0])[i] + extra.get(op, [0, 0])[i] for i in (0, 1)]
+            for op in ops
+        }
     return {"per_layer": {"forward": layer_fwd, "backward": layer_bwd},
             "forward": total(layer_fwd, extra_fwd), "backward": total(layer_bwd, extra_bwd)}

@@ -43,14 +43,15 @@ def check_sequence(seq_len: int, tp_size: int):
     """Sequence parallelism splits the tokens into tp_size equal shards."""
     if seq_len % tp_size:
         raise ValueError(f"sequence parallelism: sequence length {seq_len} is not divisible by the "
-                         f"tensor-parallel size {tp_size}. Use sequences whose length is a multiple of "
-                         f"{tp_size}, or sequence_parallel=False")
+                         f"tensor-parallel size {tp_size}. Use sequences whose length is a "
+                         f"multiple of {tp_size}, or sequence_parallel=False")
 
 
 def all_gather_sequence(shard: torch.Tensor, comm) -> torch.Tensor:
     """[b, s/t, ...] on each rank -> [b, s, ...], rank r's tokens at r*s/t ... (r+1)*s/t."""
     seq_first = shard.transpose(0, SEQUENCE_DIM).contiguous()
-    out = torch.empty((comm.size * seq_first.size(0), *seq_first.shape[1:]), dtype=shard.dtype, device=shard.device)
+    out = torch.empty((comm.size * seq_first.size(0), *seq_first.shape[1:]), dtype=shard.dtype,
+                      device=shard.device)
     comm.all_gather(out, seq_first)
     return out.transpose(0, SEQUENCE_DIM)
 
@@ -59,7 +60,8 @@ def reduce_scatter_sequence(full: torch.Tensor, comm) -> torch.Tensor:
     """[b, s, ...] partial sums on each rank -> this rank's s/t tokens of the sum, [b, s/t, ...]."""
     check_sequence(full.size(SEQUENCE_DIM), comm.size)
     seq_first = full.transpose(0, SEQUENCE_DIM).contiguous()
-    out = torch.empty((seq_first.size(0) // comm.size, *seq_first.shape[1:]), dtype=full.dtype, device=full.device)
+    out = torch.empty((seq_first.size(0) // comm.size, *seq_first.shape[1:]), dtype=full.dtype,
+                      device=full.device)
     comm.reduce_scatter(out, seq_first, op="sum")
     return out.transpose(0, SEQUENCE_DIM)
 
@@ -105,8 +107,8 @@ class LinearWithSequenceGather(torch.autograd.Function):
                                dtype=x_shard.dtype, device=x_shard.device)
         gather = comm.all_gather(gathered, seq_first, async_op=True)
         grad_in = (grad_out @ weight).transpose(0, SEQUENCE_DIM).contiguous()  # [s, b, in]
-        grad_shard = torch.empty((grad_in.size(0) // comm.size, *grad_in.shape[1:]), dtype=grad_in.dtype,
-                                 device=grad_in.device)
+        grad_shard = torch.empty((grad_in.size(0) // comm.size, *grad_in.shape[1:]),
+                                 dtype=grad_in.dtype, device=grad_in.device)
         gather.wait()
         scatter = comm.reduce_scatter(grad_shard, grad_in, op="sum", async_op=True)
         x_full = gathered.transpose(0, SEQUENCE_DIM)

@@ -38,15 +38,19 @@ class VocabParallelEmbedding(nn.Module):
     """nn.Embedding with the rows (vocabulary) split over the tp group. Returns the full
     embedding on every rank, or this rank's sequence shard [b, s/t, h] with sequence_parallel."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, comm, sequence_parallel: bool = False):
+    def __init__(self, num_embeddings: int, embedding_dim: int, comm,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.comm = comm                                   # the tensor-parallel group (mesh.tp)
         self.num_embeddings = num_embeddings               # the full vocabulary
         self.embedding_dim = embedding_dim
-        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, comm)  # the ids this rank owns
-        self.sequence_parallel = sequence_parallel         # reduce-scatter the sum along the sequence
+        # the ids this rank owns
+        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, comm)
+        self.sequence_parallel = sequence_parallel  # reduce-scatter the sum along the sequence
         rows = self.vocab_end - self.vocab_start
-        self.weight = mark_sharded(nn.Parameter(torch.empty(rows, embedding_dim, device=comm.device)), 0)
+        self.weight = mark_sharded(
+            nn.Parameter(torch.empty(rows, embedding_dim, device=comm.device)), 0
+        )
         with torch.no_grad():  # nn.Embedding's init of the full table, then this rank's rows
             self.load_full(nn.Embedding(num_embeddings, embedding_dim).weight)
 
@@ -56,7 +60,8 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, comm, **kwargs) -> "VocabParallelEmbedding":
-        with torch.random.fork_rng(devices=[]):  # the init is overwritten: leave the caller's RNG alone
+        # the init is overwritten: leave the caller's RNG alone
+        with torch.random.fork_rng(devices=[]):
             layer = cls(embedding.num_embeddings, embedding.embedding_dim, comm, **kwargs)
         layer.load_full(embedding.weight)
         return layer
@@ -64,14 +69,17 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.size(0))  # owned by another rank
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(
+            outside.unsqueeze(-1), 0.0
+        )
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel(rows, self.comm)
         return reduce_from_tensor_parallel(rows, self.comm)
 
     def extra_repr(self):
-        return (f"{self.num_embeddings}, {self.embedding_dim}: ids [{self.vocab_start}, {self.vocab_end}) here, "
-                f"t={self.comm.size}, sequence_parallel={self.sequence_parallel}")
+        return (f"{self.num_embeddings}, {self.embedding_dim}: ids [{self.vocab_start}, "
+                f"{self.vocab_end}) here, t={self.comm.size}, "
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -88,11 +96,16 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (local < 0) | (local >= per_rank)
         local = local.masked_fill(outside, 0)
         exp = shifted.exp()
-        sums = torch.stack([exp.sum(dim=-1),                       # this rank's share of Z
-                            shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)])
+        sums = torch.stack(
+            [
+                exp.sum(dim=-1),  # this rank's share of Z
+                shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0),
+            ]
+        )
         comm.all_reduce(sums, op="sum")                           # Z and z_y in one message
         sum_exp, target_logit = sums
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)  # softmax of this slice
+        # softmax of this slice
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
         return sum_exp.log() - target_logit
 
     @staticmethod
@@ -107,5 +120,6 @@ def vocab_parallel_cross_entropy(logits, targets, comm) -> torch.Tensor:
     """Mean cross-entropy over all tokens from [..., V/t] logit shards: what F.cross_entropy gives
     on the gathered logits, without gathering them. In fp32 whatever the logits' dtype (as Megatron
     without fp16_lm_cross_entropy): exp and the sum over V/t entries lose too much in 16 bits."""
-    losses = VocabParallelCrossEntropy.apply(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), comm)
+    losses = VocabParallelCrossEntropy.apply(logits.float().reshape(-1, logits.size(-1)),
+                                             targets.reshape(-1), comm)
     return losses.mean()

@@ -5,26 +5,36 @@ is named after what it shards (the stage numbers are DeepSpeed's `zero_optimizat
 
     stage  class             file                  shards                          like
     1      ShardedOptimizer  sharded_optimizer.py  optimizer state (P_os)          DeepSpeed stage 1
-    2      ShardGradOp       shard_grad_op.py      + gradients (P_os+g)            FSDP SHARD_GRAD_OP
+    2      ShardGradOp       shard_grad_op.py      + gradients (P_os+g)            FSDP
+                                                                                   SHARD_GRAD_OP
     3      FSDP              fsdp.py               + parameters (P_os+g+p)         FSDP FULL_SHARD
-    3      ZeroPP            zeropp.py             ZeRO-3, less cross-node traffic DeepSpeed ZeRO++ (qwZ/hpZ/qgZ)
-    3      HybridShard       hybrid.py             ZeRO-3 in a node, nodes replicas FSDP HYBRID_SHARD, MiCS
+    3      ZeroPP            zeropp.py             ZeRO-3, less cross-node traffic DeepSpeed ZeRO++
+                                                                                   (qwZ/hpZ/qgZ)
+    3      HybridShard       hybrid.py             ZeRO-3 in a node, nodes replicas FSDP
+                                                                                   HYBRID_SHARD,
+                                                                                   MiCS
 
-    flat_layout.py          FlatLayout: the parameters as views into one flat buffer padded to N shards
-    per_param_layout.py     PerParamLayout: FSDP2's cut, each parameter on dim 0 in N equal padded pieces
-                            (FSDP(shard_layout="per_param"), zero_optimization.shard_layout)
+    flat_layout.py          FlatLayout: the parameters as views into one flat buffer padded to N
+                            shards
+    per_param_layout.py     PerParamLayout: FSDP2's cut, each parameter on dim 0 in N equal padded
+                            pieces (FSDP(shard_layout="per_param"), zero_optimization.shard_layout)
     flat_shard_optimizer.py FlatShardOptimizer: a torch.optim.Optimizer (param groups, schedulers,
                             state_dict, torch's skip of grad-None parameters) over flat shards
     fsdp_optimizer.py       FSDPOptimizer: that optimizer on an FSDP model's shards (ZeRO-3)
-    quantize.py             block-wise int8/int4 quantization and ZeRO++'s quantized collectives (lab 08)
-    offload.py              HostOptimizer: ZeRO-Offload, the optimizer step on the host (+ DPU)  Ren et al. 2021
+    quantize.py             block-wise int8/int4 quantization and ZeRO++'s quantized collectives
+                            (lab 08)
+    offload.py              HostOptimizer: ZeRO-Offload, the optimizer step on the host (+ DPU)  Ren
+                            et al. 2021
     infinity.py             DiskOptimizer: ZeRO-Infinity, masters and state in files by sub-group
                             (Rajbhandari et al. 2021)
-    tiers.py                OffloadSpec: where a strategy's fp32 state lives, passed to its constructor
-                            (ShardedOptimizer / ShardGradOp / FSDPOptimizer(offload=OffloadSpec("cpu")))
-    init.py                 Init: `with zero.Init(): model = ...` builds a ZeRO-3 model on the meta device
-    gathered.py             GatheredParameters: DeepSpeed's context; broadcasts modifier_rank's edits of whole
-                            parameters, refuses FSDP's shards (they are whole only inside forward)
+    tiers.py                OffloadSpec: where a strategy's fp32 state lives, passed to its
+                            constructor (ShardedOptimizer / ShardGradOp /
+                            FSDPOptimizer(offload=OffloadSpec("cpu")))
+    init.py                 Init: `with zero.Init(): model = ...` builds a ZeRO-3 model on the meta
+                            device
+    gathered.py             GatheredParameters: DeepSpeed's context; broadcasts modifier_rank's
+                            edits of whole parameters, refuses FSDP's shards (they are whole only
+                            inside forward)
 """
 from minizero.zero.flat_layout import FlatLayout
 from minizero.zero.per_param_layout import PerParamLayout
@@ -42,5 +52,6 @@ from minizero.zero.zeropp import ZeroPP
 
 STAGES = {1: ShardedOptimizer, 2: ShardGradOp, 3: FSDP}
 
-__all__ = ["DiskOptimizer", "FSDP", "FSDPOptimizer", "FlatLayout", "GatheredParameters", "HostOptimizer", "HybridShard",
-           "Init", "OffloadSpec", "PerParamLayout", "STAGES", "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]
+__all__ = ["DiskOptimizer", "FSDP", "FSDPOptimizer", "FlatLayout", "GatheredParameters",
+           "HostOptimizer", "HybridShard", "Init", "OffloadSpec", "PerParamLayout", "STAGES",
+           "ShardGradOp", "ShardedOptimizer", "Traffic", "ZeroPP"]

@@ -29,7 +29,8 @@ class Piece:
 
 
 class FlatLayout:
-    reorders = False  # the all-gather's order is the parameters' (zero/per_param_layout.py's is not)
+    # the all-gather's order is the parameters' (zero/per_param_layout.py's is not)
+    reorders = False
 
     def __init__(self, shapes, world_size: int):
         self.shapes = [torch.Size(s) for s in shapes]
@@ -84,7 +85,8 @@ class FlatLayout:
         return torch.Size([sum(pc.hi - pc.lo for pc in self.pieces(rank) if pc.index == index)])
 
     def compute_sizes(self) -> list[tuple[int, bool]]:
-        """The gathered buffer as (size, is a tensor) segments: the tensors end to end, then the padding."""
+        """The gathered buffer as (size, is a tensor) segments: the tensors end to end, then the
+        padding."""
         return [(n, True) for n in self.numels] + [(self.padding, False)]
 
     def to_compute(self, flat: torch.Tensor) -> torch.Tensor:

@@ -41,19 +41,21 @@ NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 
 def check_optimizer_class(optimizer_cls):
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        raise TypeError(f"pass an optimizer CLASS such as torch.optim.Adam (it is built on this rank's "
-                        f"shard only); got a {type(optimizer_cls).__name__} object")
+        raise TypeError("pass an optimizer CLASS such as torch.optim.Adam (it is built on this "
+                        f"rank's shard only); got a {type(optimizer_cls).__name__} object")
     if optimizer_cls.__name__ in NOT_ELEMENTWISE:
-        raise ValueError(f"{optimizer_cls.__name__} is not elementwise: its update of one element reads "
-                         "other elements of the tensor, so it cannot step a flat shard cut through "
-                         "tensors. Use SGD, Adam, AdamW, RMSprop, Adagrad, ...")
+        raise ValueError(f"{optimizer_cls.__name__} is not elementwise: its update of one element "
+                         "reads other elements of the tensor, so it cannot step a flat shard cut "
+                         "through tensors. Use SGD, Adam, AdamW, RMSprop, Adagrad, ...")
 
 
 def param_groups(params) -> list[dict]:
     """torch's `params` argument (tensors, or dicts with "params") -> groups of unique trainable
-    parameters. A tied weight listed twice in one group counts once; in two groups it is an error."""
+    parameters. A tied weight listed twice in one group counts once; in two groups it is an
+    error."""
     if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of tensors or of dicts (param groups), got one tensor")
+        raise TypeError("params must be an iterable of tensors or of dicts (param groups), got one "
+                        "tensor")
     groups = list(params)
     if not groups:
         raise ValueError("no trainable parameters: the params list is empty")
@@ -62,8 +64,13 @@ def param_groups(params) -> list[dict]:
     out, owner = [], {}
     for g, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
-            raise TypeError(f"param group {g}: expected a dict with a 'params' list (do not mix tensors and dicts)")
-        tensors = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+            raise TypeError(f"param group {g}: expected a dict with a 'params' list (do not mix "
+                            "tensors and dicts)")
+        tensors = (
+            [group["params"]]
+            if isinstance(group["params"], torch.Tensor)
+            else list(group["params"])
+        )
         keep = []
         for p in tensors:
             if not isinstance(p, torch.Tensor):
@@ -71,8 +78,9 @@ def param_groups(params) -> list[dict]:
             if not p.requires_grad:
                 continue
             if owner.setdefault(id(p), g) != g:
-                raise ValueError(f"param groups overlap: a parameter of shape {tuple(p.shape)} is in group "
-                                 f"{owner[id(p)]} and in group {g}; put each parameter in exactly one group")
+                raise ValueError(f"param groups overlap: a parameter of shape {tuple(p.shape)} is "
+                                 f"in group {owner[id(p)]} and in group {g}; put each parameter in "
+                                 "exactly one group")
             if not any(q is p for q in keep):
                 keep.append(p)
         out.append({**group, "params": keep})
@@ -83,15 +91,16 @@ def param_groups(params) -> list[dict]:
 
 
 def covering_param_groups(module: torch.nn.Module, params, who: str) -> list[dict]:
-    """param_groups(params), with every trainable parameter of `module` in exactly one group (a wrapper
-    that owns the module's gradients, or an engine, needs them all)."""
+    """param_groups(params), with every trainable parameter of `module` in exactly one group (a
+    wrapper that owns the module's gradients, or an engine, needs them all)."""
     groups = param_groups(params)
     trainable = {id(p) for p in module.parameters() if p.requires_grad}
     grouped = {id(p) for g in groups for p in g["params"]}
     if grouped != trainable:
-        raise ValueError(f"{who}: the param groups hold {len(grouped - trainable)} tensors that are not trainable "
-                         f"parameters of the model and miss {len(trainable - grouped)} that are: every trainable "
-                         "parameter must be in exactly one group (requires_grad_(False) for the others)")
+        raise ValueError(f"{who}: the param groups hold {len(grouped - trainable)} tensors that "
+                         "are not trainable parameters of the model and miss "
+                         f"{len(trainable - grouped)} that are: every trainable parameter must be "
+                         "in exactly one group (requires_grad_(False) for the others)")
     return groups
 
 
@@ -111,14 +120,17 @@ class Run:
 
 
 class FlatShardOptimizer(torch.optim.Optimizer):
-    """Base: param groups over flat shards. A subclass builds its masters, then calls _build_runs."""
+    """Base: param groups over flat shards. A subclass builds its masters, then calls
+    _build_runs."""
 
     def __init__(self, params, optimizer_cls, optimizer_kwargs: dict):
         check_optimizer_class(optimizer_cls)
         groups = param_groups(params)
-        # The class's own checks on every group's values, on a dummy tensor: before anything changes.
+        # The class's own checks on every group's values,
+        # on a dummy tensor: before anything changes.
         probe = optimizer_cls([{**{k: v for k, v in g.items() if k != "params"},
-                                "params": [torch.zeros(1, requires_grad=True)]} for g in groups], **optimizer_kwargs)
+                                "params": [torch.zeros(1, requires_grad=True)]} for g in groups],
+                              **optimizer_kwargs)
         self._sealed = False
         super().__init__(groups, probe.defaults)
         self._sealed = True
@@ -127,19 +139,21 @@ class FlatShardOptimizer(torch.optim.Optimizer):
         # the parameters in flat order: group by group, each once
         self.params = [p for g in self.param_groups for p in g["params"]]
         self.group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        self.stepped = set()  # parameters (indices) stepped at least once: the others have no state yet
+        # parameters (indices) stepped at least once: the others have no state yet
+        self.stepped = set()
 
     def add_param_group(self, param_group: dict):
         if self._sealed:
-            raise ValueError(f"{type(self).__name__}.add_param_group: the flat layout is fixed at construction; "
-                             "pass every param group to the constructor")
+            raise ValueError(f"{type(self).__name__}.add_param_group: the flat layout is fixed at "
+                             "construction; pass every param group to the constructor")
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ runs
     def _build_runs(self, masters, tier=None):
         """masters: [(fp32 1-D tensor, [(param index, lo, hi, offset)], elements before the padding,
         replicated)]. Cuts each into runs of one group; builds the inner optimizer on views of them,
-        unless an offload tier (zero/tiers.py) steps the masters instead: then it is the inner optimizer."""
+        unless an offload tier (zero/tiers.py) steps the masters instead: then it is the inner
+        optimizer."""
         self.masters = [m for m, _, _, _ in masters]
         self.runs = []
         last = len(self.param_groups) - 1
@@ -152,7 +166,8 @@ class FlatShardOptimizer(torch.optim.Optimizer):
                     mine.append(run)
                 run.pieces.append((index, lo, hi, off - run.lo))
                 run.hi = off + hi - lo
-            if not mine and data_end == 0:  # a shard of padding only: stepped like any other (zero grad)
+            # a shard of padding only: stepped like any other (zero grad)
+            if not mine and data_end == 0:
                 mine.append(Run(k, last, 0, replicated))
             if mine and mine[-1].hi == data_end:
                 mine[-1].hi = master.numel()  # the padding joins the last run
@@ -160,20 +175,25 @@ class FlatShardOptimizer(torch.optim.Optimizer):
         for run in self.runs:
             run.tensor = self.masters[run.master].detach()[run.lo:run.hi]
         if tier is not None:
-            if len(self.param_groups) > 1:  # the tier steps views of its masters, a param group per user group
-                tier.regroup([(run.master, run.lo, run.hi, run.group) for run in self.runs],
-                             [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups])
-            tier.param_groups = self.param_groups  # the scheduler edits the user's groups; each tier step copies them
+            # the tier steps views of its masters, a param group per user group
+            if len(self.param_groups) > 1:
+                tier.regroup(
+                    [(run.master, run.lo, run.hi, run.group) for run in self.runs],
+                    [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                )
+            # the scheduler edits the user's groups; each tier step copies them
+            tier.param_groups = self.param_groups
             self.optim = tier
             return
         self.optim = self.optimizer_cls(
-            [{**{k: v for k, v in g.items() if k != "params"}, "params": [r.tensor for r in self.runs if r.group == i]}
+            [{**{k: v for k, v in g.items() if k != "params"},
+              "params": [r.tensor for r in self.runs if r.group == i]}
              for i, g in enumerate(self.param_groups)], **self.optimizer_kwargs)
 
     @torch.no_grad()
     def step_masters(self, used: set):
-        """One inner step on every master that has a .grad; parameters not in `used` are left as torch
-        leaves a parameter without a gradient (module docstring)."""
+        """One inner step on every master that has a .grad; parameters not in `used` are left as
+        torch leaves a parameter without a gradient (module docstring)."""
         for inner, outer in zip(self.optim.param_groups, self.param_groups):
             inner.update((k, v) for k, v in outer.items() if k != "params")
         masked = []
@@ -188,7 +208,8 @@ class FlatShardOptimizer(torch.optim.Optimizer):
                 state = self.optim.state.get(run.tensor, {})
                 elementwise = {k: [v[a:a + n].clone() for a, n in skip] for k, v in state.items()
                                if torch.is_tensor(v) and v.shape == run.tensor.shape}
-                masked.append((run, skip, [run.tensor[a:a + n].clone() for a, n in skip], elementwise))
+                masked.append((run, skip, [run.tensor[a:a + n].clone() for a, n in skip],
+                               elementwise))
         self.optim.step()
         for run, skip, values, elementwise in masked:
             for (a, n), v in zip(skip, values):
@@ -212,7 +233,8 @@ class FlatShardOptimizer(torch.optim.Optimizer):
         return self.local_state_dict()
 
     def local_state_dict(self) -> dict:
-        """This rank's shard of the state, torch's format plus its layout (FSDP's LOCAL_STATE_DICT)."""
+        """This rank's shard of the state, torch's format plus its layout (FSDP's
+        LOCAL_STATE_DICT)."""
         inner, start, groups = self.optim.state_dict(), 0, []
         for g in self.param_groups:
             groups.append({**{k: v for k, v in g.items() if k != "params"},
@@ -225,17 +247,21 @@ class FlatShardOptimizer(torch.optim.Optimizer):
         want = self.layout_signature()
         if state_dict.get("layout") != want:
             got = state_dict.get("layout") or {}
-            raise ValueError(f"{type(self).__name__}.load_state_dict: this state dict belongs to rank "
-                             f"{got.get('rank')} of {got.get('world_size')} with {len(got.get('shapes', []))} "
-                             f"parameters in groups of {got.get('groups')}; this is rank {want['rank']} of "
-                             f"{want['world_size']} with {len(want['shapes'])} in groups of {want['groups']}. A "
-                             "shard loads only on the same layout; engine checkpoints reshard.")
+            raise ValueError(f"{type(self).__name__}.load_state_dict: this state dict belongs to "
+                             f"rank {got.get('rank')} of {got.get('world_size')} with "
+                             f"{len(got.get('shapes', []))} parameters in groups of "
+                             f"{got.get('groups')}; this is rank {want['rank']} of "
+                             f"{want['world_size']} with {len(want['shapes'])} in groups of "
+                             f"{want['groups']}. A shard loads only on the same layout; engine "
+                             "checkpoints reshard.")
         inner = self.optim.state_dict()
-        for mine, saved, inner_group in zip(self.param_groups, state_dict["param_groups"], inner["param_groups"]):
+        for mine, saved, inner_group in zip(self.param_groups, state_dict["param_groups"],
+                                            inner["param_groups"]):
             hyper = {k: v for k, v in saved.items() if k != "params"}
             mine.update(hyper)
             inner_group.update(hyper)
-        self.optim.load_state_dict({"state": state_dict["state"], "param_groups": inner["param_groups"]})
+        self.optim.load_state_dict({"state": state_dict["state"],
+                                    "param_groups": inner["param_groups"]})
         self.stepped = set(state_dict["stepped"])
 
     def optimizer_state_tensors(self):

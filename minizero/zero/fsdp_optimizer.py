@@ -3,7 +3,8 @@
     model = FSDP(TinyGPT(cfg))
     opt = FSDPOptimizer(model, torch.optim.AdamW, lr=1e-3)           # or param groups:
     opt = FSDPOptimizer(model, torch.optim.AdamW, [{"params": decay, "weight_decay": 0.1},
-                                                   {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)
+                                                   {"params": no_decay, "weight_decay": 0.0}],
+                                                   lr=1e-3)
     loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
 
 A plain `torch.optim.AdamW(model.parameters())` works too: FSDP's parameters are this rank's local
@@ -21,12 +22,13 @@ Persistent (whole) parameters are stepped whole on every rank, the same on each 
 are all-reduced). A step needs no communication: the gradients are already reduced, and the
 next forward gathers the updated shards.
 
-offload=OffloadSpec(...) (zero/tiers.py): ZeRO-Offload / ZeRO-Infinity. The tier (host or files) holds
-every unit's fp32 master, gradient and optimizer state and runs the step; FSDP sends each unit's reduced
-gradient down during backward (FSDP.offload), and with OffloadSpec.params "cpu"/"nvme" the shards
-themselves live off the device between all-gathers. With the cpu tier and a 16-bit compute_dtype the device
-keeps only the 16-bit shard (2·Ψ/N bytes) and the fp32 master lives on the host alone, as in DeepSpeed; the
-disk tier and fp32 training keep fp32 shards on the device (the disk tier reads its masters from them).
+offload=OffloadSpec(...) (zero/tiers.py): ZeRO-Offload / ZeRO-Infinity. The tier (host or files)
+holds every unit's fp32 master, gradient and optimizer state and runs the step; FSDP sends each
+unit's reduced gradient down during backward (FSDP.offload), and with OffloadSpec.params
+"cpu"/"nvme" the shards themselves live off the device between all-gathers. With the cpu tier and a
+16-bit compute_dtype the device keeps only the 16-bit shard (2·Ψ/N bytes) and the fp32 master lives
+on the host alone, as in DeepSpeed; the disk tier and fp32 training keep fp32 shards on the device
+(the disk tier reads its masters from them).
 """
 from __future__ import annotations
 
@@ -43,9 +45,18 @@ def _map_groups(fsdp, params):
         return [{"params": list(fsdp.parameters())}]
     groups = list(params)
     if groups and isinstance(groups[0], dict):
-        return [{**g, "params": [fsdp.local_parameter(p) for p in
-                                 ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])]}
-                for g in groups]
+        return [
+            {
+                **g,
+                "params": [
+                    fsdp.local_parameter(p)
+                    for p in (
+                        [g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"]
+                    )
+                ],
+            }
+            for g in groups
+        ]
     return [{"params": [fsdp.local_parameter(p) for p in groups]}]
 
 
@@ -65,35 +76,51 @@ class FSDPOptimizer(FlatShardOptimizer):
                 pieces = [(index[id(unit.visible[j])], lo, lo + numel, offset)
                           for j, offset, numel, lo in unit.slots[part]
                           if numel and id(unit.visible[j]) in index]
-                data_end = sum(numel for _, _, numel, _ in unit.slots[part])  # the rank's elements, then padding
+                # the rank's elements, then padding
+                data_end = sum(numel for _, _, numel, _ in unit.slots[part])
                 masters.append((master, pieces, data_end, part == "whole"))
         self.parts = [(unit, part) for unit in fsdp.units for part in ("shard", "whole")
                       if getattr(unit, part) is not None]  # masters[i] is parts[i]'s tensor
-        self.offload = offload  # where the state (and, with offload.params, the shards) live; None: the device
-        self.tier = None if offload is None else self._offload(offload, [m for m, _, _, _ in masters])
+        # where the state (and, with offload.params, the shards) live; None: the device
+        self.offload = offload
+        self.tier = None if offload is None else self._offload(offload,
+                                                               [m for m, _, _, _ in masters])
         self._build_runs(masters, self.tier)
 
     def _offload(self, spec, tensors):
-        """The tier that steps every unit part off the device; FSDP sends each unit's gradient to it."""
-        tier = build_tier(spec, tensors, self.optimizer_cls, self.comm.rank, **self.optimizer_kwargs)
-        if getattr(tier, "param_dir", None) is not None:  # the shards' storage is now in files: the local parts follow
+        """The tier that steps every unit part off the device; FSDP sends each unit's gradient to
+        it."""
+        tier = build_tier(spec, tensors, self.optimizer_cls, self.comm.rank,
+                          **self.optimizer_kwargs)
+        # the shards' storage is now in files: the local parts follow
+        if getattr(tier, "param_dir", None) is not None:
             self.fsdp.point_local_parts_at_shards()
         index = {(id(unit), part): i for i, (unit, part) in enumerate(self.parts)}
-        sixteen = isinstance(tier, HostOptimizer) and spec.params == "none" and self.fsdp.compute_dtype is not None
-        masters = (lambda unit, part: tier.masters[index[(id(unit), part)]] if getattr(unit, part) is not None
+        sixteen = (
+            isinstance(tier, HostOptimizer)
+            and spec.params == "none"
+            and self.fsdp.compute_dtype is not None
+        )
+        masters = (lambda unit,
+                   part: tier.masters[index[(id(unit), part)]] if getattr(unit, part) is not None
                    else None) if sixteen else None
-        # first (a model that cannot offload, HybridShard, refuses here with nothing changed), then the layout
-        self.fsdp.offload(lambda unit, part, grad: tier.accumulate(index[(id(unit), part)], grad),
-                          ShardSource(tier, self.fsdp.comm.device) if spec.params != "none" else None, masters)
+        # first (a model that cannot offload, HybridShard,
+        # refuses here with nothing changed), then the layout
+        self.fsdp.offload(
+            lambda unit, part, grad: tier.accumulate(index[(id(unit), part)], grad),
+            ShardSource(tier, self.fsdp.comm.device) if spec.params != "none" else None,
+            masters,
+        )
         if sixteen:
             self._keep_16bit_shards()
         return tier
 
     @torch.no_grad()
     def _keep_16bit_shards(self):
-        """ZeRO-Offload's layout at stage 3 (as DeepSpeed's): the device keeps each unit's shard in the 16-bit
-        compute dtype (2·Ψ/N bytes) and the tier, which just copied the fp32 shards, holds the only fp32 master
-        on the host. The parameters come up in 16 bits after each step (2·Ψ/N bytes)."""
+        """ZeRO-Offload's layout at stage 3 (as DeepSpeed's): the device keeps each unit's shard in
+        the 16-bit compute dtype (2·Ψ/N bytes) and the tier, which just copied the fp32 shards,
+        holds the only fp32 master on the host. The parameters come up in 16 bits after each step
+        (2·Ψ/N bytes)."""
         for unit, part in self.parts:
             shard = getattr(unit, part)
             shard.data = shard.data.to(self.fsdp.dtype)
@@ -131,9 +158,10 @@ class FSDPOptimizer(FlatShardOptimizer):
                 p.grad.zero_()
 
     def memory_tensors(self):
-        """The optimizer state only; the shards and their gradients are the model's (FSDP.memory_tensors).
-        Offloaded: the tier's masters, gradients and state where they live, and with offload.params "cpu"
-        the shards on the host (measure the optimizer before the model, so these locations win)."""
+        """The optimizer state only; the shards and their gradients are the model's
+        (FSDP.memory_tensors). Offloaded: the tier's masters, gradients and state where they live,
+        and with offload.params "cpu" the shards on the host (measure the optimizer before the
+        model, so these locations win)."""
         if self.tier is None:
             yield from self.optimizer_state_tensors()
             return
@@ -143,5 +171,6 @@ class FSDPOptimizer(FlatShardOptimizer):
                 yield "parameters", master, "host"
 
     def __repr__(self):
-        return (f"FSDPOptimizer({self.optimizer_cls.__name__}, rank {self.comm.rank}/{self.comm.size}, "
-                f"{len(self.runs)} runs over {len(self.masters)} shards, {len(self.param_groups)} groups)")
+        return (f"FSDPOptimizer({self.optimizer_cls.__name__}, rank "
+                f"{self.comm.rank}/{self.comm.size}, {len(self.runs)} runs over "
+                f"{len(self.masters)} shards, {len(self.param_groups)} groups)")

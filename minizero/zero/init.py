@@ -6,7 +6,7 @@ returns. minizero does it with the meta device and a replay:
 
     with zero.Init():                    # parameters are created on the meta device: no memory
         model = build_model("tiny-gpt")  # its init code runs as usual ...
-    fsdp = FSDP(model)                   # ... and FSDP materializes one unit at a time, keeps its shard
+    fsdp = FSDP(model)  # ... and FSDP materializes one unit at a time, keeps its shard
 
 While the context is open, a TorchDispatchMode sees every aten op on a meta tensor and records a
 recipe per storage: the op that created it (torch.empty, torch.linspace, a clone of another meta
@@ -49,7 +49,8 @@ class _Recipe:
     def __init__(self, dtype, numel):
         self.dtype = dtype      # one dtype per storage (a view with another dtype is refused)
         self.numel = numel      # elements of the storage
-        self.creator = None     # (func, args, kwargs, rng): the op that produced it; None: uninitialized
+        # (func, args, kwargs, rng): the op that produced it; None: uninitialized
+        self.creator = None
         self.ops = []           # (func, target view, args, kwargs, rng) in order
         self.error = None       # why it cannot be replayed, if it cannot
 
@@ -61,12 +62,14 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.recipes = {}       # storage key -> _Recipe
         self.keep = []          # the meta tensors seen: keeps their storages (and keys) alive
-        self.dtype = None       # materialize(t) casts to this and back (engine: fp16 rounding as .to(fp16))
+        # materialize(t) casts to this and back (engine: fp16 rounding as .to(fp16))
+        self.dtype = None
 
     def _ref(self, t):
         rec = self.recipes.get(_key(t))
         if rec is None:
-            rec = self.recipes[_key(t)] = _Recipe(t.dtype, t.untyped_storage().nbytes() // t.element_size())
+            rec = self.recipes[_key(t)] = _Recipe(t.dtype,
+                                                  t.untyped_storage().nbytes() // t.element_size())
             self.keep.append(t)
         return _Ref(t, len(rec.ops))
 
@@ -84,7 +87,8 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         rng = self._rng(func, kwargs)
-        if rng is not None:  # draw for real, on a throwaway tensor, so the generator advances as in a whole build
+        # draw for real, on a throwaway tensor, so the generator advances as in a whole build
+        if rng is not None:
             real = tree_map(lambda x: torch.empty_strided(x.size(), x.stride(), dtype=x.dtype)
                             if torch.is_tensor(x) and x.is_meta else x, (args, kwargs))
             real[1].pop("device", None)
@@ -93,21 +97,26 @@ class Recorder(TorchDispatchMode):
         written = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None
                    and a.alias_info.is_write]
         enc_args, enc_kwargs = tree_map(self._encode, (args, kwargs))
-        stored_rng = None if rng is None else rng[1]  # a fresh generator in this state draws the same numbers
+        # a fresh generator in this state draws the same numbers
+        stored_rng = None if rng is None else rng[1]
         if written:
             target = args[written[0]] if written[0] < len(args) else None
             if torch.is_tensor(target) and target.is_meta:
                 ref = self._ref(target)
                 rec = self.recipes[ref.key]
                 if len(written) > 1 or target.dtype != rec.dtype:
-                    rec.error = (rec.error
-                                 or f"{func} writes it through "
-                                 f"{'two outputs' if len(written) > 1 else 'a view of another dtype'}")
+                    rec.error = (
+                        rec.error
+                        or f"{func} writes it through "
+                        f"{'two outputs' if len(written) > 1 else 'a view of another dtype'}"
+                    )
                 rec.ops.append((func, written[0], enc_args, enc_kwargs, stored_rng))
             return out
         for o in (out if isinstance(out, (tuple, list)) else [out]):
             if torch.is_tensor(o) and o.is_meta and _key(o) not in self.recipes:
-                rec = self.recipes[_key(o)] = _Recipe(o.dtype, o.untyped_storage().nbytes() // o.element_size())
+                rec = self.recipes[_key(o)] = _Recipe(
+                    o.dtype, o.untyped_storage().nbytes() // o.element_size()
+                )
                 self.keep.append(o)
                 rec.creator = (func, enc_args, enc_kwargs, stored_rng,
                                (tuple(o.size()), tuple(o.stride()), o.storage_offset()))
@@ -115,7 +124,8 @@ class Recorder(TorchDispatchMode):
 
     # ------------------------------------------------------------------ replay
     def _value(self, ref: _Ref, cache) -> torch.Tensor:
-        return self._storage(ref.key, ref.version, cache).as_strided(ref.size, ref.stride, ref.offset)
+        return self._storage(ref.key, ref.version, cache).as_strided(ref.size, ref.stride,
+                                                                     ref.offset)
 
     def _decode(self, x, cache):
         return self._value(x, cache) if isinstance(x, _Ref) else x
@@ -134,8 +144,8 @@ class Recorder(TorchDispatchMode):
         """The storage's flat values after its first `upto` ops (None: all)."""
         rec = self.recipes[key]
         if rec.error:
-            raise RuntimeError(f"zero.Init cannot rebuild this tensor: {rec.error}. Build the model without "
-                               "zero.Init, or initialize that tensor in place")
+            raise RuntimeError(f"zero.Init cannot rebuild this tensor: {rec.error}. Build the "
+                               "model without zero.Init, or initialize that tensor in place")
         upto = len(rec.ops) if upto is None else upto
         if (key, upto) in cache:
             return cache[key, upto]
@@ -157,10 +167,12 @@ class Recorder(TorchDispatchMode):
         if not t.is_meta:
             return t
         if _key(t) not in self.recipes:
-            raise RuntimeError("zero.Init: this meta tensor was not created inside the zero.Init context")
+            raise RuntimeError("zero.Init: this meta tensor was not created inside the zero.Init "
+                               "context")
         value = self._value(_Ref(t, None), {}).clone()
         if self.dtype is not None and value.is_floating_point():
-            value = value.to(self.dtype).to(t.dtype)  # rounded as the whole model's .to(dtype) would be
+            # rounded as the whole model's .to(dtype) would be
+            value = value.to(self.dtype).to(t.dtype)
         return value
 
     @torch.no_grad()
@@ -173,10 +185,12 @@ class Recorder(TorchDispatchMode):
                     m._buffers[name] = self.materialize(b)
             for name, p in list(m._parameters.items()):
                 if p is not None and p.is_meta and (trainable or not p.requires_grad):
-                    m._parameters[name] = torch.nn.Parameter(self.materialize(p), requires_grad=p.requires_grad)
+                    m._parameters[name] = torch.nn.Parameter(self.materialize(p),
+                                                             requires_grad=p.requires_grad)
 
 
-_RECORDERS = []  # every Init's recorder; built_with_init finds a model's by its parameters' storages
+# every Init's recorder; built_with_init finds a model's by its parameters' storages
+_RECORDERS = []
 
 
 class Init:
@@ -206,11 +220,13 @@ class Init:
 
 def built_with_init(module: torch.nn.Module):
     """The Recorder of a model built under zero.Init, None for a normal model."""
-    meta = [p for p in module.parameters() if p.is_meta] + [b for b in module.buffers() if b.is_meta]
+    meta = [p for p in module.parameters() if p.is_meta] + [
+        b for b in module.buffers() if b.is_meta
+    ]
     if not meta:
         return None
     for recorder in reversed(_RECORDERS):
         if _key(meta[0]) in recorder.recipes:
             return recorder
-    raise ValueError("the model has tensors on the meta device that no zero.Init recorded: build it inside "
-                     "`with minizero.zero.Init(): model = ...`")
+    raise ValueError("the model has tensors on the meta device that no zero.Init recorded: build "
+                     "it inside `with minizero.zero.Init(): model = ...`")

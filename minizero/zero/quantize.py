@@ -46,7 +46,8 @@ from minizero.comm.labels import labelled
 
 BITS = (4, 8)
 LITTLE_ENDIAN = sys.byteorder == "little"  # the int16 view of two int8 codes (_pack_int4_into)
-CHUNK_NUMEL = 1 << 16  # encode/decode a quarter-MB of fp32 at a time: 3x faster than whole 3M-element tensors
+# encode/decode a quarter-MB of fp32 at a time: 3x faster than whole 3M-element tensors
+CHUNK_NUMEL = 1 << 16
 
 
 class Pending:
@@ -66,7 +67,8 @@ class Pending:
 
 def check_block_numel(block_numel, what="block_numel"):
     if isinstance(block_numel, bool) or not isinstance(block_numel, int) or block_numel <= 0:
-        raise ValueError(f"{what} must be a positive int (elements per quantization block), got {block_numel!r}")
+        raise ValueError(f"{what} must be a positive int (elements per quantization block), got "
+                         f"{block_numel!r}")
 
 
 def _rows(x):
@@ -85,7 +87,8 @@ def _blocks(x, block_numel):
 
 
 def quantize_blockwise(x, block_numel, bits=8):
-    """x (1-D, or 2-D: each row on its own) -> (codes int8 [rows, n], scales fp32 [rows, ceil(n/B)])."""
+    """x (1-D, or 2-D: each row on its own) -> (codes int8 [rows, n], scales fp32 [rows,
+    ceil(n/B)])."""
     check_block_numel(block_numel)
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
@@ -141,10 +144,10 @@ def _step(block_numel, bits):
 
 
 def _pack_int4_into(codes, out):
-    """pack_int4's bytes for int8 codes [rows, m], m even, written into uint8 `out` [rows, m // 2]; codes is
-    overwritten. Each pair of codes, +8, read as one little-endian int16 v = b0 + 256 b1 (0 < b < 16): the
-    packed byte b0 | b1 << 4 is the low byte of v | v >> 4. Three contiguous passes instead of strided ones
-    (3.5x faster on a 64K chunk than the nibble view)."""
+    """pack_int4's bytes for int8 codes [rows, m], m even, written into uint8 `out` [rows, m // 2];
+    codes is overwritten. Each pair of codes, +8, read as one little-endian int16 v = b0 + 256 b1 (0
+    < b < 16): the packed byte b0 | b1 << 4 is the low byte of v | v >> 4. Three contiguous passes
+    instead of strided ones (3.5x faster on a 64K chunk than the nibble view)."""
     if not codes.is_contiguous() or codes.storage_offset() % 2:  # the int16 view needs aligned rows
         codes = codes.clone(memory_format=torch.contiguous_format)
     codes.add_(8)
@@ -153,9 +156,9 @@ def _pack_int4_into(codes, out):
 
 
 def _unpack_int4_into(packed, buf):
-    """unpack_int4's codes (both nibbles of every byte, 2 x packed's columns) written into int8 `buf`: each
-    byte p as an int16, (p | p << 4) & 0x0F0F has p's low nibble in its low byte and its high nibble in its
-    high byte (little-endian), then -8."""
+    """unpack_int4's codes (both nibbles of every byte, 2 x packed's columns) written into int8
+    `buf`: each byte p as an int16, (p | p << 4) & 0x0F0F has p's low nibble in its low byte and its
+    high nibble in its high byte (little-endian), then -8."""
     wide = packed.to(torch.int16)
     torch.bitwise_and(wide.bitwise_or_(wide << 4), 0x0F0F, out=buf.view(torch.int16))
     buf.sub_(8)
@@ -169,7 +172,8 @@ def encode(x, block_numel, bits):
     x = _rows(x)
     rows, n = x.shape
     code_bytes = -(-n // 2) if bits == 4 else n
-    wire = torch.empty(rows, code_bytes + 4 * -(-n // block_numel), dtype=torch.uint8, device=x.device)
+    wire = torch.empty(rows, code_bytes + 4 * -(-n // block_numel), dtype=torch.uint8,
+                       device=x.device)
     scales = []
     step = _step(block_numel, bits)
     for start in range(0, n, step):
@@ -177,7 +181,8 @@ def encode(x, block_numel, bits):
         width = chunk_codes.shape[1]
         if bits == 8:
             wire[:, start:start + width].copy_(chunk_codes.view(torch.uint8))
-        elif width % 2 or not LITTLE_ENDIAN:  # an odd last chunk (padded, as pack_int4 does), or big-endian
+        # an odd last chunk (padded, as pack_int4 does), or big-endian
+        elif width % 2 or not LITTLE_ENDIAN:
             wire[:, start // 2:start // 2 + (width + 1) // 2].copy_(pack_int4(chunk_codes))
         else:
             _pack_int4_into(chunk_codes, wire[:, start // 2:start // 2 + width // 2])
@@ -188,15 +193,24 @@ def encode(x, block_numel, bits):
 
 @labelled("mz.quantize.decode")
 def decode(wire, n, block_numel, bits, out=None, sum_rows=False):
-    """Inverse of encode: uint8 rows -> rows of n values, written into `out` (any float dtype) if given,
-    else a new fp32 tensor; sum_rows: their fp32 sum instead, one row of n. A chunk of columns at a
-    time, like encode (int4 codes unpacked into one reused buffer)."""
+    """Inverse of encode: uint8 rows -> rows of n values, written into `out` (any float dtype) if
+    given, else a new fp32 tensor; sum_rows: their fp32 sum instead, one row of n. A chunk of
+    columns at a time, like encode (int4 codes unpacked into one reused buffer)."""
     code_bytes = -(-n // 2) if bits == 4 else n
-    scales = wire[:, code_bytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # aligned
+    # aligned
+    scales = wire[:, code_bytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     if out is None:
-        out = torch.empty(n, device=wire.device) if sum_rows else torch.empty(wire.shape[0], n, device=wire.device)
+        out = (
+            torch.empty(n, device=wire.device)
+            if sum_rows
+            else torch.empty(wire.shape[0], n, device=wire.device)
+        )
     step = _step(block_numel, bits)
-    unpacked = torch.empty(wire.shape[0], step, dtype=torch.int8, device=wire.device) if bits == 4 else None
+    unpacked = (
+        torch.empty(wire.shape[0], step, dtype=torch.int8, device=wire.device)
+        if bits == 4
+        else None
+    )
     for start in range(0, n, step):
         stop = min(n, start + step)
         if bits == 4:  # start is even: byte start // 2 holds codes start and start + 1
@@ -208,8 +222,11 @@ def decode(wire, n, block_numel, bits, out=None, sum_rows=False):
                 codes = unpack_int4(packed, stop - start)
         else:
             codes = wire[:, start:stop].view(torch.int8)
-        values = dequantize_blockwise(codes, scales[:, start // block_numel:-(-stop // block_numel)], block_numel)
-        if sum_rows and values.shape[0] == 2:  # v0 + v1, as the sum over two rows (never -0.0: code * scale)
+        values = dequantize_blockwise(codes,
+                                      scales[:, start // block_numel:-(-stop // block_numel)],
+                                      block_numel)
+        # v0 + v1, as the sum over two rows (never -0.0: code * scale)
+        if sum_rows and values.shape[0] == 2:
             torch.add(values[0], values[1], out=out[start:stop])
         elif sum_rows:
             torch.sum(values, dim=0, out=out[start:stop])
@@ -248,7 +265,8 @@ def quantized_all_gather(comm, output, shard, block_numel, async_op=False):
 
 
 def _all_to_all_sum(comm, rows, block_numel, bits):
-    """Row j of `rows` goes (quantized) to rank j of comm; returns the fp32 sum of the rows received."""
+    """Row j of `rows` goes (quantized) to rank j of comm; returns the fp32 sum of the rows
+    received."""
     if comm.size == 1:
         return rows[0].float()
     wire = encode(rows, block_numel, bits)
@@ -259,12 +277,15 @@ def _all_to_all_sum(comm, rows, block_numel, bits):
 
 def hierarchical_reduce_scatter(node, cross_node, output, input, block_numel, bits=4):
     """qgZ: output (s elements, fp32) = the average over all node.size * cross_node.size ranks of
-    this rank's shard of `input` (N * s elements), sent as `bits`-bit codes in two all-to-all hops."""
+    this rank's shard of `input` (N * s elements), sent as `bits`-bit codes in two all-to-all
+    hops."""
     k, nodes, s = node.size, cross_node.size, output.numel()
     if input.numel() != k * nodes * s:
-        raise ValueError(f"hierarchical_reduce_scatter: input has {input.numel()} elements, expected "
-                         f"{k} x {nodes} x {s}")
-    rows = input.view(nodes, k, s).transpose(0, 1).reshape(k, nodes * s)  # row j: every node's rank-j shard
+        raise ValueError(f"hierarchical_reduce_scatter: input has {input.numel()} elements, "
+                         f"expected {k} x {nodes} x {s}")
+    # row j: every node's rank-j shard
+    rows = input.view(nodes, k, s).transpose(0, 1).reshape(k, nodes * s)
     node_sum = _all_to_all_sum(node, rows, block_numel, bits)               # hop 1, inside the node
-    total = _all_to_all_sum(cross_node, node_sum.view(nodes, s), block_numel, bits)  # hop 2, across nodes
+    # hop 2, across nodes
+    total = _all_to_all_sum(cross_node, node_sum.view(nodes, s), block_numel, bits)
     torch.div(total, k * nodes, out=output)

@@ -1,4 +1,5 @@
-"""minizero.zero.zeropp: ZeRO++ (Wang et al. 2023), ZeRO-3 with its cross-node traffic cut three ways.
+"""minizero.zero.zeropp: ZeRO++ (Wang et al. 2023), ZeRO-3 with its cross-node traffic cut three
+ways.
 
     mesh = Mesh(comm, node_size=2)                    # 4 ranks as 2 simulated nodes x 2 ranks
     model = ZeroPP(TinyGPT(cfg), mesh)                # qwZ + hpZ + qgZ; otherwise FSDP's API
@@ -30,9 +31,10 @@ Cross-node bytes per node per step (ring model, comm/stats.py) with nodes of k r
       + qgZ       (N-1)/N (M + M) + (nodes-1)/nodes 0.25M                             2.25M
       all three   (N-1)/N 0.5M + (nodes-1)/nodes 0.25M                                0.75M
 plus 4 bytes per quantization block, and each unit's padding to a multiple of N (lesson 08
-measures it). Persistent parameters stay whole and are all-reduced unquantized, as in FSDP: + 2(N-1)/N P
-per rank for P persistent elements, and a unit with no sharded part (every parameter under the
-persistence threshold, e.g. a unit of norms and biases) gathers nothing and keeps no secondary partition.
+measures it). Persistent parameters stay whole and are all-reduced unquantized, as in FSDP: +
+2(N-1)/N P per rank for P persistent elements, and a unit with no sharded part (every parameter
+under the persistence threshold, e.g. a unit of norms and biases) gathers nothing and keeps no
+secondary partition.
 
 Nodes are the Mesh's (node_size consecutive ranks), and ZeroPP shards over all of mesh.world
 (a Mesh with pp = tp = 1). node_size = 1 is legal, but then no rank has a node-mate to share a
@@ -59,15 +61,16 @@ class ZeroPPWarning(UserWarning):
     pass
 
 
-def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantized_weights: bool, hpz: bool,
-                   quantized_gradients: bool, weight_block_numel: int = 2048, grad_block_numel: int = 512,
-                   persistent_numel: int = 0) -> dict:
-    """What one rank sends per forward + backward, ring model (comm/stats.py), from the units' gathered
-    sizes alone (`padded`: each unit's N*s elements; 0 for a unit whose every parameter is persistent) and
-    the persistent elements (`persistent_numel`, all units: never gathered, their gradients all-reduced
-    unquantized, 2(N-1)/N of them per rank): {collective: {link: bytes}} with collective in
-    forward_all_gather / backward_all_gather / gradients and link
-      "ring":   a collective over all N ranks; on a ring of several nodes one rank per node sends across
+def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantized_weights: bool,
+                   hpz: bool, quantized_gradients: bool, weight_block_numel: int = 2048,
+                   grad_block_numel: int = 512, persistent_numel: int = 0) -> dict:
+    """What one rank sends per forward + backward, ring model (comm/stats.py), from the units'
+    gathered sizes alone (`padded`: each unit's N*s elements; 0 for a unit whose every parameter is
+    persistent) and the persistent elements (`persistent_numel`, all units: never gathered, their
+    gradients all-reduced unquantized, 2(N-1)/N of them per rank): {collective: {link: bytes}} with
+    collective in forward_all_gather / backward_all_gather / gradients and link
+      "ring":   a collective over all N ranks; on a ring of several nodes one rank per node sends
+                across
       "node":   inside this rank's node (hpZ's backward gather, qgZ's first all-to-all)
       "across": to the other nodes only (qgZ's second all-to-all)
     The module docstring's table is this, summed over a node's k ranks."""
@@ -78,7 +81,8 @@ def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantize
     for gathered in padded:
         shard = gathered // world
         payload = (gathered + 4 * world * math.ceil(shard / weight_block_numel) if quantized_weights
-                   else gathered * elem_bytes)  # int8 codes + one fp32 scale per block of each shard
+                   # int8 codes + one fp32 scale per block of each shard
+                   else gathered * elem_bytes)
         out["forward_all_gather"]["ring"] += (world - 1) / world * payload
         if hpz:  # from the node-mates' secondary partitions, unquantized
             out["backward_all_gather"]["node"] += (k - 1) / k * gathered * elem_bytes
@@ -87,8 +91,8 @@ def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantize
         if quantized_gradients:
             def wire(n):  # one all-to-all row of n elements: int4 codes + fp32 scales
                 return math.ceil(n / 2) + 4 * math.ceil(n / grad_block_numel)
-            out["gradients"]["node"] += (k - 1) * wire(nodes * shard)      # hop 1: rows for node-mates
-            out["gradients"]["across"] += (nodes - 1) * wire(shard)        # hop 2: rows for other nodes
+            out["gradients"]["node"] += (k - 1) * wire(nodes * shard)  # hop 1: rows for node-mates
+            out["gradients"]["across"] += (nodes - 1) * wire(shard)  # hop 2: rows for other nodes
         else:
             out["gradients"]["ring"] += (world - 1) / world * gathered * elem_bytes
     out["gradients"]["ring"] += 2 * (world - 1) / world * persistent_numel * elem_bytes
@@ -97,39 +101,47 @@ def bytes_per_rank(padded, world: int, node_size: int, elem_bytes: int, quantize
 
 class ZeroPP(FSDP):
     def __init__(self, module, mesh, quantized_weights: bool = True, hpz: bool = True,
-                 quantized_gradients: bool = True, weight_block_numel: int = 2048, grad_block_numel: int = 512,
-                 quantizer=None, measure_error: bool = False, **fsdp_kwargs):
+                 quantized_gradients: bool = True, weight_block_numel: int = 2048,
+                 grad_block_numel: int = 512, quantizer=None, measure_error: bool = False,
+                 **fsdp_kwargs):
         check_block_numel(weight_block_numel, "weight_block_numel")
         check_block_numel(grad_block_numel, "grad_block_numel")
         if mesh.pp_size * mesh.tp_size != 1:
-            raise ValueError(f"ZeroPP shards over all {mesh.world.size} ranks of the mesh: build it with pp=1 and "
-                             f"tp=1 (got pp={mesh.pp_size}, tp={mesh.tp_size})")
+            raise ValueError(f"ZeroPP shards over all {mesh.world.size} ranks of the mesh: build "
+                             f"it with pp=1 and tp=1 (got pp={mesh.pp_size}, tp={mesh.tp_size})")
         if hpz and mesh.node_size == 1 and mesh.world.size > 1:
-            warnings.warn("ZeroPP: node_size=1, every rank is its own node: hpZ has no node-mates to share a "
-                          "secondary partition with, so it is off (a no-op). Build the Mesh with node_size > 1 "
-                          "(e.g. the ranks per server) to use it.", ZeroPPWarning, stacklevel=2)
+            warnings.warn("ZeroPP: node_size=1, every rank is its own node: hpZ has no node-mates "
+                          "to share a secondary partition with, so it is off (a no-op). Build the "
+                          "Mesh with node_size > 1 (e.g. the ranks per server) to use it.",
+                          ZeroPPWarning, stacklevel=2)
             hpz = False
         super().__init__(module, mesh.world, **fsdp_kwargs)
-        self.mesh = mesh                                   # nodes: mesh.node (hpZ, qgZ hop 1), mesh.cross_node
-        self.quantized_weights = bool(quantized_weights)   # qwZ: int8 all-gathers from the primary shards
+        self.mesh = mesh  # nodes: mesh.node (hpZ, qgZ hop 1), mesh.cross_node
+        # qwZ: int8 all-gathers from the primary shards
+        self.quantized_weights = bool(quantized_weights)
         self.hpz = bool(hpz)                               # hpZ: backward gathers inside the node
-        self.quantized_gradients = bool(quantized_gradients)  # qgZ: int4 hierarchical all-to-all reduce
-        self.weight_block_numel = weight_block_numel       # elements per int8 scale (DeepSpeed: ~4-8K)
+        # qgZ: int4 hierarchical all-to-all reduce
+        self.quantized_gradients = bool(quantized_gradients)
+        self.weight_block_numel = weight_block_numel  # elements per int8 scale (DeepSpeed: ~4-8K)
         self.grad_block_numel = grad_block_numel           # elements per int4 scale
-        self.quantizer = quantizer or quantize             # where the quantized collectives come from
-        self.measure_error = measure_error                 # also run exact reduce-scatters, to compare
-        self.secondary = {}  # hpZ: unit -> the 1/k of it this rank keeps for its node (each forward's gather)
-        self._filled = {}   # unit -> its shard's version when this forward filled its secondary partition
+        self.quantizer = quantizer or quantize  # where the quantized collectives come from
+        self.measure_error = measure_error  # also run exact reduce-scatters, to compare
+        # hpZ: unit -> the 1/k of it this rank keeps for its node (each forward's gather)
+        self.secondary = {}
+        # unit -> its shard's version when this forward filled its secondary partition
+        self._filled = {}
         self.errors = {}    # this step's quantization error on this rank (see quantization_error)
 
     # ------------------------------------------------------------------ weights: qwZ, hpZ
     def forward(self, *args, **kwargs):
         self._filled.clear()  # a secondary partition lives from a forward to its backward
-        self.errors = {"weights": [0.0, 0.0, 0.0], "gradients": [0.0, 0.0, 0.0]}  # err², ref², max |err|
+        # err², ref², max |err|
+        self.errors = {"weights": [0.0, 0.0, 0.0], "gradients": [0.0, 0.0, 0.0]}
         return super().forward(*args, **kwargs)
 
     def _gathered(self, unit, buf, work):
-        """After a gather from the primary shards (every forward): note the error, keep hpZ's part."""
+        """After a gather from the primary shards (every forward): note the error, keep hpZ's
+        part."""
         work.wait()
         if self.quantized_weights:
             mine = buf[self.comm.rank * unit.layout.shard_numel:][:unit.layout.shard_numel].float()
@@ -148,7 +160,8 @@ class ZeroPP(FSDP):
             self._filled[unit] = unit.shard._version
 
     def _gather_shards(self, unit, buf, src):
-        if not unit.gathered_numel:  # every parameter of the unit is persistent: nothing to gather or keep
+        # every parameter of the unit is persistent: nothing to gather or keep
+        if not unit.gathered_numel:
             return super()._gather_shards(unit, buf, src)
         if self._filled.get(unit) == unit.shard._version:
             # hpZ: the weights have not changed since this forward gathered them: stay in the node
@@ -163,8 +176,9 @@ class ZeroPP(FSDP):
             return
         if self.quantized_weights:
             memory.transient.alloc(f"{self._tag}/{unit.name}", buf)
-            work = self.quantizer.quantized_all_gather(self.comm, buf[:unit.gathered_numel], unit.shard.detach(),
-                                                       self.weight_block_numel, async_op=True)
+            work = self.quantizer.quantized_all_gather(self.comm, buf[:unit.gathered_numel],
+                                                       unit.shard.detach(), self.weight_block_numel,
+                                                       async_op=True)
         else:
             super()._gather_shards(unit, buf, src)
             work = unit.work
@@ -193,17 +207,20 @@ class ZeroPP(FSDP):
         acc[2] = max(acc[2], float(err.abs().max())) if err.numel() else acc[2]
 
     def quantization_error(self) -> dict:
-        """This step, this rank: {"weights"|"gradients": (relative L2 error, max |error|) or None}."""
+        """This step, this rank: {"weights"|"gradients": (relative L2 error, max |error|) or
+        None}."""
         return {kind: (acc[0] ** 0.5 / max(acc[1], 1e-30) ** 0.5, acc[2]) if acc[1] else None
                 for kind, acc in self.errors.items()}
 
     def memory_tensors(self):
-        """FSDP's, plus hpZ's secondary partitions (parameters this rank holds for its node-mates)."""
+        """FSDP's, plus hpZ's secondary partitions (parameters this rank holds for its
+        node-mates)."""
         yield from super().memory_tensors()
         for secondary in self.secondary.values():
             yield "parameters", secondary, None
 
     def extra_repr(self) -> str:
-        return (f"qwZ={self.quantized_weights} (block {self.weight_block_numel}), hpZ={self.hpz} (node of "
-                f"{self.mesh.node_size}), qgZ={self.quantized_gradients} (block {self.grad_block_numel}), "
+        return (f"qwZ={self.quantized_weights} (block {self.weight_block_numel}), hpZ={self.hpz} "
+                f"(node of {self.mesh.node_size}), qgZ={self.quantized_gradients} (block "
+                f"{self.grad_block_numel}), "
                 + super().extra_repr())
