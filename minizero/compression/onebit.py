@@ -1,16 +1,18 @@
-"""1-bit compression with error feedback, and the compressed all-reduce built on it (Tang et al. 2021).
+"""1-bit compression with error feedback, and the compressed all-reduce built on it (Tang et al.
+2021).
 
-A tensor x of n elements (padded with zeros to a multiple of 8N, so each rank's chunk packs into whole
-bytes) is sent as its signs, one bit each, and ONE scale:
+A tensor x of n elements (padded with zeros to a multiple of 8N, so each rank's chunk packs into
+whole bytes) is sent as its signs, one bit each, and ONE scale:
 
-    c = x + e                        e: what earlier compressions of this buffer got wrong (error feedback)
+    c = x + e                        e: what earlier compressions of this buffer got wrong
+                                     (error feedback)
     scale = ||c||_2 / sqrt(n)        the RMS of c: sign(c) * scale has the same L2 norm as c
     x' = scale * sign(c)             sign(0) counts as +1 (a bit has two values)
     e <- c - x'                      kept for the next call: what was lost is added back next time
 
-Without e every call rounds the same way and the error accumulates as a bias; with it, the sum of the
-compressed values over T calls differs from the sum of the true values by one e, which stays bounded,
-so their average converges (tests/test_onebit.py measures both).
+Without e every call rounds the same way and the error accumulates as a bias; with it, the sum of
+the compressed values over T calls differs from the sum of the true values by one e, which stays
+bounded, so their average converges (tests/test_onebit.py measures both).
 
 compressed_allreduce (DeepSpeed's NcclBackend.compressed_allreduce, deepspeed/runtime/comm/nccl.py):
 the average of every rank's x, as a reduce-scatter and an all-gather, each 1-bit:
@@ -23,7 +25,8 @@ Signs and scale travel as ONE byte message per chunk (two collectives, two laten
 DeepSpeed, which all-gathers the scales separately; the bytes are the same). Bytes one rank sends,
 ring model (comm/stats.py), for n padded elements:
     all-to-all (N-1)/N (n/8 + 4N)  +  all-gather (N-1)/N (n/8 + 4N)   = 2(N-1)/N (n/8 + 4N)
-against 2(N-1)/N 4n for an fp32 all-reduce: 1 bit + the scales instead of 32 bits (bytes_compressed).
+against 2(N-1)/N 4n for an fp32 all-reduce: 1 bit + the scales instead of 32 bits
+(bytes_compressed).
 """
 from __future__ import annotations
 
@@ -109,9 +112,9 @@ def _decode(message: torch.Tensor) -> torch.Tensor:
 def compressed_allreduce(x: torch.Tensor, comm, worker_error: torch.Tensor | None = None,
                          server_error: torch.Tensor | None = None) -> torch.Tensor:
     """The average over ranks of x, each rank's x and each chunk's average sent as 1-bit signs and a
-    scale. x: flat fp32 of padded_numel(x.numel(), N) elements; worker_error like x, server_error like
-    this rank's chunk (x.numel() // N), both updated in place; None: no error feedback on that side.
-    Returns a new tensor like x, the same on every rank."""
+    scale. x: flat fp32 of padded_numel(x.numel(), N) elements; worker_error like x, server_error
+    like this rank's chunk (x.numel() // N), both updated in place; None: no error feedback on that
+    side. Returns a new tensor like x, the same on every rank."""
     # BEGIN SOLUTION: the compressed all-reduce: a 1-bit all-to-all, then a 1-bit all-gather.
     #   What must hold: the result is the same on every rank, shaped like x, and its chunk j (numel
     #   / N elements) has been compressed twice: once in each worker's x (one scale per worker,

@@ -1,4 +1,5 @@
-"""OneBitAdam: Adam whose momentum, not its gradient, crosses the network in 1 bit (Tang et al. 2021).
+"""OneBitAdam: Adam whose momentum, not its gradient, crosses the network in 1 bit (Tang et al.
+2021).
 
 Adam's variance v changes slowly once training has settled; the paper's observation is that, frozen,
 it makes Adam a momentum SGD with a fixed per-coordinate learning rate, and momentum SGD tolerates
@@ -16,7 +17,8 @@ error-compensated 1-bit communication. Two phases, as DeepSpeed's OnebitAdam
 Differences from DeepSpeed, on purpose: the update keeps torch Adam's bias correction (DeepSpeed
 stores bias_correction but its update is m / (sqrt(v) + eps)), so the warm-up is exactly torch Adam;
 weight decay is decoupled (AdamW's p *= 1 - lr wd; DeepSpeed adds wd p to the update, the same
-thing); DeepSpeed's first call to step() initialises its buffers and skips the update, this one does not.
+thing); DeepSpeed's first call to step() initialises its buffers and skips the update, this one does
+not.
 
 cuda_aware and comm_backend_name are DeepSpeed's config keys and are accepted for its configs: they
 pick how DeepSpeed moves the bytes (MPI with or without CUDA-aware buffers, NCCL, or its
@@ -37,27 +39,36 @@ from __future__ import annotations
 
 import torch
 
-from minizero.compression.onebit import bytes_allreduce, bytes_compressed, compressed_allreduce, padded_numel
+from minizero.compression.onebit import (
+    bytes_allreduce,
+    bytes_compressed,
+    compressed_allreduce,
+    padded_numel,
+)
 
 COMM_BACKENDS = ("nccl", "mpi", "compressed", "hccl")  # DeepSpeed's comm_backend_name values
 
 
 class OneBitAdam(torch.optim.Optimizer):
-    """1-bit Adam over `comm` (the data-parallel group). error_feedback=False drops both error buffers
-    (the ablation lesson 14 measures); grads_averaged=True: the gradients are averaged already (DDP) in
-    the warm-up; set the DDP's require_backward_grad_sync = not opt.compressing before each backward.
-    per_tensor=False compresses every momentum as one flat buffer (one worker scale for all of them): 2
-    collectives a step instead of 2 per tensor."""
+    """1-bit Adam over `comm` (the data-parallel group). error_feedback=False drops both error
+    buffers (the ablation lesson 14 measures); grads_averaged=True: the gradients are averaged
+    already (DDP) in the warm-up; set the DDP's require_backward_grad_sync = not opt.compressing
+    before each backward. per_tensor=False compresses every momentum as one flat buffer (one worker
+    scale for all of them): 2 collectives a step instead of 2 per tensor."""
 
-    def __init__(self, params, comm, lr=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 bias_correction=True, amsgrad=False, cuda_aware=False, comm_backend_name="nccl",
-                 error_feedback=True, grads_averaged=False, per_tensor=True, allreduce=compressed_allreduce):
+    def __init__(self, params, comm, lr=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, bias_correction=True, amsgrad=False, cuda_aware=False,
+                 comm_backend_name="nccl", error_feedback=True, grads_averaged=False,
+                 per_tensor=True, allreduce=compressed_allreduce):
         if not isinstance(freeze_step, int) or isinstance(freeze_step, bool) or freeze_step < 0:
-            raise ValueError(f"freeze_step must be an int >= 0 (warm-up steps of plain Adam), got {freeze_step!r}")
+            raise ValueError("freeze_step must be an int >= 0 (warm-up steps of plain Adam), got "
+                             f"{freeze_step!r}")
         if amsgrad:
-            raise ValueError("OneBitAdam: amsgrad is not supported (the variance is frozen after freeze_step)")
+            raise ValueError("OneBitAdam: amsgrad is not supported (the variance is frozen after "
+                             "freeze_step)")
         if comm_backend_name not in COMM_BACKENDS:
-            raise ValueError(f"comm_backend_name must be one of {', '.join(COMM_BACKENDS)}, got {comm_backend_name!r}")
+            raise ValueError(f"comm_backend_name must be one of {', '.join(COMM_BACKENDS)}, got "
+                             f"{comm_backend_name!r}")
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"betas must be in [0, 1), got {betas!r}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -88,19 +99,23 @@ class OneBitAdam(torch.optim.Optimizer):
             p.grad.copy_(part.view_as(p.grad))
 
     def _errors(self, key, numel):
-        """(worker, server) error buffers for a momentum of `numel` elements, None without feedback."""
+        """(worker, server) error buffers for a momentum of `numel` elements, None without
+        feedback."""
         if not self.error_feedback:
             return None, None
         if key not in self._error_buffers:
             n = padded_numel(numel, self.comm.size)
-            self._error_buffers[key] = (torch.zeros(n, device=self._device), torch.zeros(n // self.comm.size,
-                                                                                          device=self._device))
+            self._error_buffers[key] = (
+                torch.zeros(n, device=self._device),
+                torch.zeros(n // self.comm.size, device=self._device),
+            )
         return self._error_buffers[key]
 
     @torch.no_grad()
     def _all_reduce_momenta(self, momenta):
-        """Every m <- the 1-bit average over ranks of every rank's m: one compressed_allreduce per tensor
-        (DeepSpeed's grouping: a scale per tensor), or per_tensor=False one of them all, flat."""
+        """Every m <- the 1-bit average over ranks of every rank's m: one compressed_allreduce per
+        tensor (DeepSpeed's grouping: a scale per tensor), or per_tensor=False one of them all,
+        flat."""
         groups = [[m] for m in momenta] if self.per_tensor else [momenta]
         for group in groups:
             n = sum(m.numel() for m in group)
@@ -117,7 +132,9 @@ class OneBitAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         compress = self.compressing
-        live = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        live = [
+            (p, group) for group in self.param_groups for p in group["params"] if p.grad is not None
+        ]
         if not compress:
             self._average_gradients([p for p, _ in live])
         self.steps_done += 1
@@ -129,7 +146,8 @@ class OneBitAdam(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
             beta1, beta2 = group["betas"]
-            state["exp_avg"].lerp_(p.grad, 1 - beta1)  # m = b1 m + (1 - b1) g, torch Adam's rounding
+            # m = b1 m + (1 - b1) g, torch Adam's rounding
+            state["exp_avg"].lerp_(p.grad, 1 - beta1)
             if not compress:
                 state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad.conj(), value=1 - beta2)
                 state["frozen_step"] = state["step"]  # v's age, for its bias correction once frozen
@@ -152,20 +170,26 @@ class OneBitAdam(torch.optim.Optimizer):
         return loss
 
     def bytes_per_step(self, compressed: bool | None = None) -> float:
-        """Bytes this rank sends in one step of the given phase (default: the next step's), by formula."""
+        """Bytes this rank sends in one step of the given phase (default: the next step's), by
+        formula."""
         compressed = self.compressing if compressed is None else compressed
         params = [p for g in self.param_groups for p in g["params"]]
         world = self.comm.size
         if not compressed:
-            return 0.0 if self.grads_averaged else bytes_allreduce(sum(p.numel() for p in params), world)
+            return 0.0 if self.grads_averaged else bytes_allreduce(sum(p.numel() for p in params),
+                                                                   world)
         if not self.per_tensor:
             return bytes_compressed(sum(p.numel() for p in params), world)
         return sum(bytes_compressed(p.numel(), world) for p in params)
 
 
-def end_to_end_reduction(total_steps: int, freeze_step: int, warmup_bytes: float, compressed_bytes: float) -> float:
-    """How many times fewer bytes a run of total_steps sends with 1-bit Adam than with Adam all along:
-    T B / (F B + (T - F) B_1), F = min(freeze_step, T). With B_1 = B/32 and F = 0.15 T this is 5.7x,
-    the paper's "up to 5x": the warm-up, not the 32x of the compressed phase, sets it."""
+def end_to_end_reduction(
+    total_steps: int, freeze_step: int, warmup_bytes: float, compressed_bytes: float
+) -> float:
+    """How many times fewer bytes a run of total_steps sends with 1-bit Adam than with Adam all
+    along: T B / (F B + (T - F) B_1), F = min(freeze_step, T). With B_1 = B/32 and F = 0.15 T this
+    is 5.7x, the paper's "up to 5x": the warm-up, not the 32x of the compressed phase, sets it."""
     warm = min(freeze_step, total_steps)
-    return total_steps * warmup_bytes / (warm * warmup_bytes + (total_steps - warm) * compressed_bytes)
+    return (
+        total_steps * warmup_bytes / (warm * warmup_bytes + (total_steps - warm) * compressed_bytes)
+    )

@@ -1,4 +1,5 @@
-"""Expert-data parallelism: dense gradients over the dp group, expert gradients over their own group.
+"""Expert-data parallelism: dense gradients over the dp group, expert gradients over their own
+group.
 
 DeepSpeed-MoE (Rajbhandari et al. 2022) and Megatron-Core: on dp ranks with ep-rank expert
 groups, a DENSE parameter (attention, router, embeddings) is replicated on all dp ranks, and an
@@ -13,7 +14,8 @@ of r's ep group that reached the expert. The divisor is dp (the ranks whose toke
 expert: ep per rank of expert_dp), NOT expert_dp's size, which would make expert gradients ep times
 too large.
 
-Bytes per step (ring all-reduce, fp32 gradients, b = 4), Psi_d dense and Psi_e local expert elements:
+Bytes per step (ring all-reduce, fp32 gradients, b = 4), Psi_d dense and Psi_e local expert
+elements:
     2 (dp-1)/dp * Psi_d * b  +  2 (dp/ep - 1)/(dp/ep) * Psi_e * b
 One flat buffer per group, one all-reduce each.
 """
@@ -39,8 +41,9 @@ def _all_reduce_flat(grads: list[torch.Tensor], comm, divisor: int):
 
 
 def reduce_gradients(module: torch.nn.Module, dp_comm, expert_dp_comm):
-    """After backward: every gradient becomes the global-batch mean's (module docstring). A parameter
-    without a gradient contributes zeros, so every rank issues the same two all-reduces."""
+    """After backward: every gradient becomes the global-batch mean's (module docstring). A
+    parameter without a gradient contributes zeros, so every rank issues the same two
+    all-reduces."""
     dense, expert = [], []
     for param in module.parameters():
         if param.grad is None:
@@ -55,4 +58,5 @@ def gradient_bytes(module: torch.nn.Module, dp: int, ep: int, bytes_per: int = 4
     dense = sum(p.numel() for p in module.parameters() if not is_expert(p))
     expert = sum(p.numel() for p in module.parameters() if is_expert(p))
     edp = dp // ep
-    return {"dense": 2 * (dp - 1) / dp * dense * bytes_per, "expert": 2 * (edp - 1) / edp * expert * bytes_per}
+    return {"dense": 2 * (dp - 1) / dp * dense * bytes_per,
+            "expert": 2 * (edp - 1) / edp * expert * bytes_per}

@@ -20,7 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def full_experts(num_experts: int, hidden: int, ffn: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def full_experts(
+    num_experts: int, hidden: int, ffn: int, dtype=torch.float32
+) -> dict[str, torch.Tensor]:
     """The E experts' weights as nn.Linear would initialize each, stacked: {w1, b1, w2, b2}."""
     first = [nn.Linear(hidden, ffn, dtype=dtype) for _ in range(num_experts)]
     second = [nn.Linear(ffn, hidden, dtype=dtype) for _ in range(num_experts)]
@@ -37,8 +39,9 @@ class Experts(nn.Module):
                  dtype=torch.float32):
         super().__init__()
         if num_experts % ep_size:
-            raise ValueError(f"Experts: num_experts={num_experts} is not divisible by the expert-parallel size "
-                             f"{ep_size}: each of the {ep_size} ranks must hold the same number of experts")
+            raise ValueError(f"Experts: num_experts={num_experts} is not divisible by the "
+                             f"expert-parallel size {ep_size}: each of the {ep_size} ranks must "
+                             "hold the same number of experts")
         self.num_experts = num_experts           # E: in the whole model
         self.num_local = num_experts // ep_size  # E/ep: on this rank
         self.first_expert = ep_rank * self.num_local  # global index of local expert 0
@@ -51,19 +54,23 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def shard(self, ep_rank: int, ep_size: int):
-        """Keep only this rank's E/ep experts of the E this module holds (built with ep_size 1): what the
-        engine does when it learns the expert-parallel group (moe/moe.py's MoE.set_expert_parallel)."""
+        """Keep only this rank's E/ep experts of the E this module holds (built with ep_size 1):
+        what the engine does when it learns the expert-parallel group (moe/moe.py's
+        MoE.set_expert_parallel)."""
         if self.num_local != self.num_experts:
-            raise ValueError(f"Experts.shard: this module already holds {self.num_local} of {self.num_experts} experts")
+            raise ValueError(f"Experts.shard: this module already holds {self.num_local} of "
+                             f"{self.num_experts} experts")
         if self.num_experts % ep_size:
-            raise ValueError(f"Experts: num_experts={self.num_experts} is not divisible by the expert-parallel size "
-                             f"{ep_size}: each of the {ep_size} ranks must hold the same number of experts")
+            raise ValueError(f"Experts: num_experts={self.num_experts} is not divisible by the "
+                             f"expert-parallel size {ep_size}: each of the {ep_size} ranks must "
+                             "hold the same number of experts")
         self.num_local = self.num_experts // ep_size
         self.first_expert = ep_rank * self.num_local
         for name in ("w1", "b1", "w2", "b2"):
             old = getattr(self, name)
             param = nn.Parameter(old[self.first_expert:self.first_expert + self.num_local].clone())
-            if hasattr(old, "group_name"):  # DeepSpeed's expert-group tag (MoE sets it; moe/utils.py reads it)
+            # DeepSpeed's expert-group tag (MoE sets it; moe/utils.py reads it)
+            if hasattr(old, "group_name"):
                 param.group_name = old.group_name
             param.expert_parallel = True
             param.expert_parallel_dim = 0
@@ -74,5 +81,5 @@ class Experts(nn.Module):
         return torch.baddbmm(self.b2.unsqueeze(1), hidden, self.w2)
 
     def extra_repr(self):
-        return (f"experts {self.first_expert}..{self.first_expert + self.num_local - 1} of {self.num_experts}, "
-                f"d={self.w1.shape[1]}, f={self.w1.shape[2]}")
+        return (f"experts {self.first_expert}..{self.first_expert + self.num_local - 1} of "
+                f"{self.num_experts}, d={self.w1.shape[1]}, f={self.w1.shape[2]}")

@@ -26,15 +26,19 @@ from minizero.moe.router import TopKRouter
 
 
 class MoELayer(nn.Module):
-    """E experts over the ep ranks of `ep_comm` (None: all on this rank), top-k routing with capacity."""
+    """E experts over the ep ranks of `ep_comm` (None: all on this rank), top-k routing with
+    capacity."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, ep_comm=None, k: int = 1,
-                 capacity_factor: float = 1.25, aux_loss_coef: float = 0.01, ops: types.ModuleType | None = None):
+                 capacity_factor: float = 1.25, aux_loss_coef: float = 0.01,
+                 ops: types.ModuleType | None = None):
         super().__init__()
         ep_size = 1 if ep_comm is None else ep_comm.size
         ep_rank = 0 if ep_comm is None else ep_comm.rank
-        self.ops = ops or dispatch_ops   # positions, dispatch, exchanges, combine (lab 12 passes its own)
-        self.router = TopKRouter(hidden, num_experts, k, capacity_factor, aux_loss_coef, self.ops.expert_positions)
+        # positions, dispatch, exchanges, combine (lab 12 passes its own)
+        self.ops = ops or dispatch_ops
+        self.router = TopKRouter(hidden, num_experts, k, capacity_factor, aux_loss_coef,
+                                 self.ops.expert_positions)
         self.experts = Experts(num_experts, hidden, ffn, ep_rank, ep_size)
         self.ep_comm = ep_comm           # the all-to-all group (mesh.ep)
         self.num_experts = num_experts   # E
@@ -46,7 +50,7 @@ class MoELayer(nn.Module):
         routing = self.router(tokens)
         ops, where = self.ops, (routing.expert_index, routing.positions, routing.kept)
         dispatched = ops.dispatch(tokens, *where, self.num_experts, routing.capacity)   # [E, C, d]
-        expert_in = ops.exchange_to_experts(dispatched, self.ep_comm)                  # [E/ep, ep*C, d]
+        expert_in = ops.exchange_to_experts(dispatched, self.ep_comm)  # [E/ep, ep*C, d]
         expert_out = ops.exchange_from_experts(self.experts(expert_in), self.ep_comm)  # [E, C, d]
         out = ops.combine(expert_out, *where, routing.gates)
         self.aux_loss, self.last_routing = routing.aux_loss, routing

@@ -39,13 +39,19 @@ import torch.nn.functional as F
 from minizero.moe.dispatch import expert_positions
 
 
-def capacity(tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int = 1) -> int:
-    """Slots per expert: ceil(k * T * capacity_factor / E), at least min_capacity (DeepSpeed's, default 4 there)."""
+def capacity(
+    tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int = 1
+) -> int:
+    """Slots per expert: ceil(k * T * capacity_factor / E), at least min_capacity (DeepSpeed's,
+    default 4 there)."""
     return max(min_capacity, math.ceil(k * tokens * capacity_factor / num_experts))
 
 
-def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """E * sum_i f_i P_i (Switch eq. 4 without alpha) of one group of tokens: probs [T, E], first_choice [T]."""
+def load_balancing_loss(
+    probs: torch.Tensor, first_choice: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """E * sum_i f_i P_i (Switch eq. 4 without alpha) of one group of tokens: probs [T, E],
+    first_choice [T]."""
     fraction = F.one_hot(first_choice, num_experts).float().mean(0)  # f_i, a count: no gradient
     mean_prob = probs.float().mean(0)                                 # P_i
     return num_experts * (fraction * mean_prob).sum()
@@ -55,7 +61,8 @@ def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, num_exp
 class Routing:
     """What the router decided for T tokens (k choices each)."""
     expert_index: torch.Tensor  # [T, k] int64: the chosen experts, best first
-    positions: torch.Tensor     # [T, k] int64: the slot of each choice inside its expert (may be >= capacity)
+    # [T, k] int64: the slot of each choice inside its expert (may be >= capacity)
+    positions: torch.Tensor
     kept: torch.Tensor          # [T, k] bool: position < capacity (False: dropped)
     gates: torch.Tensor         # [T, k] the combine weights (0 for a dropped choice)
     capacity: int               # C: slots per expert
@@ -75,30 +82,36 @@ class Routing:
 
 
 class TopKRouter(nn.Module):
-    """softmax(x W_g), top-k, capacity, combine weights and the balancing loss (module docstring)."""
+    """softmax(x W_g), top-k, capacity, combine weights and the balancing loss (module
+    docstring)."""
 
     def __init__(self, hidden: int, num_experts: int, k: int = 1, capacity_factor: float = 1.25,
                  aux_loss_coef: float = 0.01, positions=expert_positions, min_capacity: int = 1):
         super().__init__()
         if k not in (1, 2) or k > num_experts:
-            raise ValueError(f"TopKRouter: k={k}, but k must be 1 or 2 and at most num_experts={num_experts}")
+            raise ValueError(f"TopKRouter: k={k}, but k must be 1 or 2 and at most "
+                             f"num_experts={num_experts}")
         if not capacity_factor > 0:
             raise ValueError(f"TopKRouter: capacity_factor={capacity_factor} must be > 0")
-        self.gate = nn.Linear(hidden, num_experts, bias=False)  # W_g: a dense parameter, replicated over dp
+        # W_g: a dense parameter, replicated over dp
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.num_experts = num_experts          # E
         self.k = k                              # choices per token
         self.capacity_factor = capacity_factor  # slots per expert relative to an even split
         self.aux_loss_coef = aux_loss_coef      # alpha of the balancing loss (Switch uses 1e-2)
-        self.positions = positions              # the slot-assignment function (lab 12 swaps in its own)
-        self.min_capacity = min_capacity        # the fewest slots per expert (DeepSpeed's min_capacity)
+        self.positions = positions  # the slot-assignment function (lab 12 swaps in its own)
+        self.min_capacity = min_capacity  # the fewest slots per expert (DeepSpeed's min_capacity)
 
     def forward(self, tokens: torch.Tensor) -> Routing:
-        probs = F.softmax(self.gate(tokens).float(), dim=-1)   # [T, E], fp32 as every MoE code base does
+        # [T, E], fp32 as every MoE code base does
+        probs = F.softmax(self.gate(tokens).float(), dim=-1)
         top_probs, expert_index = probs.topk(self.k, dim=-1)   # [T, k]
-        cap = capacity(tokens.shape[0], self.num_experts, self.k, self.capacity_factor, self.min_capacity)
+        cap = capacity(tokens.shape[0], self.num_experts, self.k, self.capacity_factor,
+                       self.min_capacity)
         positions, kept = self.positions(expert_index, self.num_experts, cap)
         gates = top_probs * kept
-        if self.k > 1:  # DeepSpeed's top2gating: normalize over the kept choices (both dropped: 0, the residual)
+        # DeepSpeed's top2gating: normalize over the kept choices (both dropped: 0, the residual)
+        if self.k > 1:
             gates = gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).eps)
         aux = self.aux_loss_coef * load_balancing_loss(probs, expert_index[:, 0], self.num_experts)
         return Routing(expert_index, positions, kept, gates.to(tokens.dtype), cap, aux)

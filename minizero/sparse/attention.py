@@ -4,12 +4,13 @@ The layout's kept blocks are listed once, (h, i, j) for every layout[h, i, j] (n
 block i and key/value block j of head h are gathered for each, so the scores are [batch, nnz, block,
 block] (DeepSpeed's block-sparse "sdd" product has this shape: deepspeed/ops/sparse_attention/
 matmul.py), never [batch, heads, n, n]. The softmax runs over a query row's blocks, which sit at
-different places in that list: its maximum and its sum are reduced per row (scatter_reduce, index_add),
-and the row's output is the sum of its blocks' P_ij V_j. The backward is written out (_BlockSparseAttention)
-so that only q, k, v, the output and P are kept, not the gathered blocks.
+different places in that list: its maximum and its sum are reduced per row (scatter_reduce,
+index_add), and the row's output is the sum of its blocks' P_ij V_j. The backward is written out
+(_BlockSparseAttention) so that only q, k, v, the output and P are kept, not the gathered blocks.
 
 Per layer, with b the batch, nnz the kept blocks over all heads, B the block, d the head size:
-    score bytes   b·nnz·B²·bytes_per     (dense: b·heads·n²·bytes_per; the probabilities kept for backward)
+    score bytes   b·nnz·B²·bytes_per     (dense: b·heads·n²·bytes_per; the probabilities kept for
+                  backward)
     FLOPs         4·b·nnz·B²·d            (Q·Kᵀ and P·V, forward; dense 4·b·heads·n²·d)
 Dense causal attention computes every score and masks half of them; a causal layout keeps only
 blocks on or below the diagonal, so a dense layout (all nb(nb+1)/2 of them) costs about half the
@@ -25,8 +26,9 @@ import torch
 
 
 def kept_blocks(layout: torch.Tensor, causal: bool):
-    """(h, i, j) of the blocks attention computes, diagonal blocks first when causal (they alone need
-    the token-level causal mask). Causal drops blocks above the diagonal: all their keys are future."""
+    """(h, i, j) of the blocks attention computes, diagonal blocks first when causal (they alone
+    need the token-level causal mask). Causal drops blocks above the diagonal: all their keys are
+    future."""
     if causal:
         layout = layout.tril()
     h, i, j = layout.nonzero(as_tuple=True)
@@ -40,18 +42,21 @@ def check_layout(layout: torch.Tensor, heads: int, seq_len: int, block: int):
     """A layout fits these heads and tokens, and every query block sees its own block (so that every
     query, the first of a causal sequence too, has at least one key)."""
     if seq_len % block:
-        raise ValueError(f"sparse_attention: the sequence length {seq_len} is not a multiple of block {block}")
+        raise ValueError(f"sparse_attention: the sequence length {seq_len} is not a multiple of "
+                         f"block {block}")
     nb = seq_len // block
     if layout.shape != (heads, nb, nb):
         raise ValueError(f"sparse_attention: layout has shape {tuple(layout.shape)}, expected "
                          f"[heads, n/block, n/block] = [{heads}, {nb}, {nb}]")
     if not layout.diagonal(dim1=-2, dim2=-1).all():
-        raise ValueError("sparse_attention: the layout leaves a query block without its own key block")
+        raise ValueError("sparse_attention: the layout leaves a query block without its own key "
+                         "block")
 
 
-def block_sparse_attention(q, k, v, layout: torch.Tensor, block: int, causal: bool, scale: float = None):
-    """softmax(q kᵀ · scale, masked by the layout (and causally)) v, for q, k, v [batch, heads, n, d]
-    and a bool layout [heads, n/block, n/block]."""
+def block_sparse_attention(q, k, v, layout: torch.Tensor, block: int, causal: bool,
+                           scale: float = None):
+    """softmax(q kᵀ · scale, masked by the layout (and causally)) v, for q, k, v [batch, heads, n,
+    d] and a bool layout [heads, n/block, n/block]."""
     B, H, T, d = q.shape
     check_layout(layout, H, T, block)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -60,8 +65,8 @@ def block_sparse_attention(q, k, v, layout: torch.Tensor, block: int, causal: bo
 
 
 def sparse_forward(q, k, v, h, i, j, block: int, causal: bool, scale: float):
-    """(out [batch, heads, n, d], probabilities [batch, nnz, block, block]) for the kept blocks (h, i, j),
-    the causal ones' diagonal blocks first (kept_blocks)."""
+    """(out [batch, heads, n, d], probabilities [batch, nnz, block, block]) for the kept blocks (h,
+    i, j), the causal ones' diagonal blocks first (kept_blocks)."""
     B, H, T, d = q.shape
     nb = T // block
     as_blocks = lambda t: t.view(B, H, nb, block, d)  # noqa: E731
@@ -88,10 +93,11 @@ def sparse_forward(q, k, v, h, i, j, block: int, causal: bool, scale: float):
 
 
 class _BlockSparseAttention(torch.autograd.Function):
-    """Keeps for backward only q, k, v, the output and the probabilities P (the kept blocks'): the gathered
-    blocks are gathered again in backward, as FlashAttention recomputes rather than stores. Backward per
-    kept block (FlashAttention's Algorithm 4 with D = rowsum(dO * O)):
-        dV_j += Pᵀ dO_i    dP = dO_i V_jᵀ    dS = P * (dP - D_i)    dQ_i += dS K_j · scale    dK_j += dSᵀ Q_i · scale"""
+    """Keeps for backward only q, k, v, the output and the probabilities P (the kept blocks'): the
+    gathered blocks are gathered again in backward, as FlashAttention recomputes rather than stores.
+    Backward per kept block (FlashAttention's Algorithm 4 with D = rowsum(dO * O)):
+        dV_j += Pᵀ dO_i    dP = dO_i V_jᵀ    dS = P * (dP - D_i)
+        dQ_i += dS K_j · scale    dK_j += dSᵀ Q_i · scale"""
 
     @staticmethod
     def forward(ctx, q, k, v, h, i, j, block, causal, scale):
@@ -107,21 +113,25 @@ class _BlockSparseAttention(torch.autograd.Function):
         block, scale = ctx.block, ctx.scale
         nb = T // block
         as_blocks = lambda t: t.reshape(B, H, nb, block, d)  # noqa: E731
-        rows, cols = h * nb + i, h * nb + j  # query block and key block of each kept block, over all heads
+        # query block and key block of each kept block, over all heads
+        rows, cols = h * nb + i, h * nb + j
         do_g = as_blocks(grad_out)[:, h, i]
         qg, kg, vg = as_blocks(q)[:, h, i], as_blocks(k)[:, h, j], as_blocks(v)[:, h, j]
         D = (grad_out * out).sum(-1).view(B, H * nb, block)
         dS = p * (do_g @ vg.transpose(-2, -1) - D[:, rows, :, None]) * scale
-        zeros = lambda: torch.zeros(B, H * nb, block, d, dtype=q.dtype, device=q.device)  # noqa: E731
+        zeros = lambda: torch.zeros(B, H * nb, block, d, dtype=q.dtype,  # noqa: E731
+                                    device=q.device)
         dq = zeros().index_add_(1, rows, dS @ kg)
         dk = zeros().index_add_(1, cols, dS.transpose(-2, -1) @ qg)
         dv = zeros().index_add_(1, cols, p.transpose(-2, -1) @ do_g)
-        return dq.view(B, H, T, d), dk.view(B, H, T, d), dv.view(B, H, T, d), None, None, None, None, None, None
+        return (dq.view(B, H, T, d), dk.view(B, H, T, d), dv.view(B, H, T, d),
+                None, None, None, None, None, None)
 
 
 def dense_mask(layout: torch.Tensor, block: int, causal: bool) -> torch.Tensor:
-    """The token-level mask [heads, n, n] a layout means (True: the score is kept): what dense attention
-    must mask to compute the same thing. The reference for tests and the lab's grader; n x n on purpose."""
+    """The token-level mask [heads, n, n] a layout means (True: the score is kept): what dense
+    attention must mask to compute the same thing. The reference for tests and the lab's grader; n x
+    n on purpose."""
     mask = layout.repeat_interleave(block, -2).repeat_interleave(block, -1)
     if causal:
         mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
@@ -146,8 +156,11 @@ def dense_score_bytes(batch: int, heads: int, seq_len: int, bytes_per: int) -> i
     return batch * heads * seq_len * seq_len * bytes_per
 
 
-def attention_flops(layout: torch.Tensor, batch: int, block: int, head_dim: int, causal: bool) -> int:
-    """Forward matmul FLOPs of block-sparse attention, one layer: Q·Kᵀ and P·V, 2·B²·d each per block."""
+def attention_flops(
+    layout: torch.Tensor, batch: int, block: int, head_dim: int, causal: bool
+) -> int:
+    """Forward matmul FLOPs of block-sparse attention, one layer: Q·Kᵀ and P·V, 2·B²·d each per
+    block."""
     nnz = int((layout.tril() if causal else layout).sum())
     return 4 * batch * nnz * block * block * head_dim
 

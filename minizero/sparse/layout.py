@@ -1,7 +1,7 @@
 """Block-sparse attention layouts: which key blocks each query block attends to.
 
-Child et al. 2019, "Generating Long Sequences with Sparse Transformers"; Zaheer et al. 2020, BigBird;
-Beltagy et al. 2020, Longformer. The parameter names and the patterns are DeepSpeed's
+Child et al. 2019, "Generating Long Sequences with Sparse Transformers"; Zaheer et al. 2020,
+BigBird; Beltagy et al. 2020, Longformer. The parameter names and the patterns are DeepSpeed's
 (deepspeed/ops/sparse_attention/sparsity_config.py: each class's make_layout), so a DeepSpeed
 "sparse_attention" config section means the same layout here (from_section).
 
@@ -12,9 +12,9 @@ different_layout_per_head=False every head gets head 0's layout, as in DeepSpeed
 "unidirectional" (causal) layouts keep no block above the diagonal, except Variable's random blocks,
 which DeepSpeed draws over the whole row in both modes; the attention drops those (every score in
 them is a future token's). The random blocks (BigBird, Variable) come from a torch.Generator seeded
-with `seed`, not Python's global `random` as in DeepSpeed: every rank builds the same layout from the
-same config, which data and tensor parallelism need (a rank with other random blocks computes other
-attention).
+with `seed`, not Python's global `random` as in DeepSpeed: every rank builds the same layout from
+the same config, which data and tensor parallelism need (a rank with other random blocks computes
+other attention).
 """
 from __future__ import annotations
 
@@ -52,16 +52,19 @@ class SparsityConfig:
         _positive("num_heads", self.num_heads)
         _positive("block", self.block)
         _check(isinstance(self.different_layout_per_head, bool),
-               f"different_layout_per_head must be true or false, got {self.different_layout_per_head!r}")
+               "different_layout_per_head must be true or false, got "
+               f"{self.different_layout_per_head!r}")
         if hasattr(self, "attention"):
-            _check(self.attention in ATTENTION, f"attention must be one of {ATTENTION}, got {self.attention!r}")
+            _check(self.attention in ATTENTION,
+                   f"attention must be one of {ATTENTION}, got {self.attention!r}")
 
     @property
     def causal(self) -> bool:
         return getattr(self, "attention", "bidirectional") == "unidirectional"
 
     def num_blocks(self, seq_len: int) -> int:
-        _check(seq_len % self.block == 0, f"the sequence length {seq_len} is not a multiple of block {self.block}")
+        _check(seq_len % self.block == 0,
+               f"the sequence length {seq_len} is not a multiple of block {self.block}")
         return seq_len // self.block
 
     def make_layout(self, seq_len: int) -> torch.Tensor:
@@ -82,8 +85,9 @@ class SparsityConfig:
 
 @dataclass(frozen=True)
 class DenseSparsityConfig(SparsityConfig):
-    """Every block kept (every block on or below the diagonal when unidirectional): dense attention in the
-    block-sparse format, the baseline. DeepSpeed's has no `attention`; here it says causal or not."""
+    """Every block kept (every block on or below the diagonal when unidirectional): dense attention
+    in the block-sparse format, the baseline. DeepSpeed's has no `attention`; here it says causal or
+    not."""
     attention: str = "bidirectional"
 
     def head_layout(self, h, nb, generator):
@@ -105,18 +109,19 @@ def _random_blocks(layout, count, generator, causal):
 
 
 def _window(layout, start, end, causal):
-    """A local window of blocks start..end-1 attending to each other (to earlier ones only when causal)."""
+    """A local window of blocks start..end-1 attending to each other (to earlier ones only when
+    causal)."""
     square = torch.ones(end - start, end - start, dtype=torch.bool)
     layout[start:end, start:end] |= square.tril() if causal else square
 
 
 @dataclass(frozen=True)
 class FixedSparsityConfig(SparsityConfig):
-    """Sparse Transformer's "fixed" pattern: non-overlapping local windows of num_local_blocks, and in each
-    window its last num_global_blocks blocks are global: every later query block (every query block when
-    bidirectional) attends to them. horizontal_global_attention: the global blocks also attend to all.
-    With different_layout_per_head, head h takes the global blocks (h mod num_different_global_patterns)
-    steps earlier in each window."""
+    """Sparse Transformer's "fixed" pattern: non-overlapping local windows of num_local_blocks, and
+    in each window its last num_global_blocks blocks are global: every later query block (every
+    query block when bidirectional) attends to them. horizontal_global_attention: the global blocks
+    also attend to all. With different_layout_per_head, head h takes the global blocks (h mod
+    num_different_global_patterns) steps earlier in each window."""
     num_local_blocks: int = 4
     num_global_blocks: int = 1
     attention: str = "bidirectional"
@@ -135,9 +140,11 @@ class FixedSparsityConfig(SparsityConfig):
         _positive("num_different_global_patterns", self.num_different_global_patterns)
         _check(self.num_different_global_patterns == 1 or self.different_layout_per_head,
                "num_different_global_patterns > 1 needs different_layout_per_head true")
-        _check(self.num_different_global_patterns <= self.num_local_blocks // self.num_global_blocks,
-               f"num_different_global_patterns must be <= num_local_blocks / num_global_blocks "
-               f"= {self.num_local_blocks // self.num_global_blocks}")
+        _check(
+            self.num_different_global_patterns <= self.num_local_blocks // self.num_global_blocks,
+            f"num_different_global_patterns must be <= num_local_blocks / num_global_blocks "
+            f"= {self.num_local_blocks // self.num_global_blocks}",
+        )
 
     def head_layout(self, h, nb, generator):
         layout = torch.zeros(nb, nb, dtype=torch.bool)
@@ -162,8 +169,8 @@ class FixedSparsityConfig(SparsityConfig):
 
 @dataclass(frozen=True)
 class VariableSparsityConfig(SparsityConfig):
-    """Fixed with free sizes: local windows of local_window_blocks[0], [1], ... blocks (the last size
-    repeats to the end), global blocks at global_block_indices (or the ranges [start, end) with
+    """Fixed with free sizes: local windows of local_window_blocks[0], [1], ... blocks (the last
+    size repeats to the end), global blocks at global_block_indices (or the ranges [start, end) with
     global_block_end_indices), and num_random_blocks random key blocks per query row."""
     num_random_blocks: int = 0
     local_window_blocks: tuple = (4,)
@@ -175,11 +182,13 @@ class VariableSparsityConfig(SparsityConfig):
 
     def __post_init__(self):
         for name in ("local_window_blocks", "global_block_indices", "global_block_end_indices"):
-            if isinstance(getattr(self, name), list):  # a JSON list: frozen configs hold tuples (hashable)
+            # a JSON list: frozen configs hold tuples (hashable)
+            if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         super().__post_init__()
         _non_negative("num_random_blocks", self.num_random_blocks)
-        _check(len(self.local_window_blocks) > 0, "local_window_blocks must list at least one window size")
+        _check(len(self.local_window_blocks) > 0,
+               "local_window_blocks must list at least one window size")
         for w in self.local_window_blocks:
             _positive("local_window_blocks[i]", w)
         _check_global_ranges(self.global_block_indices, self.global_block_end_indices)
@@ -188,7 +197,8 @@ class VariableSparsityConfig(SparsityConfig):
 
     def head_layout(self, h, nb, generator):
         layout = torch.zeros(nb, nb, dtype=torch.bool)
-        _random_blocks(layout, self.num_random_blocks, generator, causal=False)  # DeepSpeed: whole row
+        # DeepSpeed: whole row
+        _random_blocks(layout, self.num_random_blocks, generator, causal=False)
         start = 0
         sizes = list(self.local_window_blocks)
         while start < nb:
@@ -209,19 +219,22 @@ def _check_global_ranges(starts, ends):
         _check(len(ends) == len(starts), f"global_block_end_indices has {len(ends)} entries, "
                f"global_block_indices {len(starts)}: they must pair up")
         for g0, g1 in zip(starts, ends):
-            _check(g0 < g1, f"global block range [{g0}, {g1}) is empty: each start must be below its end")
+            _check(g0 < g1,
+                   f"global block range [{g0}, {g1}) is empty: each start must be below its end")
 
 
 def _global_ranges(starts, ends, nb):
-    """The [start, end) block ranges that are global, clipped to the sequence (out of range: ignored)."""
+    """The [start, end) block ranges that are global, clipped to the sequence (out of range:
+    ignored)."""
     ends = ends if ends is not None else [g + 1 for g in starts]
     return [(g0, min(g1, nb)) for g0, g1 in zip(starts, ends) if g0 < nb]
 
 
 @dataclass(frozen=True)
 class BigBirdSparsityConfig(SparsityConfig):
-    """BigBird: a sliding window of num_sliding_window_blocks blocks centred on the diagonal, the first
-    num_global_blocks blocks global (rows and columns), and num_random_blocks random key blocks per row."""
+    """BigBird: a sliding window of num_sliding_window_blocks blocks centred on the diagonal, the
+    first num_global_blocks blocks global (rows and columns), and num_random_blocks random key
+    blocks per row."""
     num_random_blocks: int = 1
     num_sliding_window_blocks: int = 3
     num_global_blocks: int = 1
@@ -255,8 +268,9 @@ def _sliding_window(layout, width):
 
 @dataclass(frozen=True)
 class BSLongformerSparsityConfig(SparsityConfig):
-    """Block-sparse Longformer: a sliding window of num_sliding_window_blocks, and the global blocks at
-    global_block_indices (or ranges with global_block_end_indices) attending to and attended by all."""
+    """Block-sparse Longformer: a sliding window of num_sliding_window_blocks, and the global blocks
+    at global_block_indices (or ranges with global_block_end_indices) attending to and attended by
+    all."""
     num_sliding_window_blocks: int = 3
     global_block_indices: tuple = (0,)
     global_block_end_indices: tuple | None = None
@@ -271,7 +285,8 @@ class BSLongformerSparsityConfig(SparsityConfig):
         _check_global_ranges(self.global_block_indices, self.global_block_end_indices)
 
     def head_layout(self, h, nb, generator):
-        _check(self.num_sliding_window_blocks <= nb, f"num_sliding_window_blocks {self.num_sliding_window_blocks} "
+        _check(self.num_sliding_window_blocks <= nb,
+               f"num_sliding_window_blocks {self.num_sliding_window_blocks} "
                f"must be at most the {nb} blocks of the sequence")
         layout = torch.zeros(nb, nb, dtype=torch.bool)
         _sliding_window(layout, self.num_sliding_window_blocks)
@@ -281,14 +296,16 @@ class BSLongformerSparsityConfig(SparsityConfig):
         return layout.tril() if self.causal else layout
 
 
-MODES = {"dense": DenseSparsityConfig, "fixed": FixedSparsityConfig, "variable": VariableSparsityConfig,
-         "bigbird": BigBirdSparsityConfig, "bslongformer": BSLongformerSparsityConfig}
+MODES = {"dense": DenseSparsityConfig, "fixed": FixedSparsityConfig,
+         "variable": VariableSparsityConfig, "bigbird": BigBirdSparsityConfig,
+         "bslongformer": BSLongformerSparsityConfig}
 
 
 def from_section(section: dict, num_heads: int) -> SparsityConfig:
-    """The config object for a DeepSpeed "sparse_attention" section ({"mode": "fixed", "block": 16, ...}).
-    A key the mode does not take is an error naming the key and the keys allowed."""
-    _check(isinstance(section, dict), f"the section must be a JSON object, got {type(section).__name__}")
+    """The config object for a DeepSpeed "sparse_attention" section ({"mode": "fixed", "block": 16,
+    ...}). A key the mode does not take is an error naming the key and the keys allowed."""
+    _check(isinstance(section, dict),
+           f"the section must be a JSON object, got {type(section).__name__}")
     mode = section.get("mode", "fixed")
     _check(mode in MODES, f"mode must be one of {tuple(MODES)}, got {mode!r}")
     cls = MODES[mode]
