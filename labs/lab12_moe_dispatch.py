@@ -33,13 +33,17 @@ import torch
 import torch.nn.functional as F
 
 
-def all_to_all_bytes(num_experts: int, capacity: int, hidden: int, bytes_per: int, ep: int) -> float:
-    """Bytes one rank sends in ONE all-to-all of a [E, C, d] buffer over ep ranks: (ep-1)/ep * E*C*d*b."""
+def all_to_all_bytes(
+    num_experts: int, capacity: int, hidden: int, bytes_per: int, ep: int
+) -> float:
+    """Bytes one rank sends in ONE all-to-all of a [E, C, d] buffer over ep ranks: (ep-1)/ep *
+    E*C*d*b."""
     return (ep - 1) / ep * num_experts * capacity * hidden * bytes_per
 
 
 def expert_positions(expert_index: torch.Tensor, num_experts: int, capacity: int):
-    """(positions [T, k], kept [T, k]): each choice's slot in its expert, first choices before second."""
+    """(positions [T, k], kept [T, k]): each choice's slot in its expert, first choices before
+    second."""
     # TODO(lab 12): the slot of every choice in its expert, and which are kept.
     #   What must hold: an expert's slots 0, 1, 2, ... go to its choices in priority order, every
     #   token's first choice before any token's second (GShard: a second choice never displaces
@@ -50,7 +54,8 @@ def expert_positions(expert_index: torch.Tensor, num_experts: int, capacity: int
 
 
 class AllToAll(torch.autograd.Function):
-    """Block j of the input to rank j, block j of the output from rank j; backward: the same for the gradient."""
+    """Block j of the input to rank j, block j of the output from rank j; backward: the same for the
+    gradient."""
 
     @staticmethod
     def forward(ctx, x, comm):
@@ -75,7 +80,9 @@ def all_to_all(x: torch.Tensor, comm) -> torch.Tensor:
     return x if comm is None or comm.size == 1 else AllToAll.apply(x, comm)
 
 
-def dispatch(tokens: torch.Tensor, expert_index, positions, kept, num_experts: int, capacity: int) -> torch.Tensor:
+def dispatch(
+    tokens: torch.Tensor, expert_index, positions, kept, num_experts: int, capacity: int
+) -> torch.Tensor:
     """[E, C, d]: slot (e, c) holds the token whose choice landed there; zeros elsewhere."""
     # TODO(lab 12): scatter the kept choices into their slots.
     #   What must hold: the result is [E, C, d] in the tokens' dtype and device (a bf16 model
@@ -87,7 +94,8 @@ def dispatch(tokens: torch.Tensor, expert_index, positions, kept, num_experts: i
 
 
 def exchange_to_experts(dispatched: torch.Tensor, comm) -> torch.Tensor:
-    """[E, C, d] on every rank -> [E/ep, ep*C, d]: this rank's experts, each with every rank's slots."""
+    """[E, C, d] on every rank -> [E/ep, ep*C, d]: this rank's experts, each with every rank's
+    slots."""
     ep = 1 if comm is None else comm.size
     experts, cap, hidden = dispatched.shape
     # TODO(lab 12): send each rank its experts' slots; regroup what arrives by local expert.
@@ -99,7 +107,8 @@ def exchange_to_experts(dispatched: torch.Tensor, comm) -> torch.Tensor:
 
 
 def exchange_from_experts(expert_out: torch.Tensor, comm) -> torch.Tensor:
-    """The inverse: [E/ep, ep*C, d] expert outputs -> [E, C, d], this rank's own slots of every expert."""
+    """The inverse: [E/ep, ep*C, d] expert outputs -> [E, C, d], this rank's own slots of every
+    expert."""
     ep = 1 if comm is None else comm.size
     local, rows, hidden = expert_out.shape
     # TODO(lab 12): undo exchange_to_experts.

@@ -4,8 +4,8 @@
 #   check: python -m minizero_course grade --lab 14 --impl solutions    (or: pytest -m lab14 --impl solutions)
 """Block-sparse attention layouts: which key blocks each query block attends to.
 
-Child et al. 2019, "Generating Long Sequences with Sparse Transformers"; Zaheer et al. 2020, BigBird;
-Beltagy et al. 2020, Longformer. The parameter names and the patterns are DeepSpeed's
+Child et al. 2019, "Generating Long Sequences with Sparse Transformers"; Zaheer et al. 2020,
+BigBird; Beltagy et al. 2020, Longformer. The parameter names and the patterns are DeepSpeed's
 (deepspeed/ops/sparse_attention/sparsity_config.py: each class's make_layout), so a DeepSpeed
 "sparse_attention" config section means the same layout here (from_section).
 
@@ -16,9 +16,9 @@ different_layout_per_head=False every head gets head 0's layout, as in DeepSpeed
 "unidirectional" (causal) layouts keep no block above the diagonal, except Variable's random blocks,
 which DeepSpeed draws over the whole row in both modes; the attention drops those (every score in
 them is a future token's). The random blocks (BigBird, Variable) come from a torch.Generator seeded
-with `seed`, not Python's global `random` as in DeepSpeed: every rank builds the same layout from the
-same config, which data and tensor parallelism need (a rank with other random blocks computes other
-attention).
+with `seed`, not Python's global `random` as in DeepSpeed: every rank builds the same layout from
+the same config, which data and tensor parallelism need (a rank with other random blocks computes
+other attention).
 """
 from __future__ import annotations
 
@@ -56,16 +56,19 @@ class SparsityConfig:
         _positive("num_heads", self.num_heads)
         _positive("block", self.block)
         _check(isinstance(self.different_layout_per_head, bool),
-               f"different_layout_per_head must be true or false, got {self.different_layout_per_head!r}")
+               "different_layout_per_head must be true or false, got "
+               f"{self.different_layout_per_head!r}")
         if hasattr(self, "attention"):
-            _check(self.attention in ATTENTION, f"attention must be one of {ATTENTION}, got {self.attention!r}")
+            _check(self.attention in ATTENTION,
+                   f"attention must be one of {ATTENTION}, got {self.attention!r}")
 
     @property
     def causal(self) -> bool:
         return getattr(self, "attention", "bidirectional") == "unidirectional"
 
     def num_blocks(self, seq_len: int) -> int:
-        _check(seq_len % self.block == 0, f"the sequence length {seq_len} is not a multiple of block {self.block}")
+        _check(seq_len % self.block == 0,
+               f"the sequence length {seq_len} is not a multiple of block {self.block}")
         return seq_len // self.block
 
     def make_layout(self, seq_len: int) -> torch.Tensor:
@@ -86,8 +89,9 @@ class SparsityConfig:
 
 @dataclass(frozen=True)
 class DenseSparsityConfig(SparsityConfig):
-    """Every block kept (every block on or below the diagonal when unidirectional): dense attention in the
-    block-sparse format, the baseline. DeepSpeed's has no `attention`; here it says causal or not."""
+    """Every block kept (every block on or below the diagonal when unidirectional): dense attention
+    in the block-sparse format, the baseline. DeepSpeed's has no `attention`; here it says causal or
+    not."""
     attention: str = "bidirectional"
 
     def head_layout(self, h, nb, generator):
@@ -108,18 +112,19 @@ def _random_blocks(layout, count, generator, causal):
 
 
 def _window(layout, start, end, causal):
-    """A local window of blocks start..end-1 attending to each other (to earlier ones only when causal)."""
+    """A local window of blocks start..end-1 attending to each other (to earlier ones only when
+    causal)."""
     square = torch.ones(end - start, end - start, dtype=torch.bool)
     layout[start:end, start:end] |= square.tril() if causal else square
 
 
 @dataclass(frozen=True)
 class FixedSparsityConfig(SparsityConfig):
-    """Sparse Transformer's "fixed" pattern: non-overlapping local windows of num_local_blocks, and in each
-    window its last num_global_blocks blocks are global: every later query block (every query block when
-    bidirectional) attends to them. horizontal_global_attention: the global blocks also attend to all.
-    With different_layout_per_head, head h takes the global blocks (h mod num_different_global_patterns)
-    steps earlier in each window."""
+    """Sparse Transformer's "fixed" pattern: non-overlapping local windows of num_local_blocks, and
+    in each window its last num_global_blocks blocks are global: every later query block (every
+    query block when bidirectional) attends to them. horizontal_global_attention: the global blocks
+    also attend to all. With different_layout_per_head, head h takes the global blocks (h mod
+    num_different_global_patterns) steps earlier in each window."""
     num_local_blocks: int = 4
     num_global_blocks: int = 1
     attention: str = "bidirectional"
@@ -138,9 +143,11 @@ class FixedSparsityConfig(SparsityConfig):
         _positive("num_different_global_patterns", self.num_different_global_patterns)
         _check(self.num_different_global_patterns == 1 or self.different_layout_per_head,
                "num_different_global_patterns > 1 needs different_layout_per_head true")
-        _check(self.num_different_global_patterns <= self.num_local_blocks // self.num_global_blocks,
-               f"num_different_global_patterns must be <= num_local_blocks / num_global_blocks "
-               f"= {self.num_local_blocks // self.num_global_blocks}")
+        _check(
+            self.num_different_global_patterns <= self.num_local_blocks // self.num_global_blocks,
+            f"num_different_global_patterns must be <= num_local_blocks / num_global_blocks "
+            f"= {self.num_local_blocks // self.num_global_blocks}",
+        )
 
     def head_layout(self, h, nb, generator):
         layout = torch.zeros(nb, nb, dtype=torch.bool)
@@ -164,8 +171,8 @@ class FixedSparsityConfig(SparsityConfig):
 
 @dataclass(frozen=True)
 class VariableSparsityConfig(SparsityConfig):
-    """Fixed with free sizes: local windows of local_window_blocks[0], [1], ... blocks (the last size
-    repeats to the end), global blocks at global_block_indices (or the ranges [start, end) with
+    """Fixed with free sizes: local windows of local_window_blocks[0], [1], ... blocks (the last
+    size repeats to the end), global blocks at global_block_indices (or the ranges [start, end) with
     global_block_end_indices), and num_random_blocks random key blocks per query row."""
     num_random_blocks: int = 0
     local_window_blocks: tuple = (4,)
@@ -177,11 +184,13 @@ class VariableSparsityConfig(SparsityConfig):
 
     def __post_init__(self):
         for name in ("local_window_blocks", "global_block_indices", "global_block_end_indices"):
-            if isinstance(getattr(self, name), list):  # a JSON list: frozen configs hold tuples (hashable)
+            # a JSON list: frozen configs hold tuples (hashable)
+            if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         super().__post_init__()
         _non_negative("num_random_blocks", self.num_random_blocks)
-        _check(len(self.local_window_blocks) > 0, "local_window_blocks must list at least one window size")
+        _check(len(self.local_window_blocks) > 0,
+               "local_window_blocks must list at least one window size")
         for w in self.local_window_blocks:
             _positive("local_window_blocks[i]", w)
         _check_global_ranges(self.global_block_indices, self.global_block_end_indices)
@@ -190,7 +199,8 @@ class VariableSparsityConfig(SparsityConfig):
 
     def head_layout(self, h, nb, generator):
         layout = torch.zeros(nb, nb, dtype=torch.bool)
-        _random_blocks(layout, self.num_random_blocks, generator, causal=False)  # DeepSpeed: whole row
+        # DeepSpeed: whole row
+        _random_blocks(layout, self.num_random_blocks, generator, causal=False)
         start = 0
         sizes = list(self.local_window_blocks)
         while start < nb:
@@ -211,19 +221,22 @@ def _check_global_ranges(starts, ends):
         _check(len(ends) == len(starts), f"global_block_end_indices has {len(ends)} entries, "
                f"global_block_indices {len(starts)}: they must pair up")
         for g0, g1 in zip(starts, ends):
-            _check(g0 < g1, f"global block range [{g0}, {g1}) is empty: each start must be below its end")
+            _check(g0 < g1,
+                   f"global block range [{g0}, {g1}) is empty: each start must be below its end")
 
 
 def _global_ranges(starts, ends, nb):
-    """The [start, end) block ranges that are global, clipped to the sequence (out of range: ignored)."""
+    """The [start, end) block ranges that are global, clipped to the sequence (out of range:
+    ignored)."""
     ends = ends if ends is not None else [g + 1 for g in starts]
     return [(g0, min(g1, nb)) for g0, g1 in zip(starts, ends) if g0 < nb]
 
 
 @dataclass(frozen=True)
 class BigBirdSparsityConfig(SparsityConfig):
-    """BigBird: a sliding window of num_sliding_window_blocks blocks centred on the diagonal, the first
-    num_global_blocks blocks global (rows and columns), and num_random_blocks random key blocks per row."""
+    """BigBird: a sliding window of num_sliding_window_blocks blocks centred on the diagonal, the
+    first num_global_blocks blocks global (rows and columns), and num_random_blocks random key
+    blocks per row."""
     num_random_blocks: int = 1
     num_sliding_window_blocks: int = 3
     num_global_blocks: int = 1
@@ -257,8 +270,9 @@ def _sliding_window(layout, width):
 
 @dataclass(frozen=True)
 class BSLongformerSparsityConfig(SparsityConfig):
-    """Block-sparse Longformer: a sliding window of num_sliding_window_blocks, and the global blocks at
-    global_block_indices (or ranges with global_block_end_indices) attending to and attended by all."""
+    """Block-sparse Longformer: a sliding window of num_sliding_window_blocks, and the global blocks
+    at global_block_indices (or ranges with global_block_end_indices) attending to and attended by
+    all."""
     num_sliding_window_blocks: int = 3
     global_block_indices: tuple = (0,)
     global_block_end_indices: tuple | None = None
@@ -273,7 +287,8 @@ class BSLongformerSparsityConfig(SparsityConfig):
         _check_global_ranges(self.global_block_indices, self.global_block_end_indices)
 
     def head_layout(self, h, nb, generator):
-        _check(self.num_sliding_window_blocks <= nb, f"num_sliding_window_blocks {self.num_sliding_window_blocks} "
+        _check(self.num_sliding_window_blocks <= nb,
+               f"num_sliding_window_blocks {self.num_sliding_window_blocks} "
                f"must be at most the {nb} blocks of the sequence")
         layout = torch.zeros(nb, nb, dtype=torch.bool)
         _sliding_window(layout, self.num_sliding_window_blocks)
@@ -283,14 +298,16 @@ class BSLongformerSparsityConfig(SparsityConfig):
         return layout.tril() if self.causal else layout
 
 
-MODES = {"dense": DenseSparsityConfig, "fixed": FixedSparsityConfig, "variable": VariableSparsityConfig,
-         "bigbird": BigBirdSparsityConfig, "bslongformer": BSLongformerSparsityConfig}
+MODES = {"dense": DenseSparsityConfig, "fixed": FixedSparsityConfig,
+         "variable": VariableSparsityConfig, "bigbird": BigBirdSparsityConfig,
+         "bslongformer": BSLongformerSparsityConfig}
 
 
 def from_section(section: dict, num_heads: int) -> SparsityConfig:
-    """The config object for a DeepSpeed "sparse_attention" section ({"mode": "fixed", "block": 16, ...}).
-    A key the mode does not take is an error naming the key and the keys allowed."""
-    _check(isinstance(section, dict), f"the section must be a JSON object, got {type(section).__name__}")
+    """The config object for a DeepSpeed "sparse_attention" section ({"mode": "fixed", "block": 16,
+    ...}). A key the mode does not take is an error naming the key and the keys allowed."""
+    _check(isinstance(section, dict),
+           f"the section must be a JSON object, got {type(section).__name__}")
     mode = section.get("mode", "fixed")
     _check(mode in MODES, f"mode must be one of {tuple(MODES)}, got {mode!r}")
     cls = MODES[mode]
@@ -317,12 +334,13 @@ The layout's kept blocks are listed once, (h, i, j) for every layout[h, i, j] (n
 block i and key/value block j of head h are gathered for each, so the scores are [batch, nnz, block,
 block] (DeepSpeed's block-sparse "sdd" product has this shape: deepspeed/ops/sparse_attention/
 matmul.py), never [batch, heads, n, n]. The softmax runs over a query row's blocks, which sit at
-different places in that list: its maximum and its sum are reduced per row (scatter_reduce, index_add),
-and the row's output is the sum of its blocks' P_ij V_j. The backward is written out (_BlockSparseAttention)
-so that only q, k, v, the output and P are kept, not the gathered blocks.
+different places in that list: its maximum and its sum are reduced per row (scatter_reduce,
+index_add), and the row's output is the sum of its blocks' P_ij V_j. The backward is written out
+(_BlockSparseAttention) so that only q, k, v, the output and P are kept, not the gathered blocks.
 
 Per layer, with b the batch, nnz the kept blocks over all heads, B the block, d the head size:
-    score bytes   b·nnz·B²·bytes_per     (dense: b·heads·n²·bytes_per; the probabilities kept for backward)
+    score bytes   b·nnz·B²·bytes_per     (dense: b·heads·n²·bytes_per; the probabilities kept for
+                  backward)
     FLOPs         4·b·nnz·B²·d            (Q·Kᵀ and P·V, forward; dense 4·b·heads·n²·d)
 Dense causal attention computes every score and masks half of them; a causal layout keeps only
 blocks on or below the diagonal, so a dense layout (all nb(nb+1)/2 of them) costs about half the
@@ -337,8 +355,9 @@ import torch
 
 
 def kept_blocks(layout: torch.Tensor, causal: bool):
-    """(h, i, j) of the blocks attention computes, diagonal blocks first when causal (they alone need
-    the token-level causal mask). Causal drops blocks above the diagonal: all their keys are future."""
+    """(h, i, j) of the blocks attention computes, diagonal blocks first when causal (they alone
+    need the token-level causal mask). Causal drops blocks above the diagonal: all their keys are
+    future."""
     if causal:
         layout = layout.tril()
     h, i, j = layout.nonzero(as_tuple=True)
@@ -352,18 +371,21 @@ def check_layout(layout: torch.Tensor, heads: int, seq_len: int, block: int):
     """A layout fits these heads and tokens, and every query block sees its own block (so that every
     query, the first of a causal sequence too, has at least one key)."""
     if seq_len % block:
-        raise ValueError(f"sparse_attention: the sequence length {seq_len} is not a multiple of block {block}")
+        raise ValueError(f"sparse_attention: the sequence length {seq_len} is not a multiple of "
+                         f"block {block}")
     nb = seq_len // block
     if layout.shape != (heads, nb, nb):
         raise ValueError(f"sparse_attention: layout has shape {tuple(layout.shape)}, expected "
                          f"[heads, n/block, n/block] = [{heads}, {nb}, {nb}]")
     if not layout.diagonal(dim1=-2, dim2=-1).all():
-        raise ValueError("sparse_attention: the layout leaves a query block without its own key block")
+        raise ValueError("sparse_attention: the layout leaves a query block without its own key "
+                         "block")
 
 
-def block_sparse_attention(q, k, v, layout: torch.Tensor, block: int, causal: bool, scale: float = None):
-    """softmax(q kᵀ · scale, masked by the layout (and causally)) v, for q, k, v [batch, heads, n, d]
-    and a bool layout [heads, n/block, n/block]."""
+def block_sparse_attention(q, k, v, layout: torch.Tensor, block: int, causal: bool,
+                           scale: float = None):
+    """softmax(q kᵀ · scale, masked by the layout (and causally)) v, for q, k, v [batch, heads, n,
+    d] and a bool layout [heads, n/block, n/block]."""
     B, H, T, d = q.shape
     check_layout(layout, H, T, block)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -372,8 +394,8 @@ def block_sparse_attention(q, k, v, layout: torch.Tensor, block: int, causal: bo
 
 
 def sparse_forward(q, k, v, h, i, j, block: int, causal: bool, scale: float):
-    """(out [batch, heads, n, d], probabilities [batch, nnz, block, block]) for the kept blocks (h, i, j),
-    the causal ones' diagonal blocks first (kept_blocks)."""
+    """(out [batch, heads, n, d], probabilities [batch, nnz, block, block]) for the kept blocks (h,
+    i, j), the causal ones' diagonal blocks first (kept_blocks)."""
     B, H, T, d = q.shape
     nb = T // block
     as_blocks = lambda t: t.view(B, H, nb, block, d)  # noqa: E731
@@ -399,10 +421,11 @@ def sparse_forward(q, k, v, h, i, j, block: int, causal: bool, scale: float):
 
 
 class _BlockSparseAttention(torch.autograd.Function):
-    """Keeps for backward only q, k, v, the output and the probabilities P (the kept blocks'): the gathered
-    blocks are gathered again in backward, as FlashAttention recomputes rather than stores. Backward per
-    kept block (FlashAttention's Algorithm 4 with D = rowsum(dO * O)):
-        dV_j += Pᵀ dO_i    dP = dO_i V_jᵀ    dS = P * (dP - D_i)    dQ_i += dS K_j · scale    dK_j += dSᵀ Q_i · scale"""
+    """Keeps for backward only q, k, v, the output and the probabilities P (the kept blocks'): the
+    gathered blocks are gathered again in backward, as FlashAttention recomputes rather than stores.
+    Backward per kept block (FlashAttention's Algorithm 4 with D = rowsum(dO * O)):
+        dV_j += Pᵀ dO_i    dP = dO_i V_jᵀ    dS = P * (dP - D_i)
+        dQ_i += dS K_j · scale    dK_j += dSᵀ Q_i · scale"""
 
     @staticmethod
     def forward(ctx, q, k, v, h, i, j, block, causal, scale):
@@ -418,21 +441,25 @@ class _BlockSparseAttention(torch.autograd.Function):
         block, scale = ctx.block, ctx.scale
         nb = T // block
         as_blocks = lambda t: t.reshape(B, H, nb, block, d)  # noqa: E731
-        rows, cols = h * nb + i, h * nb + j  # query block and key block of each kept block, over all heads
+        # query block and key block of each kept block, over all heads
+        rows, cols = h * nb + i, h * nb + j
         do_g = as_blocks(grad_out)[:, h, i]
         qg, kg, vg = as_blocks(q)[:, h, i], as_blocks(k)[:, h, j], as_blocks(v)[:, h, j]
         D = (grad_out * out).sum(-1).view(B, H * nb, block)
         dS = p * (do_g @ vg.transpose(-2, -1) - D[:, rows, :, None]) * scale
-        zeros = lambda: torch.zeros(B, H * nb, block, d, dtype=q.dtype, device=q.device)  # noqa: E731
+        zeros = lambda: torch.zeros(B, H * nb, block, d, dtype=q.dtype,  # noqa: E731
+                                    device=q.device)
         dq = zeros().index_add_(1, rows, dS @ kg)
         dk = zeros().index_add_(1, cols, dS.transpose(-2, -1) @ qg)
         dv = zeros().index_add_(1, cols, p.transpose(-2, -1) @ do_g)
-        return dq.view(B, H, T, d), dk.view(B, H, T, d), dv.view(B, H, T, d), None, None, None, None, None, None
+        return (dq.view(B, H, T, d), dk.view(B, H, T, d), dv.view(B, H, T, d),
+                None, None, None, None, None, None)
 
 
 def dense_mask(layout: torch.Tensor, block: int, causal: bool) -> torch.Tensor:
-    """The token-level mask [heads, n, n] a layout means (True: the score is kept): what dense attention
-    must mask to compute the same thing. The reference for tests and the lab's grader; n x n on purpose."""
+    """The token-level mask [heads, n, n] a layout means (True: the score is kept): what dense
+    attention must mask to compute the same thing. The reference for tests and the lab's grader; n x
+    n on purpose."""
     mask = layout.repeat_interleave(block, -2).repeat_interleave(block, -1)
     if causal:
         mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
@@ -457,8 +484,11 @@ def dense_score_bytes(batch: int, heads: int, seq_len: int, bytes_per: int) -> i
     return batch * heads * seq_len * seq_len * bytes_per
 
 
-def attention_flops(layout: torch.Tensor, batch: int, block: int, head_dim: int, causal: bool) -> int:
-    """Forward matmul FLOPs of block-sparse attention, one layer: Q·Kᵀ and P·V, 2·B²·d each per block."""
+def attention_flops(
+    layout: torch.Tensor, batch: int, block: int, head_dim: int, causal: bool
+) -> int:
+    """Forward matmul FLOPs of block-sparse attention, one layer: Q·Kᵀ and P·V, 2·B²·d each per
+    block."""
     nnz = int((layout.tril() if causal else layout).sum())
     return 4 * batch * nnz * block * block * head_dim
 
