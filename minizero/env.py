@@ -112,6 +112,11 @@ VARIABLES: dict[str, Variable] = {
         _positive_int, 8, "a whole number >= 1",
         "the most ranks launch.run starts on this machine (default 8: 2 cores oversubscribed "
         "further are flaky)"),
+    "MINIZERO_ZYGOTE": Variable(
+        _flag, None, "0 or 1",
+        "1: launch.run forks its ranks from one process that imported torch once "
+        "(minizero/zygote.py) instead of every rank importing it, seconds less per launch; 0: "
+        "every rank starts cold. Unset: 1 on a machine without an NVIDIA GPU, 0 with one"),
     "MINIZERO_MPI_STAGE": Variable(
         _flag, False, "0 or 1",
         "1: the mpi backend stages CPU tensors through a host copy too, as it always does CUDA "

@@ -17,6 +17,7 @@ bad rank cannot hang the kernel or the grader. What goes wrong is reported, not 
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
 import json
@@ -31,6 +32,8 @@ import threading
 import time
 import traceback
 import uuid
+
+from minizero import zygote
 
 
 class LaunchError(RuntimeError):
@@ -135,7 +138,12 @@ def run(target: str, nprocs: int = 2, args: dict | None = None, timeout: float =
         if backend:
             child_env["MINIZERO_BACKEND"] = backend
         child_env.update(env or {})
-        cmd = [mpirun, "-n", str(nprocs), sys.executable, "-m", "minizero.launch", target, tmp]
+        if _use_zygote(child_env):
+            child_env[zygote.SOCKET_VAR] = _zygote_socket(child_env)
+            rank_module = [zygote.__file__, "stub"]
+        else:
+            rank_module = ["-m", "minizero.launch"]
+        cmd = [mpirun, "-n", str(nprocs), sys.executable, *rank_module, target, tmp]
         # start_new_session: the whole job (mpiexec, proxies, ranks) is one process group
         # we can kill at once on timeout.
         live = _Liveness(os.path.join(tmp, "live.sock"))
@@ -185,6 +193,42 @@ def run(target: str, nprocs: int = 2, args: dict | None = None, timeout: float =
             with open(p) as f:
                 results.append(json.load(f))
         return results
+
+
+def _use_zygote(env: dict) -> bool:
+    """MINIZERO_ZYGOTE, or when unset: on where no NVIDIA GPU is (the forks have run on CPU only;
+    a CUDA context must never exist in the zygote, and make test-gpu has not run them yet)."""
+    from minizero import env as mz_env
+    chosen = mz_env.get("MINIZERO_ZYGOTE", env)
+    return not os.path.exists("/dev/nvidiactl") if chosen is None else chosen
+
+
+_ZYGOTE: dict = {}  # the zygote this process started: {"proc": Popen, "path": its socket}
+
+
+def _zygote_socket(env: dict) -> str:
+    """The socket of this process's zygote (minizero/zygote.py), started on first use; it ends
+    when this process does (its stdin is our pipe)."""
+    proc = _ZYGOTE.get("proc")
+    if proc is not None and proc.poll() is None:
+        return _ZYGOTE["path"]
+    folder = tempfile.mkdtemp(prefix="minizero-zygote-")
+    path = os.path.join(folder, "socket")
+    # not this job's markers: the zygote outlives the job, and _kill_job finds a job's processes
+    # by its MINIZERO_JOB_ID
+    env = {k: v for k, v in env.items() if k not in ("MINIZERO_JOB_ID", "MINIZERO_HEARTBEAT_DIR")}
+    try:
+        proc = subprocess.Popen([sys.executable, zygote.__file__, "serve", path],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    except OSError:
+        return path  # no zygote: each stub runs its rank itself
+    atexit.register(shutil.rmtree, folder, True)
+    deadline = time.time() + 120 * timeout_scale()
+    while not os.path.exists(path) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    _ZYGOTE.update(proc=proc, path=path)
+    return path  # not there (it died or is slow): each stub runs its rank itself
 
 
 def _repo_root():
@@ -278,7 +322,8 @@ def _heartbeats(tmp, nprocs):
 
 def job_pids(job_id: str) -> list[int]:
     """PIDs of live processes started for this job (found by the MINIZERO_JOB_ID in their env)."""
-    return pids_with_env("MINIZERO_JOB_ID", job_id)
+    # ranks forked by this process's zygote carry the zygote's environment: it names their job
+    return pids_with_env("MINIZERO_JOB_ID", job_id) + zygote.job_pids(_ZYGOTE.get("path"), job_id)
 
 
 def pids_with_env(name: str, value: str) -> list[int]:

@@ -162,6 +162,10 @@ def report_pid(comm):
     return os.getpid()
 
 
+def report_parent(comm):
+    return os.getppid()
+
+
 def needs_four(comm):
     comm.require_size(4, "lab 6 layout")
 

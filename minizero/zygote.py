@@ -1,0 +1,246 @@
+"""A warm parent for launch.run's ranks: torch imported once, each rank forked from it.
+
+A rank's first seconds on CPU are `import torch` (about 2-4 s of one core here), paid again by
+every rank of every launch: on 2 cores a 4-rank job spends 5-8 s starting before its first
+collective, a lesson or a test with several launches most of its time. With MINIZERO_ZYGOTE=1,
+launch.run starts this process once (per notebook kernel, per pytest session): it imports torch
+and waits on a Unix socket. mpirun still starts every rank, as `python -m minizero.zygote stub`,
+a process that imports nothing heavy; the stub hands the zygote its environment, working folder
+and file descriptors (stdin, stdout, stderr and mpirun's PMI socket, the one MPI_Init talks to)
+and the zygote forks a child that *is* the rank: it calls MPI_Init over that socket, so mpirun and
+MPI see the same N ranks as before. The stub waits and exits as its child did, with its code or
+its signal; if the stub dies (mpirun killing the job), the zygote kills the child.
+
+Nothing of minizero is imported before the fork, so every rank runs the code as it is on disk.
+Android starts its apps the same way (its process is called the zygote); so does Chromium.
+Off by default; when the socket cannot be reached the stub runs the rank itself, as without it.
+"""
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+
+SOCKET_VAR = "MINIZERO_ZYGOTE_SOCKET"  # set by launch.run for its ranks: where the zygote listens
+_MAX_FDS = 4
+
+
+def _send(conn: socket.socket, message: dict, fds=()) -> None:
+    data = json.dumps(message).encode()
+    header = struct.pack("!I", len(data))
+    if fds:
+        rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))
+        conn.sendmsg([header + data], [rights])
+    else:
+        conn.sendall(header + data)
+
+
+def _recv(conn: socket.socket):
+    """(message, fds) or (None, []) when the other side closed."""
+    fds = array.array("i")
+    data, ancdata, _, _ = conn.recvmsg(4, socket.CMSG_LEN(_MAX_FDS * fds.itemsize))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    if len(data) < 4:
+        return None, list(fds)
+    (n,) = struct.unpack("!I", data)
+    body = b""
+    while len(body) < n:
+        chunk = conn.recv(n - len(body))
+        if not chunk:
+            return None, list(fds)
+        body += chunk
+    return json.loads(body), list(fds)
+
+
+# ------------------------------------------------------------------------------- the rank's stub
+def stub(target: str, tmp: str) -> None:
+    """What mpirun starts: hand this rank to the zygote, wait for it, exit as it did."""
+    path = os.environ.get(SOCKET_VAR, "")
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(path)
+    except OSError:  # no zygote: be the rank ourselves
+        os.execv(sys.executable, [sys.executable, "-m", "minizero.launch", target, tmp])
+    fds = [0, 1, 2]
+    if os.environ.get("PMI_FD", "").isdigit():
+        fds.append(int(os.environ["PMI_FD"]))
+    _send(conn, {"env": dict(os.environ), "cwd": os.getcwd(), "argv": [target, tmp]}, fds)
+    status, _ = _recv(conn)  # {"pid": ...}, then how it ended
+    while status is not None and "pid" in status:
+        status, _ = _recv(conn)
+    if status is None:
+        os._exit(1)
+    if status.get("signal"):
+        signal.signal(status["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), status["signal"])
+    os._exit(status.get("code", 1))
+
+
+# ------------------------------------------------------------------------------ the forked rank
+def _become_rank(request: dict, fds: list) -> None:
+    """In the forked child: take the stub's descriptors and environment, then run the rank."""
+    for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+    for i, fd in enumerate(fds[:3]):
+        os.dup2(fd, i)
+    env = dict(request["env"])
+    if len(fds) > 3:
+        os.set_inheritable(fds[3], True)
+        env["PMI_FD"] = str(fds[3])
+    for fd in fds[:3]:
+        if fd > 2:
+            os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(request["cwd"])
+    # what `python -m minizero.launch` would have on sys.path: the cwd and PYTHONPATH first
+    extra = [os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [p for p in extra if p not in sys.path[:len(extra)]]
+    import torch
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    import io  # unbuffered, as PYTHONUNBUFFERED=1 makes a launched rank's: progress bars show live
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", 0), write_through=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", 0), write_through=True)
+    code = 0
+    try:
+        from minizero import launch
+        sys.argv = [launch.__file__, *request["argv"]]
+        launch._worker(*request["argv"])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    try:
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # libc's exit, not os._exit: it runs MPICH's C exit handlers, without which mpiexec
+        # SIGKILLs the job (bare mpi4py: Finalize, then os._exit at 4 ranks, 2 of 4 runs killed)
+        import ctypes
+        ctypes.CDLL(None).exit(code)
+
+
+# ------------------------------------------------------------------------------------ the zygote
+def serve(path: str) -> None:
+    """Import torch, listen on `path`, fork a rank per stub; end when stdin closes (the parent's
+    end of the pipe: the process that started us is gone)."""
+    import torch  # noqa: F401  the point of this process
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path + ".tmp")
+    os.rename(path + ".tmp", path)  # the socket appears only when the zygote is ready
+    server.listen(64)
+    jobs = registry(path)  # which job each live fork belongs to: launch.job_pids reads it
+    os.makedirs(jobs, exist_ok=True)
+    children: dict[int, socket.socket | None] = {}  # child pid -> its stub's connection
+    by_conn: dict[socket.socket, int] = {}
+    while True:
+        ready, _, _ = select.select([server, sys.stdin, *by_conn], [], [], 0.05)
+        if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
+            break
+        if server in ready:
+            conn, _ = server.accept()
+            request, fds = _recv(conn)
+            if request is None:
+                conn.close()
+                continue
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                for c in by_conn:
+                    c.close()
+                conn.close()
+                _become_rank(request, fds)
+            for fd in fds:
+                os.close(fd)
+            with open(os.path.join(jobs, str(pid)), "w") as f:
+                f.write(request["env"].get("MINIZERO_JOB_ID", ""))
+            children[pid], by_conn[conn] = conn, pid
+            _send(conn, {"pid": pid})
+        for conn in [c for c in ready if c in by_conn]:
+            if not conn.recv(1):  # the stub is gone: mpirun ended the job; so does its rank
+                pid = by_conn.pop(conn)
+                children[pid] = None
+                conn.close()
+                _kill(pid)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(jobs, str(pid)))
+            if conn is None:
+                continue
+            by_conn.pop(conn, None)
+            ended = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else \
+                {"code": os.WEXITSTATUS(status)}
+            try:
+                _send(conn, ended)
+            except OSError:
+                pass
+            conn.close()
+    for pid in children:
+        _kill(pid)
+    server.close()
+    os.unlink(path)
+
+
+def registry(path: str) -> str:
+    """The folder where the zygote listening on `path` names each live fork's MINIZERO_JOB_ID (a
+    fork's /proc/<pid>/environ is the zygote's, so the job's marker is not there)."""
+    return path + ".jobs"
+
+
+def job_pids(path: str | None, job_id: str) -> list[int]:
+    """The live forks of the zygote at `path` that are ranks of job `job_id`."""
+    if not path or not os.path.isdir(registry(path)):
+        return []
+    pids = []
+    for name in os.listdir(registry(path)):
+        try:
+            with open(os.path.join(registry(path), name)) as f:
+                if f.read() != job_id:
+                    continue
+            with open(f"/proc/{name}/stat") as f:  # killed and not yet reaped: ended
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    pids.append(int(name))
+        except (OSError, ValueError):
+            pass  # reaped meanwhile
+    return pids
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+if __name__ == "__main__":
+    # run as a file, not `-m minizero.zygote`: no minizero module is in memory before a fork; and
+    # this file's folder off sys.path, where minizero/data.py would shadow a `data` module
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]
+    if sys.argv[1] == "stub":
+        stub(sys.argv[2], sys.argv[3])
+    else:
+        serve(sys.argv[2])
