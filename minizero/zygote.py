@@ -122,17 +122,17 @@ def _become_rank(request: dict, fds: list) -> None:
         import traceback
         traceback.print_exc()
         code = 1
-    try:
-        mpi = sys.modules.get("mpi4py.MPI")
-        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-            mpi.Finalize()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # libc's exit, not os._exit: it runs MPICH's C exit handlers, without which mpiexec
-        # SIGKILLs the job (bare mpi4py: Finalize, then os._exit at 4 ranks, 2 of 4 runs killed)
-        import ctypes
-        ctypes.CDLL(None).exit(code)
+    # MPI_Finalize, then libc's exit, which runs MPICH's C exit handlers: os._exit skips them and
+    # mpiexec SIGKILLs the job (bare mpi4py at 4 ranks, Finalize then os._exit: 2 of 4 runs).
+    # Called holding the GIL (PyDLL): an extension's exit handler may call into Python. Python's
+    # own finalization is skipped: with torch loaded it costs a cold rank a second and more.
+    import ctypes
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ctypes.PyDLL(None).exit(code)
 
 
 # ------------------------------------------------------------------------------------ the zygote
