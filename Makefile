@@ -73,7 +73,7 @@ handout: setup
 
 # The course website in site/ (docs/site/build.py): lessons as executed in build/lessons/ (or run
 # now, 2 at a time) and a short bench run (6 + 1 rounds of the same bench, marked as such on its
-# page): a first build took 13 min on 2 idle cores (the lessons 9), about 4 after make test.
+# page): a first build took 9 min on 2 idle cores (the lessons 6), about 3 after make test.
 # BENCH=full: the bench's own 30 + 3 rounds instead (measured 237 s at load 6 without DeepSpeed's 4 candidates, where the short run took
 # 106 s). Each part's time: docs/website.md.
 BENCH ?= short
