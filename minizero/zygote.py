@@ -112,10 +112,10 @@ def _become_rank(request: dict, fds: list) -> None:
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", 0), write_through=True)
     sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", 0), write_through=True)
     code = 0
-    try:
-        from minizero import launch
-        sys.argv = [launch.__file__, *request["argv"]]
-        launch._worker(*request["argv"])
+    try:  # what `python -m minizero.launch TARGET DIR` runs, as the cold rank would
+        import runpy
+        sys.argv = ["-m", *request["argv"]]
+        runpy.run_module("minizero.launch", run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
