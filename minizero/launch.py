@@ -203,20 +203,49 @@ def _use_zygote(env: dict) -> bool:
     return not os.path.exists("/dev/nvidiactl") if chosen is None else chosen
 
 
-_ZYGOTE: dict = {}  # the zygote this process started: {"proc": Popen, "path": its socket}
+_ZYGOTE: dict = {}  # the zygote in use: {"proc": Popen if this process started it, "path": socket}
+
+
+def share_zygote() -> str | None:
+    """Start this process's zygote now and name its socket in os.environ (zygote.SOCKET_VAR): the
+    processes started from here on (a notebook kernel, the grader's commands) fork their ranks
+    from it too, instead of each importing torch once more in a zygote of its own."""
+    if not _use_zygote(dict(os.environ)):
+        return None
+    path = _zygote_socket(dict(os.environ))
+    if not os.path.exists(path):
+        return None
+    os.environ[zygote.SOCKET_VAR] = path
+    return path
+
+
+def _serves_this_python(path: str) -> bool:
+    """Whether `path` is a live zygote's socket run by this interpreter (a parent's zygote in
+    another virtual environment would fork ranks with its own torch)."""
+    try:
+        with open(path + ".python") as f:
+            return os.path.exists(path) and f.read() == sys.executable
+    except OSError:
+        return False
 
 
 def _zygote_socket(env: dict) -> str:
-    """The socket of this process's zygote (minizero/zygote.py), started on first use; it ends
-    when this process does (its stdin is our pipe)."""
+    """The socket of the zygote (minizero/zygote.py) this process's ranks fork from: its own,
+    started on first use and ending when this process does (its stdin is our pipe), or the one a
+    parent shared through `env` (share_zygote)."""
     proc = _ZYGOTE.get("proc")
     if proc is not None and proc.poll() is None:
         return _ZYGOTE["path"]
+    shared = env.get(zygote.SOCKET_VAR, "")
+    if proc is None and _serves_this_python(shared):
+        _ZYGOTE["path"] = shared
+        return shared
     folder = tempfile.mkdtemp(prefix="minizero-zygote-")
     path = os.path.join(folder, "socket")
     # not this job's markers: the zygote outlives the job, and _kill_job finds a job's processes
     # by its MINIZERO_JOB_ID
-    env = {k: v for k, v in env.items() if k not in ("MINIZERO_JOB_ID", "MINIZERO_HEARTBEAT_DIR")}
+    env = {k: v for k, v in env.items()
+           if k not in ("MINIZERO_JOB_ID", "MINIZERO_HEARTBEAT_DIR", zygote.SOCKET_VAR)}
     try:
         proc = subprocess.Popen([sys.executable, zygote.__file__, "serve", path],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
@@ -224,6 +253,8 @@ def _zygote_socket(env: dict) -> str:
     except OSError:
         return path  # no zygote: each stub runs its rank itself
     atexit.register(shutil.rmtree, folder, True)
+    with open(path + ".python", "w") as f:
+        f.write(sys.executable)
     deadline = time.time() + 120 * timeout_scale()
     while not os.path.exists(path) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -322,7 +353,7 @@ def _heartbeats(tmp, nprocs):
 
 def job_pids(job_id: str) -> list[int]:
     """PIDs of live processes started for this job (found by the MINIZERO_JOB_ID in their env)."""
-    # ranks forked by this process's zygote carry the zygote's environment: it names their job
+    # ranks forked by a zygote carry the zygote's environment: the zygote names their job
     return pids_with_env("MINIZERO_JOB_ID", job_id) + zygote.job_pids(_ZYGOTE.get("path"), job_id)
 
 

@@ -3,7 +3,8 @@
 A rank's first seconds on CPU are `import torch` (about 2-4 s of one core here), paid again by
 every rank of every launch: on 2 cores a 4-rank job spent 7-9 s from launch.run to its result, a
 lesson or a test with several launches most of its time. So launch.run starts this process once
-(per notebook kernel, per pytest session, per grader): it imports torch and waits on a Unix socket.
+per caller (or uses the one a parent shared: launch.share_zygote): it imports torch and waits on a
+Unix socket.
 mpirun still starts every rank, as `python minizero/zygote.py stub ...`, a process that imports
 nothing heavy; the stub hands the zygote its environment, working folder and file descriptors
 (stdin, stdout, stderr and mpirun's PMI socket, the one MPI_Init talks to) and the zygote forks a

@@ -32,10 +32,18 @@ def graded(request, impl, tmp_path_factory):
     _TIMES["grade_s"]["shared batch"] = shared.seconds
 
 
+_ZYGOTE_SHARED: dict = {}
+
+
 def pytest_runtest_setup(item):
     """pytest's faulthandler_timeout (pyproject.toml) dumps every thread's stack when a test runs
     longer: a hang's trace on an idle machine, noise on a busy one (a module's launch past 300 s at
     load 20). Re-armed here, inside pytest's own arming, with the limit scaled to the machine now."""
+    if item.get_closest_marker("launches") is not None and "shared" not in _ZYGOTE_SHARED:
+        # one zygote for the session's launches and for those of the processes it starts (the
+        # lessons' kernels, the grader's commands): torch imported once, not once per process
+        from minizero import launch
+        _ZYGOTE_SHARED["shared"] = launch.share_zygote()
     limit = float(item.config.getini("faulthandler_timeout") or 0)
     if limit > 0:
         from tests.machine import dump_stacks_after, guard

@@ -1,5 +1,6 @@
 """minizero/zygote.py: ranks forked from one process that imported torch give launch.run what
 ranks started cold give (results, bytes, errors, timeouts), and nothing of a job outlives it."""
+import json
 import os
 import subprocess
 import sys
@@ -126,12 +127,46 @@ def test_the_zygote_ends_with_the_process_that_started_it():
             "launch.run('tests/comm_workers.py:report_pid', nprocs=1, timeout=120); "
             "print(launch._ZYGOTE['proc'].pid)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         timeout=guard(180), env={**os.environ, "MINIZERO_ZYGOTE": "0"})
+                         timeout=guard(180), env={**_without_a_shared_zygote(), "MINIZERO_ZYGOTE": "0"})
     pid = int(out.stdout.split()[-1])
     deadline = time.time() + guard(10)
     while _alive(pid) and time.time() < deadline:
         time.sleep(0.1)
     assert not _alive(pid), "the zygote outlived the process that started it"
+
+
+def _without_a_shared_zygote() -> dict:
+    return {k: v for k, v in os.environ.items() if k != launch.zygote.SOCKET_VAR}
+
+
+def test_a_process_started_after_share_zygote_forks_its_ranks_from_that_zygote(monkeypatch):
+    monkeypatch.setenv("MINIZERO_ZYGOTE", "1")
+    path = launch.share_zygote()
+    assert path and os.environ[launch.zygote.SOCKET_VAR] == path
+    code = ("import json; from minizero import launch; "
+            "print(json.dumps([launch.run('tests/comm_workers.py:report_parent', nprocs=2, "
+            "timeout=120), 'proc' in launch._ZYGOTE]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=guard(180))
+    parents, started_its_own = json.loads(out.stdout.splitlines()[-1])
+    assert parents == [launch._ZYGOTE["proc"].pid] * 2 and not started_its_own
+    # without the variable the same program starts a zygote of its own
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=guard(180), env=_without_a_shared_zygote())
+    parents, started_its_own = json.loads(out.stdout.splitlines()[-1])
+    assert launch._ZYGOTE["proc"].pid not in parents and started_its_own
+
+
+def test_a_zygote_of_another_python_is_not_shared(tmp_path):
+    sock = tmp_path / "socket"
+    assert not launch._serves_this_python(str(sock))  # nothing there
+    sock.write_text("")
+    (tmp_path / "socket.python").write_text("/other/venv/bin/python")
+    assert not launch._serves_this_python(str(sock))
+    (tmp_path / "socket.python").write_text(sys.executable)
+    assert launch._serves_this_python(str(sock))
+    os.unlink(sock)  # the zygote ended: its socket is gone
+    assert not launch._serves_this_python(str(sock))
 
 
 def test_on_by_default_only_without_an_nvidia_gpu(monkeypatch):

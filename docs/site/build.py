@@ -73,6 +73,8 @@ def execute_missing(paths: list[Path], jobs: int) -> None:
     if not missing:
         return
     print(f"  executing {len(missing)} lessons ({jobs} at a time) into build/lessons/", flush=True)
+    from minizero import launch
+    launch.share_zygote()  # the kernels fork their ranks from one zygote: torch imported once
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         for path, seconds in zip(missing, pool.map(_execute_apart, missing)):
             print(f"  {path.name}: executed in {seconds:.0f} s", flush=True)
