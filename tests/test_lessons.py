@@ -5,12 +5,18 @@ Time: the budget is ~60 s on 2 idle cores (BUDGET_S leaves a margin). It is not 
 jobs share the machine, and a notebook that takes 2x as long at load 10 is not broken. A notebook
 over budget gets a warning with the load it ran at; only a hang (a cell past HANG_S) fails.
 
-Each executed notebook is kept in build/lessons/ (docs/site/notebooks.py): `make site` renders those
-copies instead of running the lessons a second time."""
+The lessons run two at a time (Executions), as `make site` runs them. Each executed notebook is
+kept in build/lessons/ (docs/site/notebooks.py): `make site` renders those copies instead of running
+the lessons a second time."""
+import contextlib
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -103,14 +109,63 @@ def test_committed_without_outputs(path):
     assert not dirty, f"{path.name}: cells {dirty} have outputs; strip them before committing"
 
 
+class Executions:
+    """The lessons this session selected, executed two at a time as `make site` executes them
+    (docs/site/build.py: one lesson's waits on its kernel and its ranks' start overlap the other's
+    work), each in a Python of its own (nbclient's event loop is not one to share between threads).
+    All are queued at the first lesson test; each test waits for its own lesson only."""
+
+    def __init__(self, paths):
+        self.procs: list = []
+        self.pool = ThreadPoolExecutor(2)
+        self.futures = {path: self.pool.submit(self._execute, path) for path in paths}
+
+    def _execute(self, path):
+        code = ("import sys; from pathlib import Path; from docs.site.notebooks import execute; "
+                "execute(Path(sys.argv[1]))")  # a cell past notebooks.HANG_S fails as hung
+        proc = subprocess.Popen([sys.executable, "-c", code, str(path)], cwd=ROOT, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs.append(proc)
+        out, _ = proc.communicate()
+        return proc.returncode, out
+
+    def result(self, path):
+        """The executed notebook and its seconds; fails with the lesson's error where it failed."""
+        import nbformat
+
+        from docs.site.notebooks import EXECUTED
+        code, out = self.futures[path].result()
+        out = re.sub(r"\x1b\[[0-9;]*m", "", out)  # the traceback's colours
+        assert code == 0, f"{path.name} failed when executed:\n{out[-4000:]}"
+        nb = nbformat.read(EXECUTED / path.name, as_version=4)
+        return nb, nb.metadata["minizero_run"]["seconds"]
+
+    def close(self):
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for proc in self.procs:  # a session stopped early (-x): no lesson runs on behind it
+            if proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def executions(request):
+    paths = [item.callspec.params["path"] for item in request.session.items
+             if getattr(item, "originalname", "") == "test_lesson_executes"]
+    runs = Executions(paths)
+    yield runs
+    runs.close()
+
+
 @pytest.mark.launches  # a kernel and the lesson's own ranks: not in `make check`
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_lesson_executes(path):
-    from docs.site.notebooks import execute
-    nb, elapsed = execute(path)  # a cell past notebooks.HANG_S fails as hung
+def test_lesson_executes(path, executions):
+    nb, elapsed = executions.result(path)
     if elapsed > BUDGET_S:
-        warnings.warn(f"{path.name} took {elapsed:.0f}s (budget {BUDGET_S} s on idle cores) at load average "
-                      f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        warnings.warn(f"{path.name} took {elapsed:.0f}s (budget {BUDGET_S} s on idle cores, one lesson "
+                      f"at a time) beside another lesson, at load average {os.getloadavg()[0]:.1f} on "
+                      f"{os.cpu_count()} cores")
     # the lesson must have produced at least one plot from its measurements
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if "image/png" in o.get("data", {})]

@@ -321,6 +321,22 @@ def test_search_from_disk_shows_excerpts_with_the_term(searched):
     assert not searched["errors"], searched["errors"][:5]
 
 
+def test_the_excerpts_text_is_the_main_block_without_headerlinks_scripts_and_styles():
+    """What docs/site/conf.py writes for the excerpts: the main block's text only, as
+    searchtools.js cuts it (the browser test above shows it is found; this, what it holds)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("site_conf", ROOT / "docs" / "site" / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    page = ('<html><head><script>var x = 1;</script></head><body><nav>Menu</nav>'
+            '<article role="main"><h1>Ring <a class="headerlink" href="#ring">#</a></h1>'
+            '<p>An all-reduce sends<br/> 2(N-1)/N\n\n  of the bytes</p>\n<img src="a.png">'
+            '<style>p { color: red }</style><div><p>per rank<script>y()</script> &amp; '
+            '<span>link</span></p></div></article><footer>Footer</footer></body></html>')
+    assert conf.main_text(page) == "Ring An all-reduce sends 2(N-1)/N of the bytes per rank & link"
+    assert conf.main_text("<html><body><p>no main block</p></body></html>") is None
+
+
 def test_no_code_is_cut_at_its_column_edge(visited):
     """Every code block and inline code either fits its column or scrolls sideways (at 1280 px)."""
     pages = visited["pages"]
