@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,8 +57,19 @@ def execute(path: Path, out_dir: Path = EXECUTED):
     nb = nbformat.read(path, as_version=4)
     source_digest = digest(nb)
     started, load_before, t0 = datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), time.time()
-    nbclient.NotebookClient(nb, timeout=HANG_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT)}}).execute()
+    from jupyter_client import KernelManager
+    with tempfile.TemporaryDirectory(prefix="minizero-kernel-") as sockets:
+        # The kernel's channels on Unix sockets in a folder of its own, not on TCP ports: two
+        # runs on one machine cannot take the same port, and the kernel has no plain-text TCP
+        # to warn about. (transport "ipc" alone puts them at ./kernel-ipc-N, shared by all.)
+        km = KernelManager(kernel_name="python3", transport="ipc",
+                           ip=os.path.join(sockets, "kernel"))
+        try:
+            nbclient.NotebookClient(nb, km=km, timeout=HANG_S,
+                                    resources={"metadata": {"path": str(ROOT)}}).execute()
+        finally:  # nbclient shuts down only a kernel manager of its own making
+            if km.has_kernel:
+                km.shutdown_kernel()
     elapsed = time.time() - t0
     nb.metadata["minizero_run"] = {"started_utc": started.strftime("%Y-%m-%d %H:%M UTC"), "seconds": round(elapsed, 1),
                                    "load_before": [round(x, 2) for x in load_before],
