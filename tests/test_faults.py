@@ -107,6 +107,55 @@ def test_a_killed_rank_in_a_script_started_by_initialize_is_named(tmp_path):
     # torchinductor_* cache is torch's)
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _waiting_on_pidfds(pid: int) -> int:
+    """How many pidfds process `pid` holds while it sleeps (0 while it runs): the reaper's wait."""
+    if _state(pid) != "S":
+        return 0
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return links.count("anon_inode:[pidfd]")
+
+
+def test_a_reaper_that_wakes_late_names_the_rank_that_ended_first(tmp_path):
+    """On a loaded machine the reaper may run only after mpiexec has killed the other ranks too
+    (at load 10 it named rank 0 for the rank 1 that was killed): it names the first rank to end,
+    not the lowest. Here it is stopped while rank 2, then rank 0, then rank 1 end."""
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(3)]
+    job = tmp_path / "job"
+    job.mkdir()
+    reaper = subprocess.Popen([sys.executable, os.path.join(ROOT, "minizero", "comm", "reaper.py"), str(job),
+                               *[str(p.pid) for p in ranks]], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + guard(30)
+        while _waiting_on_pidfds(reaper.pid) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _waiting_on_pidfds(reaper.pid) == 3, "the reaper never waited on the 3 ranks"
+        reaper.send_signal(signal.SIGSTOP)
+        while _state(reaper.pid) != "T" and time.monotonic() < deadline:  # stopped, not stopping
+            time.sleep(0.02)
+        for rank in (2, 0, 1):
+            ranks[rank].kill()
+            ranks[rank].wait()
+        reaper.send_signal(signal.SIGCONT)
+        _, err = reaper.communicate(timeout=guard(30))
+    finally:
+        for p in [*ranks, reaper]:
+            if p.poll() is None:
+                p.kill()
+    said = [line for line in err.splitlines() if "ended without a Python traceback" in line]
+    assert len(said) == 1 and said[0].startswith(f"minizero: rank 2 (pid {ranks[2].pid})"), err
+    assert not job.exists()
+
+
 def test_a_killed_reaper_leaves_no_job_directory(tmp_path):
     """The reaper (the job's helper process) killed: the job ends normally and rank 0 removes the job directory
     the reaper would have (it stayed behind)."""

@@ -6,10 +6,10 @@ then SIGKILLs every other rank (its banner names rank 0's PID, not the dead rank
 them SIGTERM, so no rank of the job can say what happened or remove the job directory
 (comm/watchdog.py's job_directory). This small process, started by rank 0 in its own session (a
 launcher's kill of the job's processes does not reach it), waits for the ranks' processes to end
-(pidfd_open: woken by the kernel the moment one exits, no polling). The first rank that ends without
-its `rank<r>.done` mark (written at a normal exit), while no rank has reported a failure (`failed`,
-`watchdog.fired`) and the directory still exists, is named, with what its heartbeat said it was
-doing. Once every rank is gone, the directory is removed.
+(pidfd_open and epoll: woken by the kernel the moment one exits, no polling). The first rank that
+ends without its `rank<r>.done` mark (written at a normal exit), while no rank has reported a
+failure (`failed`, `watchdog.fired`) and the directory still exists, is named, with what its
+heartbeat said it was doing. Once every rank is gone, the directory is removed.
 
 Run as a file (`python reaper.py DIR PID0 PID1 ...`): standard library only, so it starts in tens of
 milliseconds (importing minizero would import torch).
@@ -69,7 +69,10 @@ def watch(directory: str, pids: list[int]):
     alive = dict(enumerate(pids))
     told = False
     if hasattr(os, "pidfd_open"):
-        fds, poller = {}, select.poll()
+        # epoll hands back ready descriptors in the order they became ready: on a loaded machine
+        # this process may wake only after the launcher has killed the other ranks too, and then
+        # the first in that list is still the rank that ended first.
+        fds, poller = {}, select.epoll()
         for rank, pid in list(alive.items()):
             try:
                 fd = os.pidfd_open(pid)
@@ -82,15 +85,16 @@ def watch(directory: str, pids: list[int]):
                     told = True
             else:
                 fds[fd] = rank
-                poller.register(fd, select.POLLIN)
+                poller.register(fd, select.EPOLLIN)
         while fds:
-            for fd, _ in sorted(poller.poll(), key=lambda event: fds[event[0]]):
+            for fd, _ in poller.poll():
                 rank = fds.pop(fd)
                 poller.unregister(fd)
                 os.close(fd)
                 if not told and _ended_without_a_word(directory, rank):
                     _say(directory, rank, alive[rank])
                     told = True
+        poller.close()
     else:  # pragma: no cover - Linux < 5.3: look ten times a second
         while alive:
             for rank, pid in sorted(alive.items()):
