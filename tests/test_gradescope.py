@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from minizero_course.grader import LABS, REPO
-from minizero_course.grader import labgen
+from minizero.zygote import SOCKET_VAR
+from minizero_course.grader import LABS, REPO, labgen
 
 pytestmark = pytest.mark.launches  # starts ranks or processes: not in `make check`
 
@@ -44,7 +44,9 @@ def autograde(source: Path, root: Path, files: dict, limit_s: float = 300) -> tu
         (root / "submission" / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / "submission" / rel).write_text(text)
     (root / "submission").mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # as in Gradescope's container: no PYTHONPATH and no zygote of a parent to fork ranks from (the
+    # grader's processes, its ranks too, carry MINIZERO_GRADESCOPE_ROOT: the leftover check below)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", SOCKET_VAR)}
     env.update(MINIZERO_GRADESCOPE_ROOT=str(root), MINIZERO_GRADESCOPE_PYTHON=sys.executable,
                MINIZERO_GRADESCOPE_LIMIT_S=str(limit_s))
     proc = subprocess.run(["bash", str(source / "run_autograder")], env=env, capture_output=True, text=True,

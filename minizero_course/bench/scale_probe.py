@@ -232,7 +232,10 @@ def run_probe(candidate, size, ranks=4, cap_bytes=12e9, timeout=900, folder=None
             result["ranks"] = launch.run("minizero_course.bench.scale_probe:probe_worker", nprocs=ranks,
                                          timeout=timeout,
                                          args={"candidate": candidate, "size": size, "folder": tmp, "steps": steps},
-                                         env={"MINIZERO_SCALE_PROBE": tag, "MINIZERO_WATCHDOG_S": str(timeout)})
+                                         # cold ranks: the cap watches the job's own processes, found
+                                         # by this tag in their /proc environ (a fork's is its zygote's)
+                                         env={"MINIZERO_SCALE_PROBE": tag, "MINIZERO_WATCHDOG_S": str(timeout),
+                                              "MINIZERO_ZYGOTE": "0"})
         except Exception as e:  # noqa: BLE001  classified below
             result["error"] = e
     t0, peak, peak_pid, capped = time.time(), 0, {}, False
