@@ -125,13 +125,14 @@ def _waiting_on_pidfds(pid: int) -> int:
     return links.count("anon_inode:[pidfd]")
 
 
-def test_a_reaper_that_wakes_late_names_the_rank_that_ended_first(tmp_path):
-    """On a loaded machine the reaper may run only after mpiexec has killed the other ranks too
-    (at load 10 it named rank 0 for the rank 1 that was killed): it names the first rank to end,
-    not the lowest. Here it is stopped while rank 2, then rank 0, then rank 1 end."""
+def _reap(tmp_path, order, beats=None):
+    """Three ranks end in `order` while the reaper is stopped (as on a loaded machine it may
+    run only after all have ended); `beats` {rank: heartbeat}; what it said, and the ranks' pids."""
     ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(3)]
     job = tmp_path / "job"
     job.mkdir()
+    for rank, text in (beats or {}).items():
+        (job / f"rank{rank}.op").write_text(text)
     reaper = subprocess.Popen([sys.executable, os.path.join(ROOT, "minizero", "comm", "reaper.py"), str(job),
                                *[str(p.pid) for p in ranks]], stderr=subprocess.PIPE, text=True)
     try:
@@ -142,7 +143,7 @@ def test_a_reaper_that_wakes_late_names_the_rank_that_ended_first(tmp_path):
         reaper.send_signal(signal.SIGSTOP)
         while _state(reaper.pid) != "T" and time.monotonic() < deadline:  # stopped, not stopping
             time.sleep(0.02)
-        for rank in (2, 0, 1):
+        for rank in order:
             ranks[rank].kill()
             ranks[rank].wait()
         reaper.send_signal(signal.SIGCONT)
@@ -151,9 +152,26 @@ def test_a_reaper_that_wakes_late_names_the_rank_that_ended_first(tmp_path):
         for p in [*ranks, reaper]:
             if p.poll() is None:
                 p.kill()
-    said = [line for line in err.splitlines() if "ended without a Python traceback" in line]
-    assert len(said) == 1 and said[0].startswith(f"minizero: rank 2 (pid {ranks[2].pid})"), err
     assert not job.exists()
+    return [line for line in err.splitlines() if "ended without a Python traceback" in line], ranks
+
+
+def test_a_reaper_that_wakes_late_names_the_rank_that_ended_first(tmp_path):
+    """At load 10 the reaper named rank 0 for the rank 1 that was killed (its poll's ready ranks
+    sorted by rank): it names the first to end, in the order they ended."""
+    said, ranks = _reap(tmp_path, (2, 0, 1))
+    assert len(said) == 1 and said[0].startswith(f"minizero: rank 2 (pid {ranks[2].pid})"), said
+
+
+def test_the_reaper_names_the_rank_the_others_waited_for(tmp_path):
+    """mpiexec kills the others when the killed rank's socket closes, while that rank is still
+    ending: rank 0, waiting in the all_reduce rank 1 never joined, ended first (a suite run on
+    idle cores). The rank not waiting in a collective is named."""
+    beats = {0: "all_reduce (40 B) on world", 1: "idle (last: all_reduce (40 B) on world)",
+             2: "all_reduce (40 B) on world"}
+    said, ranks = _reap(tmp_path, (0, 2, 1), beats)
+    assert len(said) == 1 and said[0].startswith(f"minizero: rank 1 (pid {ranks[1].pid})"), said
+    assert "in its own code" in said[0]
 
 
 def test_a_killed_reaper_leaves_no_job_directory(tmp_path):

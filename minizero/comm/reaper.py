@@ -6,9 +6,9 @@ then SIGKILLs every other rank (its banner names rank 0's PID, not the dead rank
 them SIGTERM, so no rank of the job can say what happened or remove the job directory
 (comm/watchdog.py's job_directory). This small process, started by rank 0 in its own session (a
 launcher's kill of the job's processes does not reach it), waits for the ranks' processes to end
-(pidfd_open and epoll: woken by the kernel the moment one exits, no polling). The first rank that
-ends without its `rank<r>.done` mark (written at a normal exit), while no rank has reported a
-failure (`failed`, `watchdog.fired`) and the directory still exists, is named, with what its
+(pidfd_open and epoll: woken by the kernel the moment one exits, no polling). Of the ranks that end
+without their `rank<r>.done` mark (written at a normal exit), while no rank has reported a failure
+(`failed`, `watchdog.fired`) and the directory still exists, one is named (_name), with what its
 heartbeat said it was doing. Once every rank is gone, the directory is removed.
 
 Run as a file (`python reaper.py DIR PID0 PID1 ...`): standard library only, so it starts in tens of
@@ -63,15 +63,31 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def watch(directory: str, pids: list[int]):
-    """Wait until every rank has ended; name the first that ended without a word; remove
-    `directory`."""
+def _blocked(directory: str, rank: int) -> bool:
+    """The rank's heartbeat says it was waiting in a collective (for a peer), not in its code."""
+    doing = _doing(directory, rank)
+    return doing.startswith("in ") and not doing.startswith("in its own code")
+
+
+def _name(directory: str, ended: list) -> None:
+    """Name one of the ranks that ended without a word, in the order they ended: the first that was
+    not waiting in a collective, else the first. The order alone cannot say it: mpiexec sees the
+    killed rank's socket close while its process is still ending and kills the others, and one of
+    them may end first (rank 0, in a suite run on idle cores), waiting in the collective that the
+    killed rank never joined."""
+    if ended:
+        rank, pid = next(((r, p) for r, p in ended if not _blocked(directory, r)), ended[0])
+        _say(directory, rank, pid)
+
+
+def watch(directory: str, pids: list[int], settle_s: float = 2.0):
+    """Wait until every rank has ended; name the rank that ended without a word (_name, among
+    those that ended within `settle_s` of the first); remove `directory`."""
     alive = dict(enumerate(pids))
-    told = False
+    ended, first, told = [], None, False
     if hasattr(os, "pidfd_open"):
-        # epoll hands back ready descriptors in the order they became ready: on a loaded machine
-        # this process may wake only after the launcher has killed the other ranks too, and then
-        # the first in that list is still the rank that ended first.
+        # epoll hands back ready descriptors in the order they became ready, also when this
+        # process wakes only after several ranks have ended
         fds, poller = {}, select.epoll()
         for rank, pid in list(alive.items()):
             try:
@@ -79,31 +95,36 @@ def watch(directory: str, pids: list[int]):
             except OSError:  # ended already
                 fd = None
             if fd is None:
-                alive.pop(rank)
-                if not told and _ended_without_a_word(directory, rank):
-                    _say(directory, rank, pid)
-                    told = True
+                if _ended_without_a_word(directory, rank):
+                    ended.append((rank, pid))
             else:
                 fds[fd] = rank
                 poller.register(fd, select.EPOLLIN)
         while fds:
-            for fd, _ in poller.poll():
+            if ended and first is None:
+                first = time.monotonic()
+            wait = -1 if first is None or told else max(0.0, first + settle_s - time.monotonic())
+            events = poller.poll(wait)
+            for fd, _ in events:
                 rank = fds.pop(fd)
                 poller.unregister(fd)
                 os.close(fd)
                 if not told and _ended_without_a_word(directory, rank):
-                    _say(directory, rank, alive[rank])
-                    told = True
+                    ended.append((rank, alive[rank]))
+            if not told and first is not None and (not events or not fds):
+                _name(directory, ended)
+                told = True
         poller.close()
     else:  # pragma: no cover - Linux < 5.3: look ten times a second
         while alive:
             for rank, pid in sorted(alive.items()):
                 if _gone(pid):
                     alive.pop(rank)
-                    if not told and _ended_without_a_word(directory, rank):
-                        _say(directory, rank, pid)
-                        told = True
+                    if _ended_without_a_word(directory, rank):
+                        ended.append((rank, pid))
             time.sleep(0.1)
+    if not told:
+        _name(directory, ended)
     shutil.rmtree(directory, ignore_errors=True)
 
 
