@@ -157,16 +157,16 @@ def _reap(tmp_path, order, beats=None):
 
 
 def test_a_reaper_that_wakes_late_names_the_rank_that_ended_first(tmp_path):
-    """At load 10 the reaper named rank 0 for the rank 1 that was killed (its poll's ready ranks
-    sorted by rank): it names the first to end, in the order they ended."""
+    """A reaper that wakes after every rank has ended names the first to end, not the lowest rank
+    (ranks ready together, sorted by rank, would name rank 0)."""
     said, ranks = _reap(tmp_path, (2, 0, 1))
     assert len(said) == 1 and said[0].startswith(f"minizero: rank 2 (pid {ranks[2].pid})"), said
 
 
 def test_the_reaper_names_the_rank_the_others_waited_for(tmp_path):
     """mpiexec kills the others when the killed rank's socket closes, while that rank is still
-    ending: rank 0, waiting in the all_reduce rank 1 never joined, ended first (a suite run on
-    idle cores). The rank not waiting in a collective is named."""
+    ending: rank 0, waiting in the all_reduce rank 1 never joined, can end first. The rank not
+    waiting in a collective is named."""
     beats = {0: "all_reduce (40 B) on world", 1: "idle (last: all_reduce (40 B) on world)",
              2: "all_reduce (40 B) on world"}
     said, ranks = _reap(tmp_path, (0, 2, 1), beats)

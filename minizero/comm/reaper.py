@@ -73,8 +73,7 @@ def _name(directory: str, ended: list) -> None:
     """Name one of the ranks that ended without a word, in the order they ended: the first that was
     not waiting in a collective, else the first. The order alone cannot say it: mpiexec sees the
     killed rank's socket close while its process is still ending and kills the others, and one of
-    them may end first (rank 0, in a suite run on idle cores), waiting in the collective that the
-    killed rank never joined."""
+    them, waiting in the collective that the killed rank never joined, may end first."""
     if ended:
         rank, pid = next(((r, p) for r, p in ended if not _blocked(directory, r)), ended[0])
         _say(directory, rank, pid)
