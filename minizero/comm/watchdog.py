@@ -58,8 +58,9 @@ def job_directory(comm) -> str:
         places = comm.allgather_object((mine, os.getpid()))
         heartbeat.open(comm.rank, places[0][0])
         if comm.rank == 0:
-            _start_reaper([pid for _, pid in places])
-            atexit.register(_remove_unless_reaper)
+            pids = [pid for _, pid in places]
+            _start_reaper(pids)
+            atexit.register(_remove_unless_reaper, pids)
         atexit.register(_mark, f"rank{comm.rank}.done")  # a normal exit, or an uncaught exception's
     return heartbeat.directory
 
@@ -88,11 +89,20 @@ def _start_reaper(pids: list[int]):
         _reaper = None
 
 
-def _remove_unless_reaper():
+def _remove_unless_reaper(pids: list[int], wait_s: float = 5.0):
     """At rank 0's exit: the reaper removes the job directory once every rank has ended; with no
-    reaper (none could start, or it was killed) rank 0 removes it, so it never outlives the job."""
-    if _reaper is None or _reaper.poll() is not None:
-        shutil.rmtree(heartbeat.directory, ignore_errors=True)
+    reaper (none could start, or it was killed) rank 0 removes it, so it never outlives the job.
+    It waits (at most `wait_s`) for the other ranks' done marks or ends first: a rank that writes
+    its mark while rmtree runs would leave the directory behind, not empty."""
+    if _reaper is not None and _reaper.poll() is None:
+        return
+    from minizero.comm.reaper import _gone
+    directory, end = heartbeat.directory, time.monotonic() + wait_s
+    while time.monotonic() < end and not all(
+            _gone(pid) or os.path.exists(os.path.join(directory, f"rank{r}.done"))
+            for r, pid in enumerate(pids)):
+        time.sleep(0.05)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _first(name: str) -> bool:
