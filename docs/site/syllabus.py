@@ -92,9 +92,10 @@ def table(data: dict) -> str:
     m = data["machine"]
     loads = [t["load_before"][0] for t in [*data["lessons"].values(), *data["labs"].values()]]
     rows = [f"Measured on {m['cores']} CPU cores ({m['cpu']}), {'GPU: ' + m['gpu'] if m['gpu'] else 'no GPU'}, "
-            f"torch {m['torch']}, Python {m['python']}; other jobs shared the machine, so each row gives the 1-minute "
-            "load average before and after it (2 means both cores busy; the median before a row was "
-            f"{statistics.median(loads):.1f}, so an idle 2-core machine runs them faster). Rendered from "
+            f"torch {m['torch']}, Python {m['python']}, one at a time; each row gives the 1-minute load average "
+            "before and after it (2 means both cores busy: the ranks of the row before, up to 8 on 2 cores, count "
+            "in it, and so would other jobs; the median before a row was "
+            f"{statistics.median(loads):.1f}). Rendered from "
             "`docs/syllabus_times.json` by `python -m docs.site.syllabus write`.", "",
             "| lesson | run top to bottom, s | load before → after | student hours (estimate) |", "|---|---|---|---|"]
     for stem, t in sorted(data["lessons"].items()):
