@@ -54,7 +54,7 @@ def _say(directory: str, rank: int, pid: int):
         pass  # the launcher's pipe is gone: nobody to tell
 
 
-def _gone(pid: int) -> bool:
+def gone(pid: int) -> bool:
     """No process, or a zombie (ended, not yet reaped by its parent)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -117,7 +117,7 @@ def watch(directory: str, pids: list[int], settle_s: float = 2.0):
     else:  # pragma: no cover - Linux < 5.3: look ten times a second
         while alive:
             for rank, pid in sorted(alive.items()):
-                if _gone(pid):
+                if gone(pid):
                     alive.pop(rank)
                     if _ended_without_a_word(directory, rank):
                         ended.append((rank, pid))

@@ -44,6 +44,7 @@ import time
 from minizero import env as mz_env
 from minizero.comm.backends import RankLost, describe_ranks, heartbeat, reaper_running
 from minizero.comm.launcher import launcher
+from minizero.comm.reaper import gone
 
 DEFAULT_S = mz_env.VARIABLES["MINIZERO_WATCHDOG_S"].default
 TIMEOUT_CODE = 124  # `timeout`'s exit code: the job ran out of time
@@ -96,10 +97,9 @@ def _remove_unless_reaper(pids: list[int], wait_s: float = 5.0):
     its mark while rmtree runs would leave the directory behind, not empty."""
     if _reaper is not None and _reaper.poll() is None:
         return
-    from minizero.comm.reaper import _gone
     directory, end = heartbeat.directory, time.monotonic() + wait_s
     while time.monotonic() < end and not all(
-            _gone(pid) or os.path.exists(os.path.join(directory, f"rank{r}.done"))
+            gone(pid) or os.path.exists(os.path.join(directory, f"rank{r}.done"))
             for r, pid in enumerate(pids)):
         time.sleep(0.05)
     shutil.rmtree(directory, ignore_errors=True)
