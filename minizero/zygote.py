@@ -13,6 +13,9 @@ as before, and it runs `minizero.launch` as `python -m` would. The stub waits an
 did, with its code or its signal; if the stub dies (mpirun killing the job), the zygote kills the
 child. Measured: the same 4-rank job in 1.2-1.4 s.
 
+`python zygote.py script FILE ARGS` under mpirun forks a user's script the same way (its exit
+handlers run, as Python's exit would run them): the tests run the labs' demos so.
+
 Nothing of minizero is imported before the fork, so every rank runs the code as it is on disk.
 Android starts its apps the same way (its process is called the zygote). MINIZERO_ZYGOTE turns it
 on or off (minizero/env.py: unset, on where no NVIDIA GPU is); when the socket cannot be reached
@@ -64,18 +67,21 @@ def _recv(conn: socket.socket):
 
 
 # ------------------------------------------------------------------------------- the rank's stub
-def stub(target: str, tmp: str) -> None:
-    """What mpirun starts: hand this rank to the zygote, wait for it, exit as it did."""
+def stub(run: dict) -> None:
+    """What mpirun starts: hand this rank to the zygote, wait for it, exit as it did. `run` is
+    {"module": name, "argv": [...]} (`python -m name ...`) or {"path": file, "argv": [file, ...]}
+    (`python file ...`)."""
     path = os.environ.get(SOCKET_VAR, "")
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
     except OSError:  # no zygote: be the rank ourselves
-        os.execv(sys.executable, [sys.executable, "-m", "minizero.launch", target, tmp])
+        python = [sys.executable] + (["-m", run["module"]] if "module" in run else [])
+        os.execv(sys.executable, python + run["argv"])
     fds = [0, 1, 2]
     if os.environ.get("PMI_FD", "").isdigit():
         fds.append(int(os.environ["PMI_FD"]))
-    _send(conn, {"env": dict(os.environ), "cwd": os.getcwd(), "argv": [target, tmp]}, fds)
+    _send(conn, {"env": dict(os.environ), "cwd": os.getcwd(), **run}, fds)
     status, _ = _recv(conn)  # {"pid": ...}, then how it ended
     while status is not None and "pid" in status:
         status, _ = _recv(conn)
@@ -104,8 +110,10 @@ def _become_rank(request: dict, fds: list) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(request["cwd"])
-    # what `python -m minizero.launch` would have on sys.path: the cwd and PYTHONPATH first
-    extra = [os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # what `python -m` would have first on sys.path (the cwd), or `python file` (the file's folder);
+    # PYTHONPATH after it
+    first = os.path.dirname(os.path.abspath(request["path"])) if "path" in request else os.getcwd()
+    extra = [first] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:0] = [p for p in extra if p not in sys.path[:len(extra)]]
     import torch
     threads = env.get("OMP_NUM_THREADS", "")
@@ -115,16 +123,27 @@ def _become_rank(request: dict, fds: list) -> None:
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", 0), write_through=True)
     sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", 0), write_through=True)
     code = 0
-    try:  # what `python -m minizero.launch TARGET DIR` runs, as the cold rank would
+    try:  # what `python -m MODULE ARGS` or `python FILE ARGS` runs, as the cold rank would
         import runpy
-        sys.argv = ["-m", *request["argv"]]
-        runpy.run_module("minizero.launch", run_name="__main__", alter_sys=True)
+        if "module" in request:
+            sys.argv = ["-m", *request["argv"]]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(request["argv"])
+            runpy.run_path(request["path"], run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)  # sys.exit("message"), as Python prints it
     except BaseException:
         import traceback
         traceback.print_exc()
         code = 1
+    if "path" in request:
+        # a user's script registers exit handlers (the watchdog's done mark and job directory
+        # when no launch.run made one): Python's exit would run them, and this one is skipped
+        import atexit
+        atexit._run_exitfuncs()
     # MPI_Finalize, then libc's exit, which runs MPICH's C exit handlers: os._exit skips them and
     # mpiexec SIGKILLs the job (bare mpi4py at 4 ranks, Finalize then os._exit: 2 of 4 runs).
     # Called holding the GIL (PyDLL): an extension's exit handler may call into Python. Python's
@@ -243,7 +262,9 @@ if __name__ == "__main__":
     # this file's folder off sys.path, where minizero/data.py would shadow a `data` module
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]
-    if sys.argv[1] == "stub":
-        stub(sys.argv[2], sys.argv[3])
+    if sys.argv[1] == "stub":  # launch.run's rank: `python -m minizero.launch TARGET DIR`
+        stub({"module": "minizero.launch", "argv": sys.argv[2:4]})
+    elif sys.argv[1] == "script":  # `python FILE ARGS`, forked
+        stub({"path": sys.argv[2], "argv": sys.argv[2:]})
     else:
         serve(sys.argv[2])

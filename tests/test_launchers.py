@@ -15,7 +15,7 @@ import uuid
 import pytest
 import torch
 
-from minizero import launch
+from minizero import launch, zygote
 from minizero_course.grader import LABS
 from minizero.cli import train as train_cli
 from minizero.data import regression_batch
@@ -179,9 +179,12 @@ def test_a_lab_stub_never_passes_on_one_rank_or_many():
 @pytest.mark.parametrize("number", sorted(LABS))
 def test_every_solution_runs_its_demo_as_a_student_would(number):
     """`mpirun -n N python solutions/labNN_*.py`, what a student runs first: the demo trains and prints its
-    table on rank 0 and the job exits 0 (lab 02's once died at its last print on a renamed variable)."""
+    table on rank 0 and the job exits 0 (lab 02's once died at its last print on a renamed variable).
+    mpirun starts the ranks, each forked from the session's zygote (`zygote.py script`: torch imported
+    once, not by every rank of 14 jobs); the tests above and the watchdog's below run lab files cold."""
     lab = LABS[number]
-    proc = _run([launch.find_mpirun(), "-n", str(lab.nprocs), sys.executable, f"solutions/{lab.filename}"], timeout=300)
+    proc = _run([launch.find_mpirun(), "-n", str(lab.nprocs), sys.executable, zygote.__file__, "script",
+                 f"solutions/{lab.filename}"], timeout=300)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert len(proc.stdout.strip().splitlines()) >= 2, proc.stdout  # the demo's table, printed once by rank 0
 

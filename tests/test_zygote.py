@@ -114,6 +114,45 @@ def test_a_timed_out_job_leaves_no_forked_rank(zygote, monkeypatch):
     assert _children(zygote.pid) == [], "the zygote kept the ranks of a job mpirun had ended"
 
 
+SCRIPT = """
+import atexit, json, os, sys
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.Get_rank()
+out = sys.argv[1]
+atexit.register(lambda: open(os.path.join(out, f"exit{rank}"), "w").close())
+print(json.dumps({"rank": rank, "ppid": os.getppid(), "name": __name__, "argv": sys.argv[1:],
+                  "path0": sys.path[0]}), flush=True)
+MPI.COMM_WORLD.Barrier()
+if sys.argv[2:] == ["fail"]:
+    sys.exit(f"rank {rank} says why")
+"""
+
+
+def test_a_script_forked_under_mpirun_runs_as_python_runs_it(zygote, tmp_path):
+    """`mpirun -n N python zygote.py script FILE ARGS`: each rank a fork, with what `python FILE ARGS`
+    gives it (__main__, sys.argv, the file's folder first on sys.path, its exit handlers run, and
+    sys.exit("message") printed with code 1)."""
+    script, out = tmp_path / "job" / "script.py", tmp_path / "out"
+    script.parent.mkdir()
+    out.mkdir()
+    script.write_text(SCRIPT)
+    env = {**os.environ, launch.zygote.SOCKET_VAR: launch._ZYGOTE["path"]}
+
+    def forked(n, *args):
+        return subprocess.run([launch.find_mpirun(), "-n", str(n), sys.executable, launch.zygote.__file__,
+                               "script", str(script), str(out), *args], capture_output=True, text=True,
+                              env=env, timeout=guard(120))
+    ok = forked(2)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    ranks = sorted((json.loads(line) for line in ok.stdout.splitlines()), key=lambda r: r["rank"])
+    assert [r["ppid"] for r in ranks] == [zygote.pid] * 2
+    assert {(r["name"], tuple(r["argv"]), r["path0"]) for r in ranks} == {
+        ("__main__", (str(out),), str(script.parent))}
+    assert sorted(p.name for p in out.iterdir()) == ["exit0", "exit1"]
+    failed = forked(1, "fail")
+    assert failed.returncode == 1 and failed.stderr.count("rank 0 says why") == 1, failed.stderr[-2000:]
+
+
 def test_without_a_zygote_the_stub_is_the_rank(monkeypatch):
     monkeypatch.setenv("MINIZERO_ZYGOTE", "1")
     monkeypatch.setattr(launch, "_zygote_socket", lambda env: "/nonexistent/socket")
